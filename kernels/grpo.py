@@ -1,0 +1,62 @@
+"""GRPO advantages and the INTELLECT-2 two-sided clipped policy loss.
+
+Per token: ``r = exp(logp - logp_old)``, ``c1 = clamp(r, 0, delta)``, ``c2 = clamp(c1, 1 - eps, 1 + eps)``,
+``loss = -min(c1 * A, c2 * A)``, averaged over every completion token of the batch (token-level
+normalization). The extra ``delta`` bound caps the ratio for negative advantages, where PPO's one-sided clip
+leaves it unbounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """``(r - mean) / (std + 1e-6)`` within each group; ``rewards`` is ``[groups, group_size]``.
+
+    The standard deviation is the population one (``unbiased=False``): a group of identical rewards gets zero.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [groups, group_size], got shape {tuple(rewards.shape)}")
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, unbiased=False, keepdim=True)
+    return (rewards - mean) / (std + ADV_EPS)
+
+
+@dataclass
+class LossStats:
+    loss: float
+    clipped_fraction: float
+    mean_ratio: float
+    tokens: int
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float = 4.0,
+    eps: float = 0.2,
+) -> tuple[torch.Tensor, LossStats]:
+    """Token-averaged clipped loss.
+
+    ``logp``, ``logp_old``, ``mask``: ``[sequences, tokens]``; ``advantages``: ``[sequences]`` (broadcast over
+    tokens). Padding has ``mask == 0`` and contributes nothing.
+    """
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(logp - logp_old)
+    c1 = torch.clamp(ratio, 0.0, delta)
+    c2 = torch.clamp(c1, 1.0 - eps, 1.0 + eps)
+    adv = advantages.unsqueeze(-1).to(logp.dtype)
+    per_token = -torch.minimum(c1 * adv, c2 * adv)
+    tokens = mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / tokens
+    with torch.no_grad():
+        clipped = ((c2 != ratio) & (mask > 0)).to(logp.dtype).sum() / tokens
+        mean_ratio = (ratio * mask).sum() / tokens
+    return loss, LossStats(float(loss.detach()), float(clipped), float(mean_ratio), int(mask.sum().item()))

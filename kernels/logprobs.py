@@ -1,0 +1,15 @@
+"""Per-token log-probabilities of given tokens under temperature-scaled logits.
+
+Computed as ``logits[target] - logsumexp(logits)`` so the full log-softmax over the vocabulary is never kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``logits``: ``[..., vocab]``, ``targets``: ``[...]`` → log p(target) at ``temperature``, in fp32."""
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)

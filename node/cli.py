@@ -1,0 +1,111 @@
+"""The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, or run the local ``demo``.
+
+Arguments are parsed before torch or hivemind is imported, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from intellect_node import __version__
+
+ROLES_AVAILABLE = ("inference",)
+ROLES_LATER = {
+    "validator": "the validator role comes with TOPLOC proof checking and is not available in this version",
+    "relay": "the relay-only role comes with the SHARDCAST relay tree and is not available in this version",
+}
+
+
+def _node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default 127.0.0.1)")
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="run config TOML (see node/configs/tiny.toml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run setting, e.g. --set train.lr=1e-3 (repeatable)")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="intellect-node",
+        description="Peer-to-peer daemon for decentralized asynchronous RL training of language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"intellect-node {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    boot = sub.add_parser("bootstrap", help="start a run: trainer role, first DHT peer, weight origin")
+    _node_args(boot)
+    _run_args(boot)
+    boot.add_argument("--max-steps", type=int, help="stop training after this many steps (keeps serving)")
+    boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
+
+    join = sub.add_parser("join", help="join a run as a volunteer")
+    _node_args(join)
+    join.add_argument("--role", required=True, choices=ROLES_AVAILABLE + tuple(ROLES_LATER), help="what this node does")
+    join.add_argument("--peers", action="append", default=[], required=True, metavar="MULTIADDR",
+                      help="a DHT peer to join through, as printed by `bootstrap` (repeatable)")  # fmt: skip
+    join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
+    join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
+
+    demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
+    _run_args(demo)
+    demo.add_argument("--steps", type=int, default=30, help="training steps to run (default 30)")
+    demo.add_argument("--inference-nodes", type=int, default=2, help="inference processes (default 2)")
+    demo.add_argument("--workdir", type=Path, help="where nodes keep keys, weights and logs (default: a temp dir)")
+    demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+
+    from intellect_node.config import NodeConfig, load_run_config
+
+    if args.command == "demo":
+        from intellect_node.demo import run_demo
+
+        run_config = load_run_config(args.config, args.overrides)  # validate before starting anything
+        sys.exit(run_demo(args, run_config))
+
+    _setup_logging(args.log_level)
+    fields = dict(host=args.host, p2p_port=args.p2p_port, http_port=args.http_port, threads=args.threads)
+    if args.data_dir is not None:
+        fields["data_dir"] = args.data_dir
+    from intellect_node.runtime import run_until_signalled
+
+    if args.command == "bootstrap":
+        run = load_run_config(args.config, args.overrides)
+        node = NodeConfig(**fields, max_steps=args.max_steps, shard_bytes=int(args.shard_mb * 2**20))
+        from intellect_node.trainer import Trainer
+
+        run_until_signalled(Trainer(node, run).run())
+    elif args.command == "join":
+        if args.role in ROLES_LATER:
+            sys.exit(f"intellect-node: {ROLES_LATER[args.role]}; join with --role inference for now")
+        node = NodeConfig(**fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout)
+        from intellect_node.inference import InferenceNode
+
+        run_until_signalled(InferenceNode(node).run())
+
+
+if __name__ == "__main__":
+    main()

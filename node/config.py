@@ -1,0 +1,101 @@
+"""One typed config tree: the run (what the trainer signs into the RunSpec) and the node (this process).
+
+Loaded from a TOML file (``--config``; see ``node/configs/tiny.toml``) with dotted overrides
+(``--set train.lr=1e-3``). Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from intellect_protocol.messages import ModelSpec, SamplingSpec, TaskSpec, TrainSpec
+from intellect_protocol.tasks import ARITHMETIC_ALPHABET
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+
+
+def default_model() -> ModelSpec:
+    return ModelSpec(vocab=SPECIAL_TOKENS + list(ARITHMETIC_ALPHABET))
+
+
+class RunConfig(BaseModel):
+    """The run a trainer starts. It becomes the signed RunSpec every node follows."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(max_length=128)] = "intellect-demo"
+    """A human-readable name for the run."""
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    """Seeds task assignment and sampling; with the run key it fixes what every node must do."""
+    model: ModelSpec = Field(default_factory=default_model)
+    task: TaskSpec = TaskSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    train: TrainSpec = TrainSpec()
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("INTELLECT_NODE_HOME", Path.home() / ".intellect-node"))
+
+
+class NodeConfig(BaseModel):
+    """This process: where it keeps its key and files, where it listens, whom it first contacts."""
+
+    model_config = ConfigDict(extra="forbid")
+    data_dir: Path = Field(default_factory=default_data_dir)
+    """Holds node.key (the identity) and downloaded or published checkpoints."""
+    host: str = "127.0.0.1"
+    """Address to listen on and announce (libp2p and HTTP). Use a public address to serve other machines."""
+    p2p_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """libp2p TCP port (0: any free port)."""
+    http_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """HTTP port for weights, /health, /status and /metrics (0: any free port)."""
+    peers: list[str] = []
+    """Multiaddrs of DHT peers to join through (the line `bootstrap` prints)."""
+    run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
+    """The run to join; pins the run key, so a spec signed by any other key is ignored."""
+    threads: Annotated[int, Field(ge=1, le=1024)] = 1
+    """torch threads for generation or training."""
+    max_steps: Annotated[int, Field(ge=0)] | None = None
+    """Trainer: stop training after this many steps (the node keeps serving until stopped)."""
+    shard_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """Trainer: the largest safetensors shard it writes."""
+    join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """How long `join` looks for the run in the DHT before giving up with advice."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``train.lr=1e-3`` → ``("train.lr", 0.001)``; the value is read as TOML, else kept as a string."""
+    if "=" not in item:
+        raise ValueError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_run_config(path: Path | None, overrides: list[str] = []) -> RunConfig:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            tree = tomllib.load(f).get("run", {})
+    for item in overrides:
+        _set_dotted(tree, *parse_override(item))
+    if "model" in tree and "vocab" not in tree["model"]:
+        tree["model"]["vocab"] = default_model().vocab
+    return RunConfig.model_validate(tree)

@@ -1,0 +1,52 @@
+"""What every role's process shares: the startup banner, the READY line, signal handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from intellect_node import __version__
+
+logger = logging.getLogger(__name__)
+READY_PREFIX = "READY "
+
+
+def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None:
+    """Print the banner for people and one ``READY {json}`` line for scripts (tests, the demo)."""
+    addrs = " ".join(info.get("p2p_maddrs", []))
+    print(
+        f"intellect-node {__version__} role={role} node_id={node_id} run_id={run_id}\n"
+        f"  p2p: {addrs}\n  http: {info.get('status_url', '')}",
+        flush=True,
+    )
+    if "join" in info:
+        print(f"Volunteers join this run with:\n  {info['join']}", flush=True)
+    ready = {"role": role, "node_id": node_id, "run_id": run_id, **info}
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+
+
+def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop; SIGINT/SIGTERM cancel it, so its ``finally`` blocks drain and close."""
+
+    async def _runner() -> None:
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            logger.info("stopped by signal")
+
+    try:
+        import uvloop
+
+        uvloop.run(_runner())
+    except ImportError:
+        asyncio.run(_runner())
+    sys.stdout.flush()

@@ -1,0 +1,59 @@
+"""The node's HTTP server: ``/health``, ``/status`` (JSON), ``/metrics`` (Prometheus) and ``/weights/``.
+
+``/weights/`` serves the node's weight root as static files (Range requests included), so the layout is the
+same whether a node, nginx or an object store serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from intellect_node.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class HttpServer:
+    def __init__(self, metrics: Metrics, status: Callable[[], dict[str, Any]], weights_root: Path | None) -> None:
+        self._metrics = metrics
+        self._status = status
+        self._weights_root = weights_root
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/status", self._status_handler)
+        app.router.add_get("/metrics", self._metrics_handler)
+        if self._weights_root is not None:
+            self._weights_root.mkdir(parents=True, exist_ok=True)
+            app.router.add_static("/weights/", self._weights_root, show_index=False, follow_symlinks=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise SystemExit(f"cannot listen for HTTP on {host}:{port} ({e.strerror}); pick another --http-port")
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        self.port = sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _status_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(self._status())
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(text=self._metrics.render(), content_type="text/plain")

@@ -1,0 +1,350 @@
+"""The trainer role: owns the run, verifies rollouts, trains with GRPO, publishes each new policy.
+
+Invariants:
+- A batch is queued only if it is signed by a node registered in the DHT for this run, its weight version is
+  at least ``step - async_level``, it was not seen before, and its tasks are exactly the ones assigned to that
+  node; everything else is rejected with a reason, counted and logged, and the node keeps running.
+- Rewards are recomputed here from the completions; nothing the worker says about rewards is read.
+- Training step ``n`` turns version ``n`` into ``n + 1``; submissions are handled on the event loop while the
+  step runs in a thread, so inference never waits for training or publishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from intellect_kernels.grpo import group_advantages, grpo_loss
+from intellect_kernels.logprobs import token_logprobs
+from intellect_node import __version__
+from intellect_node.config import NodeConfig, RunConfig
+from intellect_node.dht import Membership
+from intellect_node.keys import load_or_create
+from intellect_node.metrics import Metrics
+from intellect_node.model import build_model, build_tokenizer, encode_prompt, state_dict_for_export
+from intellect_node.runtime import announce
+from intellect_node.status import HttpServer
+from intellect_node.transport import RolloutServer
+from intellect_node.weights import prune, write_checkpoint
+from intellect_protocol.envelope import Rejected, open_signed
+from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec, SubmitReply
+from intellect_protocol.tasks import arithmetic_reward, assigned_task
+
+logger = logging.getLogger(__name__)
+REGISTRY_REFRESH_S = 1.0
+"""An unknown signer triggers a fresh DHT lookup at most this often per node id."""
+MAX_TRACKED_LOOKUPS = 10_000
+
+
+@dataclass
+class Group:
+    node_id: str
+    version: int
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+
+
+class Trainer:
+    def __init__(self, node: NodeConfig, run: RunConfig) -> None:
+        self.cfg = node
+        self.identity = load_or_create(node.data_dir / "node.key")
+        self.run_id = self.identity.node_id
+        self.spec = RunSpec(
+            run_id=self.run_id,
+            name=run.name,
+            created=time.time(),
+            seed=run.seed,
+            model=run.model,
+            task=run.task,
+            sampling=run.sampling,
+            train=run.train,
+        )
+        self.metrics = Metrics()
+        self.weights_root = node.data_dir / "weights"
+        self.membership = Membership(self.identity, self.run_id, self.metrics)
+        self.http = HttpServer(self.metrics, self.status, self.weights_root)
+        self.tokenizer = build_tokenizer(self.spec.model)
+        self.model = build_model(self.spec.model, self.tokenizer)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.spec.train.lr, weight_decay=self.spec.train.weight_decay
+        )
+        self.step = 0
+        """Completed training steps; the newest published weight version equals it."""
+        self.queue: list[Group] = []
+        self.queue_changed = asyncio.Event()
+        self.seen: set[tuple[str, int, int]] = set()
+        self.registry: dict[str, NodeRecord] = {}
+        self._lookup_at: dict[str, float] = {}
+        self.accepted_by_node: Counter[str] = Counter()
+        self.rejected_by_node: Counter[str] = Counter()
+        self.received_by_node: Counter[str] = Counter()
+        self.history: list[dict[str, Any]] = []
+        self.idle_s = 0.0
+        self.maddrs: list[str] = []
+        self.status_url = ""
+
+    # ---- peer boundary -------------------------------------------------------------------------------
+
+    def reject(self, e: Rejected, peer: str, node_id: str = "") -> SubmitReply:
+        self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
+        if node_id:
+            self.rejected_by_node[node_id] += 1
+        logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
+        return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step)
+
+    async def _registered(self, node_id: str) -> NodeRecord | None:
+        record = self.registry.get(node_id)
+        now = time.monotonic()
+        if record is None and now - self._lookup_at.get(node_id, -math.inf) > REGISTRY_REFRESH_S:
+            if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
+                self._lookup_at.clear()
+            self._lookup_at[node_id] = now
+            self.registry = await self.membership.get_nodes()
+            record = self.registry.get(node_id)
+        return record
+
+    def _fresh_floor(self) -> int:
+        return self.step - self.spec.train.async_level
+
+    def _check_contents(self, batch: RolloutBatch) -> list[Group]:
+        spec = self.spec
+        if len(batch.groups) != spec.task.tasks_per_batch:
+            raise Rejected("bad_content", f"{len(batch.groups)} groups, the run asks for {spec.task.tasks_per_batch}")
+        if sorted(g.slot for g in batch.groups) != list(range(spec.task.tasks_per_batch)):
+            raise Rejected("bad_content", "slots must be 0..tasks_per_batch-1, each once")
+        vocab = len(spec.model.vocab)
+        eos = int(self.tokenizer.eos_token_id)
+        groups = []
+        for g in batch.groups:
+            task = assigned_task(
+                spec.seed, batch.node_id, batch.version, batch.batch_index, g.slot, spec.task.max_operand
+            )
+            if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
+                raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
+            if len(g.completions) != spec.sampling.group_size:
+                raise Rejected("bad_content", f"group of {len(g.completions)}, the run asks for {spec.sampling.group_size}")
+            rewards = []
+            for c, lp in zip(g.completions, g.logprobs, strict=True):
+                if len(c) > spec.sampling.max_new_tokens or max(c) >= vocab:
+                    raise Rejected("bad_content", "completion too long or token outside the vocabulary")
+                if eos in c[:-1]:
+                    raise Rejected("bad_content", "tokens after end of sequence")
+                if not all(math.isfinite(x) and x <= 0.0 for x in lp):
+                    raise Rejected("bad_content", "log-probs must be finite and <= 0")
+                terminated = c[-1] == eos
+                text = self.tokenizer.decode(c[:-1] if terminated else c, skip_special_tokens=False)
+                rewards.append(arithmetic_reward(text, task.answer, terminated))
+            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards))
+        return groups
+
+    async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
+        node_id = ""
+        try:
+            signed = open_signed(data, RolloutBatch)
+            batch = signed.message
+            node_id = signed.signer_id
+            self.received_by_node[node_id] += 1
+            if batch.run_id != self.run_id:
+                raise Rejected("wrong_run", f"batch for run {batch.run_id}")
+            if signed.signer_id != batch.node_id:
+                raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {signed.signer_id}")
+            record = await self._registered(batch.node_id)
+            if record is None or record.role != "inference":
+                raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+            if batch.version > self.step:
+                raise Rejected("future_version", f"version {batch.version} > published {self.step}")
+            if batch.version < self._fresh_floor():
+                raise Rejected("stale_version", f"version {batch.version} < step {self.step} - async_level")
+            key = (batch.node_id, batch.version, batch.batch_index)
+            if key in self.seen:
+                raise Rejected("duplicate", f"batch {batch.batch_index} of version {batch.version} already received")
+            groups = self._check_contents(batch)
+        except Rejected as e:
+            return self.reject(e, peer, node_id)
+        self.seen.add(key)
+        self.queue.extend(groups)
+        self.queue_changed.set()
+        self.accepted_by_node[batch.node_id] += len(groups)
+        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
+        logger.debug("accepted batch node=%s version=%d groups=%d", batch.node_id, batch.version, len(groups))
+        return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
+
+    def _backlog(self) -> int:
+        floor = self._fresh_floor()
+        return sum(1 for g in self.queue if g.version >= floor)
+
+    # ---- training ------------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[Group] | None:
+        floor = self._fresh_floor()
+        stale = [g for g in self.queue if g.version < floor]
+        if stale:
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
+        self.queue = [g for g in self.queue if g.version >= floor]
+        self.seen = {k for k in self.seen if k[1] >= floor}
+        n = self.spec.train.batch_groups
+        if len(self.queue) < n:
+            return None
+        self.queue.sort(key=lambda g: g.version)  # oldest first: they go stale soonest
+        batch, self.queue = self.queue[:n], self.queue[n:]
+        return batch
+
+    def _train_step(self, groups: list[Group]) -> dict[str, float]:
+        temp = self.spec.sampling.temperature
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        adv = group_advantages(rewards).flatten()
+        seqs, olds, starts = [], [], []
+        for g in groups:
+            for c, lp in zip(g.completions, g.logprobs, strict=True):
+                seqs.append(g.prompt_ids + c)
+                olds.append(lp)
+                starts.append(len(g.prompt_ids))
+        width = max(len(s) for s in seqs)
+        pad = int(self.tokenizer.pad_token_id)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros((len(seqs), width - 1))
+        logp_old = torch.zeros((len(seqs), width - 1))
+        for i, (s, lp, start) in enumerate(zip(seqs, olds, starts, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            mask[i, start - 1 : len(s) - 1] = 1  # position t predicts token t + 1
+            logp_old[i, start - 1 : len(s) - 1] = torch.tensor(lp)
+        self.model.train()
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, ids[:, 1:], temp)
+        t = self.spec.train
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, delta=t.delta, eps=t.eps)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        return {
+            "loss": stats.loss,
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float((rewards == 1.0).float().mean()),
+            "clipped_fraction": stats.clipped_fraction,
+            "grad_norm": float(grad_norm),
+            "tokens": float(stats.tokens),
+        }
+
+    def _publish(self, version: int) -> None:
+        write_checkpoint(
+            self.weights_root,
+            self.identity,
+            self.run_id,
+            version,
+            state_dict_for_export(self.model),
+            self.cfg.shard_bytes,
+        )
+        prune(self.weights_root, keep=self.spec.train.async_level + 2)
+
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            run_id=self.run_id,
+            node_id=self.identity.node_id,
+            role="trainer",
+            p2p_maddrs=self.maddrs[:8],
+            http_url=self.status_url,
+            weight_version=self.step,
+            updated=time.time(),
+            software=f"intellect-node/{__version__}",
+        )
+
+    async def train_forever(self) -> None:
+        max_steps = self.cfg.max_steps
+        while max_steps is None or self.step < max_steps:
+            waited = time.monotonic()
+            while (groups := self._take_batch()) is None:
+                self.queue_changed.clear()
+                await self.queue_changed.wait()
+            self.idle_s += time.monotonic() - waited
+            started = time.monotonic()
+            stats = await asyncio.to_thread(self._train_step, groups)
+            versions = [g.version for g in groups]
+            await asyncio.to_thread(self._publish, self.step + 1)
+            self.step += 1
+            stats.update(
+                step=self.step,
+                seconds=time.monotonic() - started,
+                staleness_max=float(self.step - 1 - min(versions)),
+                staleness_mean=float(sum(self.step - 1 - v for v in versions) / len(versions)),
+            )
+            self.history.append(stats)
+            self.metrics.inc("node_trainer_steps_total")
+            self.metrics.set("node_trainer_weight_version", self.step)
+            self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
+            self.metrics.set("node_trainer_idle_seconds", self.idle_s)
+            await self.membership.publish_record(self.record())
+            logger.info(
+                "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f",
+                self.step, stats["reward_mean"], stats["accuracy"], stats["loss"],
+                stats["staleness_max"], len(groups), stats["seconds"],
+            )  # fmt: skip
+            print(f"STEP {self.step} reward_mean={stats['reward_mean']:.3f}", flush=True)
+        logger.info("reached max_steps=%s; still serving weights and status until stopped", max_steps)
+        await asyncio.Event().wait()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "trainer",
+            "node_id": self.identity.node_id,
+            "run_id": self.run_id,
+            "step": self.step,
+            "weight_version": self.step,
+            "max_steps": self.cfg.max_steps,
+            "queue_groups": len(self.queue),
+            "idle_s": round(self.idle_s, 3),
+            "received_batches_by_node": dict(self.received_by_node),
+            "accepted_groups_by_node": dict(self.accepted_by_node),
+            "rejected_batches_by_node": dict(self.rejected_by_node),
+            "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
+            "history": self.history,
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        torch.set_num_threads(self.cfg.threads)
+        shutil.rmtree(self.weights_root, ignore_errors=True)  # a bootstrap starts the run's history afresh
+        await asyncio.to_thread(self._publish, 0)
+        server: RolloutServer | None = None
+        try:
+            port = await self.http.start(self.cfg.host, self.cfg.http_port)
+            self.status_url = f"http://{self.cfg.host}:{port}"
+            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
+            p2p = await self.membership.replicate_p2p()
+            server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
+            await server.start()
+            if not (await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())):
+                raise RuntimeError("the DHT refused the run spec or the trainer's record; see the DHT logs")
+            peers = " ".join(f"--peers {m}" for m in self.maddrs[:1])
+            announce(
+                "trainer",
+                self.identity.node_id,
+                self.run_id,
+                {
+                    "p2p_maddrs": self.maddrs,
+                    "status_url": self.status_url,
+                    "join": f"intellect-node join --role inference {peers} --run-id {self.run_id}",
+                },
+            )
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.membership.republish_forever(self.record, self.spec))
+                tasks.create_task(self.train_forever())
+        finally:
+            if server is not None:
+                await server.close()
+            await self.http.close()
+            await self.membership.close()

@@ -1,0 +1,97 @@
+"""Rollout delivery over hivemind's libp2p streams: one request, one reply, both size-bounded.
+
+Framing on the stream ``intellect-node/<run_id>/submit/v1``: an 8-byte big-endian length, then that many
+bytes; the request is a signed RolloutBatch envelope, the reply a signed SubmitReply. The length is checked
+against the channel limit before a byte of the body is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected, open_signed, seal
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import SubmitReply
+
+logger = logging.getLogger(__name__)
+HEADER = 8
+IO_TIMEOUT_S = 60.0
+
+BatchHandler = Callable[[bytes, str], Awaitable[SubmitReply]]
+RejectHandler = Callable[[Rejected, str], SubmitReply]
+
+
+def submit_protocol(run_id: str) -> str:
+    return f"intellect-node/{run_id}/submit/v1"
+
+
+async def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(len(data).to_bytes(HEADER, "big"))
+    writer.write(data)
+    await writer.drain()
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
+    length = int.from_bytes(await reader.readexactly(HEADER), "big")
+    if length > limit:
+        raise Rejected("oversized", f"{length} bytes > limit of {limit}")
+    return await reader.readexactly(length)
+
+
+class RolloutServer:
+    """Accepts rollout batches on the run's submit protocol and answers each with a signed reply."""
+
+    def __init__(
+        self, p2p: P2P, identity: Identity, run_id: str, handle: BatchHandler, reject: RejectHandler
+    ) -> None:
+        self._p2p = p2p
+        self._identity = identity
+        self._name = submit_protocol(run_id)
+        self._handle = handle
+        self._reject = reject
+
+    async def start(self) -> None:
+        await self._p2p.add_binary_stream_handler(self._name, self._on_stream)
+
+    async def close(self) -> None:
+        try:
+            await self._p2p.remove_binary_stream_handler(self._name)
+        except Exception as e:  # the daemon may already be gone at shutdown
+            logger.debug("could not remove stream handler: %s", e)
+
+    async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
+        try:
+            try:
+                data = await asyncio.wait_for(_read_frame(reader, Channel.ROLLOUT_BATCH.value), IO_TIMEOUT_S)
+            except Rejected as e:
+                reply = self._reject(e, peer)
+            else:
+                reply = await self._handle(data, peer)
+            await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as e:
+            logger.debug("submit stream from peer=%s broke: %r", peer, e)
+        finally:
+            writer.close()
+
+
+async def submit(p2p: P2P, peer_id: str, run_id: str, data: bytes, trainer_id: str) -> SubmitReply:
+    """Send one signed batch to ``peer_id``; the reply must be signed by ``trainer_id``'s key."""
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), submit_protocol(run_id)), IO_TIMEOUT_S
+    )
+    try:
+        await asyncio.wait_for(_write_frame(writer, data), IO_TIMEOUT_S)
+        raw = await asyncio.wait_for(_read_frame(reader, Channel.REPLY.value), IO_TIMEOUT_S)
+    finally:
+        writer.close()
+    signed = open_signed(raw, SubmitReply)
+    if signed.signer_id != trainer_id:
+        raise Rejected("foreign_reply", f"reply signed by {signed.signer_id}, not the trainer {trainer_id}")
+    return signed.message

@@ -1,0 +1,60 @@
+"""msgpack encoding with explicit size limits and no code execution.
+
+Every channel has a maximum message size, checked before a single byte is decoded. Decoding refuses msgpack
+extension types (the hook that pickle-like formats use), non-string map keys and trailing bytes, so a
+peer can only ever hand us plain maps, lists, strings, bytes and numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+
+
+class Channel(enum.IntEnum):
+    """Each wire channel with its maximum encoded size in bytes."""
+
+    RUN_SPEC = 16 * 1024
+    NODE_RECORD = 4 * 1024
+    MANIFEST = 256 * 1024
+    ROLLOUT_BATCH = 16 * 1024 * 1024
+    REPLY = 4 * 1024
+
+
+class CodecError(ValueError):
+    """A message that cannot be decoded: malformed, oversized or of the wrong shape."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise CodecError("malformed", f"msgpack extension type {code} is not allowed")
+
+
+def pack(obj: Any) -> bytes:
+    """Encode plain data (dict, list, str, bytes, int, float, bool, None) as msgpack."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, channel: Channel) -> Any:
+    """Decode one message of ``channel``; raises CodecError('oversized' | 'malformed')."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError("malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > channel.value:
+        raise CodecError("oversized", f"{len(data)} bytes > {channel.name} limit of {channel.value}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+        )
+    except CodecError:
+        raise
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
+        raise CodecError("malformed", str(e)[:200]) from None

@@ -1,0 +1,183 @@
+"""Message schemas: every payload two nodes exchange, with bounds on every field.
+
+Models ignore unknown fields (a newer peer may add fields with defaults) and reject anything out of bounds.
+They travel inside a signed envelope (see ``envelope.py``); ``KIND`` names the message in the signature's
+domain separation and ``CHANNEL`` bounds its encoded size.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from intellect_protocol import PROTOCOL_VERSION
+from intellect_protocol.codec import Channel
+
+NodeId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+U31 = Annotated[int, Field(ge=0, lt=2**31)]
+U63 = Annotated[int, Field(ge=0, lt=2**63)]
+Role = Literal["trainer", "inference", "validator", "relay"]
+ROLES: tuple[str, ...] = ("trainer", "inference", "validator", "relay")
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    KIND: ClassVar[str] = ""
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+
+
+class ModelSpec(BaseModel):
+    """The policy's architecture. ``tiny-llama`` is built from this config with a character tokenizer."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    kind: Literal["tiny-llama"] = "tiny-llama"
+    vocab: Annotated[list[Annotated[str, Field(min_length=1, max_length=16)]], Field(min_length=4, max_length=512)]
+    hidden_size: Annotated[int, Field(ge=8, le=8192)] = 128
+    intermediate_size: Annotated[int, Field(ge=8, le=32768)] = 256
+    num_layers: Annotated[int, Field(ge=1, le=128)] = 2
+    num_heads: Annotated[int, Field(ge=1, le=128)] = 4
+    num_kv_heads: Annotated[int, Field(ge=1, le=128)] = 2
+    max_positions: Annotated[int, Field(ge=16, le=131072)] = 128
+    init_seed: U63 = 0
+
+
+class TaskSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    family: Literal["arithmetic"] = "arithmetic"
+    max_operand: Annotated[int, Field(ge=1, le=10**6)] = 20
+    tasks_per_batch: Annotated[int, Field(ge=1, le=256)] = 4
+    """Prompts in one inference batch; each gets a group of ``SamplingSpec.group_size`` completions."""
+
+
+class SamplingSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8
+    group_size: Annotated[int, Field(ge=2, le=256)] = 8
+
+
+class TrainSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 3e-3
+    batch_groups: Annotated[int, Field(ge=1, le=4096)] = 8
+    """Rollout groups (prompts) per training step."""
+    async_level: Annotated[int, Field(ge=0, le=64)] = 2
+    """Rollouts from weight versions older than ``step - async_level`` are never trained on."""
+    delta: Annotated[float, Field(gt=1.0, le=100.0)] = 4.0
+    eps: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
+    weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+
+
+class RunSpec(WireModel):
+    """Everything a joining node needs to take part in a run; signed by the run key."""
+
+    KIND: ClassVar[str] = "run_spec"
+    CHANNEL: ClassVar[Channel] = Channel.RUN_SPEC
+    protocol: int = PROTOCOL_VERSION
+    run_id: NodeId
+    name: Annotated[str, Field(max_length=128)] = "intellect-run"
+    created: float
+    seed: U63
+    model: ModelSpec
+    task: TaskSpec = TaskSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    train: TrainSpec = TrainSpec()
+
+
+class NodeRecord(WireModel):
+    """What a node says about itself in the DHT: signed by its own key, expiring, small."""
+
+    KIND: ClassVar[str] = "node_record"
+    CHANNEL: ClassVar[Channel] = Channel.NODE_RECORD
+    run_id: NodeId
+    node_id: NodeId
+    role: Role
+    p2p_maddrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=8)] = []
+    http_url: Annotated[str, Field(max_length=256)] | None = None
+    weight_version: Annotated[int, Field(ge=-1, lt=2**31)] = -1
+    """The newest verified weight version the node holds (-1: none yet)."""
+    updated: float
+    software: Annotated[str, Field(max_length=64)] = ""
+
+
+class ShardEntry(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    size: U63
+    sha256: Sha256Hex
+
+
+class Manifest(WireModel):
+    """One checkpoint version: its shards with sizes and hashes; signed by the run key.
+
+    ``checkpoint_sha256`` is SHA-256 over the concatenated raw shard digests, in order: one value that names
+    the whole checkpoint. Shards are plain files under ``<version>/`` next to ``manifest.msgpack``.
+    """
+
+    KIND: ClassVar[str] = "manifest"
+    CHANNEL: ClassVar[Channel] = Channel.MANIFEST
+    run_id: NodeId
+    version: U31
+    created: float
+    format: Literal["safetensors"] = "safetensors"
+    shards: Annotated[list[ShardEntry], Field(min_length=1, max_length=4096)]
+    total_size: U63
+    checkpoint_sha256: Sha256Hex
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if sum(s.size for s in self.shards) != self.total_size:
+            raise ValueError("total_size is not the sum of the shard sizes")
+        if len({s.name for s in self.shards}) != len(self.shards):
+            raise ValueError("shard names repeat")
+        return self
+
+
+TokenIds = Annotated[list[U31], Field(max_length=65536)]
+
+
+class RolloutGroup(BaseModel):
+    """A group of completions sampled for one assigned task. Carries no reward: the trainer computes it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    slot: Annotated[int, Field(ge=0, lt=4096)]
+    """Which of the batch's assigned tasks this is; the task itself is re-derived by the receiver."""
+    prompt_ids: TokenIds
+    completions: Annotated[list[TokenIds], Field(min_length=1, max_length=256)]
+    logprobs: Annotated[list[Annotated[list[float], Field(max_length=65536)]], Field(min_length=1, max_length=256)]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutGroup:
+        if len(self.completions) != len(self.logprobs):
+            raise ValueError("one list of log-probs per completion is required")
+        for c, lp in zip(self.completions, self.logprobs, strict=True):
+            if len(c) != len(lp) or not c:
+                raise ValueError("each completion needs one log-prob per token and at least one token")
+        return self
+
+
+class RolloutBatch(WireModel):
+    KIND: ClassVar[str] = "rollout_batch"
+    CHANNEL: ClassVar[Channel] = Channel.ROLLOUT_BATCH
+    run_id: NodeId
+    node_id: NodeId
+    version: U31
+    """The weight version that generated every completion in the batch."""
+    batch_index: U31
+    """The producer's batch counter within ``version``; with node and version it fixes the assigned tasks."""
+    groups: Annotated[list[RolloutGroup], Field(min_length=1, max_length=256)]
+
+
+class SubmitReply(WireModel):
+    KIND: ClassVar[str] = "submit_reply"
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+    ok: bool
+    reason: Annotated[str, Field(max_length=64)] = ""
+    detail: Annotated[str, Field(max_length=512)] = ""
+    accepted_groups: Annotated[int, Field(ge=0)] = 0
+    trainer_step: Annotated[int, Field(ge=0)] = 0
+    backlog: Annotated[int, Field(ge=0)] = 0
+    """Fresh rollout groups the trainer has queued: a producer far ahead may wait for the next version."""

@@ -1,0 +1,24 @@
+"""DHT keys and record lifetimes. See docs/dht.md for the formats, for readers outside this project.
+
+Every value stored is the bytes of a signed envelope (``envelope.seal``), kept under a subkey equal to the
+signer's node id, so a record can be checked by anyone from the value alone:
+
+- ``intellect-node/<run_id>/spec``  subkey ``<run_id>``: the RunSpec, signed by the run key.
+- ``intellect-node/<run_id>/nodes`` subkey ``<node_id>``: each node's NodeRecord, signed by that node.
+"""
+
+from __future__ import annotations
+
+KEY_PREFIX = "intellect-node/"
+SPEC_TTL_S = 120.0
+NODE_TTL_S = 30.0
+"""A node republishes its record well within this, so a silent node drops out of the swarm in ``NODE_TTL_S``."""
+REPUBLISH_S = 8.0
+
+
+def spec_key(run_id: str) -> str:
+    return f"{KEY_PREFIX}{run_id}/spec"
+
+
+def nodes_key(run_id: str) -> str:
+    return f"{KEY_PREFIX}{run_id}/nodes"
