@@ -19,12 +19,15 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """``(r - mean) / (std + 1e-6)`` within each group; ``rewards`` is ``[groups, group_size]``.
 
     The standard deviation is the population one (``unbiased=False``): a group of identical rewards gets zero.
+    Computed in float64: in float32 the rounding error of the mean (~1e-8) divided by ``1e-6`` would give a
+    group of identical rewards spurious advantages of about 1%.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, group_size], got shape {tuple(rewards.shape)}")
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, unbiased=False, keepdim=True)
-    return (rewards - mean) / (std + ADV_EPS)
+    r = rewards.double()
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - mean) / (std + ADV_EPS)).to(rewards.dtype)
 
 
 @dataclass

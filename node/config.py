@@ -89,6 +89,18 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _reject_unknown(tree: dict[str, Any], model: type[BaseModel], path: str = "") -> None:
+    """Wire schemas ignore unknown fields (forward compatibility); a config must not: a typo would be silent."""
+    for key, value in tree.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            known = ", ".join(sorted(model.model_fields))
+            raise ValueError(f"unknown run setting {path}{key!r}; known here: {known}")
+        sub = field.annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            _reject_unknown(value, sub, f"{path}{key}.")
+
+
 def load_run_config(path: Path | None, overrides: list[str] = []) -> RunConfig:
     tree: dict[str, Any] = {}
     if path is not None:
@@ -96,6 +108,7 @@ def load_run_config(path: Path | None, overrides: list[str] = []) -> RunConfig:
             tree = tomllib.load(f).get("run", {})
     for item in overrides:
         _set_dotted(tree, *parse_override(item))
+    _reject_unknown(tree, RunConfig)
     if "model" in tree and "vocab" not in tree["model"]:
         tree["model"]["vocab"] = default_model().vocab
     return RunConfig.model_validate(tree)

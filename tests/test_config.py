@@ -1,0 +1,58 @@
+"""Shipped configs parse; overrides apply and are bounded; --help does not import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from intellect_node.config import RunConfig, load_run_config, parse_override
+
+CONFIGS = sorted((Path(__file__).parent.parent / "node" / "configs").glob("*.toml"))
+
+
+def test_configs_ship() -> None:
+    assert CONFIGS, "node/configs/ holds the example run configs"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_parses(path: Path) -> None:
+    assert isinstance(load_run_config(path), RunConfig)
+
+
+def test_tiny_config_equals_the_defaults() -> None:
+    assert load_run_config(Path(__file__).parent.parent / "node" / "configs" / "tiny.toml") == RunConfig()
+
+
+def test_overrides() -> None:
+    cfg = load_run_config(None, ["train.lr=1e-3", "train.async_level=0", "name=probe", "sampling.temperature=0.7"])
+    assert cfg.train.lr == 1e-3 and cfg.train.async_level == 0 and cfg.name == "probe"
+    assert cfg.sampling.temperature == 0.7
+    assert parse_override("name=hello world") == ("name", "hello world")
+
+
+@pytest.mark.parametrize("bad", ["train.lr=-1", "train.async_level=1000", "sampling.group_size=1", "train.nope=1"])
+def test_out_of_bounds_override_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError):  # pydantic.ValidationError for bounds, ValueError naming the key for typos
+        load_run_config(None, [bad])
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import sys\nfrom intellect_node.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "bootstrap" in out and out.strip().endswith("NO-TORCH")
+
+
+def test_unavailable_role_says_so() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "relay", "--peers", "/ip4/127.0.0.1/tcp/1",
+         "--run-id", "0" * 32],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--role inference" in result.stderr
