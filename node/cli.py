@@ -21,7 +21,9 @@ ROLES_LATER = {
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)")
+    p.add_argument(
+        "--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default 127.0.0.1)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
-    demo.add_argument("--steps", type=int, default=30, help="training steps to run (default 30)")
+    demo.add_argument("--steps", type=int, default=100, help="training steps to run (default 100)")
     demo.add_argument("--inference-nodes", type=int, default=2, help="inference processes (default 2)")
     demo.add_argument("--workdir", type=Path, help="where nodes keep keys, weights and logs (default: a temp dir)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

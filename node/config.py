@@ -101,7 +101,7 @@ def _reject_unknown(tree: dict[str, Any], model: type[BaseModel], path: str = ""
             _reject_unknown(value, sub, f"{path}{key}.")
 
 
-def load_run_config(path: Path | None, overrides: list[str] = []) -> RunConfig:
+def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
     tree: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:

@@ -33,14 +33,17 @@ def summarize(run: RunConfig, trainer: dict[str, Any], workers: list[dict[str, A
         f"intellect-node demo: {trainer['step']} training steps in {seconds:.0f}s "
         f"(run {trainer['run_id'][:12]}…, async_level {run.train.async_level})",
         "",
-        f"{'node':<22}{'role':<11}{'batches sent':>13}{'received':>10}{'accepted':>10}{'rollouts ok':>12}  versions loaded",
+        f"{'node':<22}{'role':<11}{'batches sent':>13}{'received':>10}{'accepted':>10}{'rollouts ok':>12}"
+        "  versions loaded",
     ]
     received = trainer.get("received_batches_by_node", {})
     accepted_groups = trainer.get("accepted_groups_by_node", {})
     for w in workers:
         nid = w["node_id"]
         versions = w["versions_loaded"]
-        shown = ",".join(map(str, versions)) if len(versions) <= 12 else f"{versions[0]}..{versions[-1]} ({len(versions)})"
+        shown = (
+            ",".join(map(str, versions)) if len(versions) <= 12 else f"{versions[0]}..{versions[-1]} ({len(versions)})"
+        )
         lines.append(
             f"{nid[:20]:<22}{'inference':<11}{w['batches_sent']:>13}{received.get(nid, 0):>10}"
             f"{w['batches_accepted']:>10}{accepted_groups.get(nid, 0) * group:>12}  {shown}"

@@ -96,7 +96,7 @@ class Membership:
             )
 
         try:
-            self.dht = await asyncio.to_thread(_start)
+            dht = await asyncio.to_thread(_start)
         except Exception as e:
             hint = (
                 "check the multiaddr (copy it from the line `intellect-node bootstrap` printed) and that "
@@ -105,7 +105,8 @@ class Membership:
                 else f"check that {host}:{port} is free (--p2p-port)"
             )
             raise SystemExit(f"could not start the DHT peer: {e}; {hint}") from None
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.dht = dht
+        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         return self.maddrs
 
     def _require(self) -> DHT:
@@ -168,7 +169,7 @@ class Membership:
                 if spec is not None and time.monotonic() - last_spec > SPEC_TTL_S / 3:
                     await self.publish_spec(spec)
                     last_spec = time.monotonic()
-            except (asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 self.metrics.inc("node_dht_publish_failures_total")
                 logger.warning("could not republish the DHT record: %s", e)
             await asyncio.sleep(REPUBLISH_S)

@@ -101,8 +101,14 @@ class InferenceNode:
         return record if record is not None and record.role == "trainer" else None
 
     async def _update_weights(self, session: aiohttp.ClientSession, trainer: NodeRecord, model: Any) -> None:
-        if trainer.weight_version <= self.version or not trainer.http_url:
+        if trainer.weight_version == self.version or trainer.weight_version < 0 or not trainer.http_url:
             return
+        if trainer.weight_version < self.version:
+            logger.warning(
+                "the trainer announces version %d, older than ours (%d): it restarted; following it",
+                trainer.weight_version,
+                self.version,
+            )
         started = time.monotonic()
         manifest, folder = await fetch_checkpoint(
             session, trainer.http_url, self.run_id, trainer.weight_version, self.weights_root
@@ -168,7 +174,7 @@ class InferenceNode:
                     continue
                 try:
                     await self._update_weights(session, trainer, model)
-                except (Rejected, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                     self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
                     logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
                     await asyncio.sleep(POLL_S)
@@ -183,7 +189,7 @@ class InferenceNode:
                 peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
                 try:
                     reply = await submit(p2p, peer_id, self.run_id, seal(self.identity, batch), self.run_id)
-                except (Rejected, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+                except (TimeoutError, Rejected, OSError, asyncio.IncompleteReadError) as e:
                     self.metrics.inc("node_inference_submit_failures_total")
                     logger.warning("could not deliver batch version=%d: %r", batch.version, e)
                     continue

@@ -40,9 +40,10 @@ class HttpServer:
         try:
             await site.start()
         except OSError as e:
-            raise SystemExit(f"cannot listen for HTTP on {host}:{port} ({e.strerror}); pick another --http-port")
-        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-        self.port = sockets[0].getsockname()[1]
+            msg = f"cannot listen for HTTP on {host}:{port} ({e.strerror}); pick another --http-port"
+            raise SystemExit(msg) from None
+        server: Any = site._server  # aiohttp keeps the bound asyncio.Server here; port 0 needs the real port
+        self.port = int(server.sockets[0].getsockname()[1])
         return self.port
 
     async def close(self) -> None:

@@ -16,7 +16,7 @@ import logging
 import math
 import shutil
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,9 @@ class Trainer:
             if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
             if len(g.completions) != spec.sampling.group_size:
-                raise Rejected("bad_content", f"group of {len(g.completions)}, the run asks for {spec.sampling.group_size}")
+                raise Rejected(
+                    "bad_content", f"group of {len(g.completions)}, the run asks for {spec.sampling.group_size}"
+                )
             rewards = []
             for c, lp in zip(g.completions, g.logprobs, strict=True):
                 if len(c) > spec.sampling.max_new_tokens or max(c) >= vocab:
@@ -327,7 +329,9 @@ class Trainer:
             p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()
-            if not (await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())):
+            if not (
+                await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
+            ):
                 raise RuntimeError("the DHT refused the run spec or the trainer's record; see the DHT logs")
             peers = " ".join(f"--peers {m}" for m in self.maddrs[:1])
             announce(

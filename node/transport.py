@@ -47,9 +47,7 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
 class RolloutServer:
     """Accepts rollout batches on the run's submit protocol and answers each with a signed reply."""
 
-    def __init__(
-        self, p2p: P2P, identity: Identity, run_id: str, handle: BatchHandler, reject: RejectHandler
-    ) -> None:
+    def __init__(self, p2p: P2P, identity: Identity, run_id: str, handle: BatchHandler, reject: RejectHandler) -> None:
         self._p2p = p2p
         self._identity = identity
         self._name = submit_protocol(run_id)
@@ -75,7 +73,7 @@ class RolloutServer:
             else:
                 reply = await self._handle(data, peer)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError) as e:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("submit stream from peer=%s broke: %r", peer, e)
         finally:
             writer.close()

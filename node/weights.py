@@ -153,7 +153,10 @@ async def fetch_checkpoint(
         data = await resp.content.read(Manifest.CHANNEL.value + 1)
     manifest = verify_manifest(data, run_id, version)
     if final.exists():
-        return manifest, final
+        held = verify_manifest((final / MANIFEST_NAME).read_bytes(), run_id, version)
+        if held.checkpoint_sha256 == manifest.checkpoint_sha256:
+            return manifest, final
+        shutil.rmtree(final)  # the run restarted and republished this version number with other weights
     tmp = root / f"{version}.partial"
     tmp.mkdir(parents=True, exist_ok=True)
     for shard in manifest.shards:

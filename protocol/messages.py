@@ -46,7 +46,7 @@ class ModelSpec(BaseModel):
 class TaskSpec(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     family: Literal["arithmetic"] = "arithmetic"
-    max_operand: Annotated[int, Field(ge=1, le=10**6)] = 20
+    max_operand: Annotated[int, Field(ge=1, le=10**6)] = 9
     tasks_per_batch: Annotated[int, Field(ge=1, le=256)] = 4
     """Prompts in one inference batch; each gets a group of ``SamplingSpec.group_size`` completions."""
 
@@ -60,7 +60,7 @@ class SamplingSpec(BaseModel):
 
 class TrainSpec(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 3e-3
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-3
     batch_groups: Annotated[int, Field(ge=1, le=4096)] = 8
     """Rollout groups (prompts) per training step."""
     async_level: Annotated[int, Field(ge=0, le=64)] = 2

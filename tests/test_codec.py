@@ -31,8 +31,12 @@ def _batch(groups: int = 2, tokens: int = 3) -> RolloutBatch:
         version=3,
         batch_index=1,
         groups=[
-            RolloutGroup(slot=i, prompt_ids=[1, 4, 5], completions=[[7] * tokens, [8] * tokens],
-                         logprobs=[[-0.5] * tokens, [-1.0] * tokens])  # fmt: skip
+            RolloutGroup(
+                slot=i,
+                prompt_ids=[1, 4, 5],
+                completions=[[7] * tokens, [8] * tokens],
+                logprobs=[[-0.5] * tokens, [-1.0] * tokens],
+            )  # fmt: skip
             for i in range(groups)
         ],
     )
@@ -41,9 +45,13 @@ def _batch(groups: int = 2, tokens: int = 3) -> RolloutBatch:
 def _messages() -> list:
     shard = ShardEntry(name="shard-00000.safetensors", size=10, sha256="ab" * 32)
     return [
-        RunSpec(run_id=KEY.node_id, created=time.time(), seed=7, model=ModelSpec(vocab=["<pad>", "<bos>", "<eos>", "1"])),
+        RunSpec(
+            run_id=KEY.node_id, created=time.time(), seed=7, model=ModelSpec(vocab=["<pad>", "<bos>", "<eos>", "1"])
+        ),
         NodeRecord(run_id=KEY.node_id, node_id=KEY.node_id, role="inference", updated=time.time(), weight_version=2),
-        Manifest(run_id=KEY.node_id, version=1, created=1.0, shards=[shard], total_size=10, checkpoint_sha256="cd" * 32),
+        Manifest(
+            run_id=KEY.node_id, version=1, created=1.0, shards=[shard], total_size=10, checkpoint_sha256="cd" * 32
+        ),
         _batch(),
         SubmitReply(ok=False, reason="stale_version", detail="x"),
     ]
@@ -98,7 +106,13 @@ def test_signed_but_schema_violating_body_is_refused() -> None:
     body = _batch().model_dump()
     body["groups"][0]["logprobs"] = [[-0.5]]  # one list per completion is required, with one value per token
     raw = pack(body)
-    env = {"v": 1, "kind": "rollout_batch", "signer": KEY.public_key, "body": raw, "sig": KEY.sign("rollout_batch", raw)}
+    env = {
+        "v": 1,
+        "kind": "rollout_batch",
+        "signer": KEY.public_key,
+        "body": raw,
+        "sig": KEY.sign("rollout_batch", raw),
+    }
     with pytest.raises(Rejected) as e:
         open_signed(pack(env), RolloutBatch)
     assert e.value.reason == "schema"

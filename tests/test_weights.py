@@ -100,3 +100,12 @@ def test_forged_manifest_on_the_server_is_refused(tmp_path: Path) -> None:
         asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 2))
     assert e.value.reason == "foreign_manifest"
     assert held_versions(tmp_path / "client") == []
+
+
+def test_a_republished_version_replaces_the_held_copy(tmp_path: Path) -> None:
+    """A trainer restarted with the same key republishes version numbers; clients must not keep stale bytes."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 1, {"w": torch.zeros(8)}, shard_bytes=1 << 20)
+    asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 1))
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 1, {"w": torch.ones(8)}, shard_bytes=1 << 20)
+    manifest, folder = asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 1))
+    assert torch.equal(load_checkpoint(folder, manifest)["w"], torch.ones(8))  # type: ignore[arg-type]
