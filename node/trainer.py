@@ -54,6 +54,27 @@ class Group:
     rewards: list[float]
 
 
+def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + completion`` rows, in group order.
+
+    Returns ``ids``, ``attention`` (``[rows, width]``), and ``mask``, ``logp_old`` (``[rows, width - 1]``), where
+    position ``t`` scores token ``t + 1``: the mask covers exactly the completion tokens.
+    """
+    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs, strict=True)]
+    width = max(len(p) + len(c) for p, c, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros((len(rows), width - 1))
+    logp_old = torch.zeros((len(rows), width - 1))
+    for i, (prompt, completion, lp) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        attn[i, :n] = 1
+        mask[i, len(prompt) - 1 : n - 1] = 1
+        logp_old[i, len(prompt) - 1 : n - 1] = torch.tensor(lp)
+    return ids, attn, mask, logp_old
+
+
 class Trainer:
     def __init__(self, node: NodeConfig, run: RunConfig) -> None:
         self.cfg = node
@@ -205,23 +226,7 @@ class Trainer:
         temp = self.spec.sampling.temperature
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         adv = group_advantages(rewards).flatten()
-        seqs, olds, starts = [], [], []
-        for g in groups:
-            for c, lp in zip(g.completions, g.logprobs, strict=True):
-                seqs.append(g.prompt_ids + c)
-                olds.append(lp)
-                starts.append(len(g.prompt_ids))
-        width = max(len(s) for s in seqs)
-        pad = int(self.tokenizer.pad_token_id)
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        mask = torch.zeros((len(seqs), width - 1))
-        logp_old = torch.zeros((len(seqs), width - 1))
-        for i, (s, lp, start) in enumerate(zip(seqs, olds, starts, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            mask[i, start - 1 : len(s) - 1] = 1  # position t predicts token t + 1
-            logp_old[i, start - 1 : len(s) - 1] = torch.tensor(lp)
+        ids, attn, mask, logp_old = pack_sequences(groups, int(self.tokenizer.pad_token_id))
         self.model.train()
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temp)
