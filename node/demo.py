@@ -51,12 +51,13 @@ def summarize(run: RunConfig, trainer: dict[str, Any], workers: list[dict[str, A
     lines.append(f"{trainer['node_id'][:20]:<22}{'trainer':<11}{'':>13}{sum(received.values()):>10}")
     rejected = trainer.get("rejected_batches_by_reason", {})
     lines.append(f"rejected batches: {json.dumps(rejected) if rejected else 'none'}")
-    lines += ["", f"{'step':>5}{'reward_mean':>13}{'accuracy':>10}{'loss':>10}{'staleness':>11}"]
-    for h in trainer["history"]:
-        lines.append(
-            f"{h['step']:>5}{h['reward_mean']:>13.3f}{h['accuracy']:>10.3f}{h['loss']:>10.4f}{h['staleness_max']:>11.0f}"
-        )
+    lines += ["", "mean reward per training step, ten a row (the row's mean exact-answer accuracy in brackets):"]
     hist = trainer["history"]
+    for start in range(0, len(hist), 10):
+        row = hist[start : start + 10]
+        rewards = " ".join(f"{h['reward_mean']:.2f}" for h in row)
+        accuracy = sum(h["accuracy"] for h in row) / len(row)
+        lines.append(f"  {row[0]['step']:>4}-{row[-1]['step']:<4} {rewards:<49} [{accuracy:.2f}]")
     if hist:
         k = max(1, len(hist) // 5)
         first = sum(h["reward_mean"] for h in hist[:k]) / k
