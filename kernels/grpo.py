@@ -8,6 +8,7 @@ leaves it unbounded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,9 @@ def grpo_loss(
     tokens). Padding has ``mask == 0`` and contributes nothing.
     """
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - logp_old)
+    # exp of the log-ratio capped at log(delta): a ratio above delta has zero gradient either way, and an
+    # uncapped exp(100) would overflow to inf and turn the whole gradient into NaN.
+    ratio = torch.exp(torch.clamp(logp - logp_old, max=math.log(delta)))
     c1 = torch.clamp(ratio, 0.0, delta)
     c2 = torch.clamp(c1, 1.0 - eps, 1.0 + eps)
     adv = advantages.unsqueeze(-1).to(logp.dtype)
@@ -60,6 +63,6 @@ def grpo_loss(
     tokens = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / tokens
     with torch.no_grad():
-        clipped = ((c2 != ratio) & (mask > 0)).to(logp.dtype).sum() / tokens
+        clipped = ((c2 != torch.exp(logp - logp_old)) & (mask > 0)).to(logp.dtype).sum() / tokens
         mean_ratio = (ratio * mask).sum() / tokens
     return loss, LossStats(float(loss.detach()), float(clipped), float(mean_ratio), int(mask.sum().item()))

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from intellect_node import __version__
 
-ROLES_AVAILABLE = ("inference",)
+ROLES_AVAILABLE = ("inference", "relay")
 ROLES_LATER = {
     "validator": "the validator role comes with TOPLOC proof checking and is not available in this version",
-    "relay": "the relay-only role comes with the SHARDCAST relay tree and is not available in this version",
 }
 
 
@@ -29,6 +28,10 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--relay-slots", type=int, default=2, help="nodes that may fetch weights from this one at once")
+    p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
+    p.add_argument("--keep-versions", type=int, help="weight versions kept on disk (default: async_level + 1)")
+    p.add_argument("--max-disk-gb", type=float, help="disk budget for weights (the newest version is always kept)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a DHT peer to join through, as printed by `bootstrap` (repeatable)")  # fmt: skip
     join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
     join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
+    join.add_argument("--no-relay", action="store_true", help="inference: do not serve weights to other nodes")
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
@@ -78,6 +82,20 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    import pydantic
+
+    try:
+        _main(args)
+    except pydantic.ValidationError as e:
+        problems = "; ".join(
+            (".".join(map(str, err["loc"])) + ": " if err["loc"] else "") + err["msg"] for err in e.errors()
+        )
+        sys.exit(f"intellect-node: invalid setting: {problems}")
+    except (ValueError, OSError) as e:
+        sys.exit(f"intellect-node: {e}")
+
+
+def _main(args: argparse.Namespace) -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
     from intellect_node.config import NodeConfig, load_run_config
@@ -89,7 +107,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_demo(args, run_config))
 
     _setup_logging(args.log_level)
-    fields = dict(host=args.host, p2p_port=args.p2p_port, http_port=args.http_port, threads=args.threads)
+    fields = dict(
+        host=args.host,
+        p2p_port=args.p2p_port,
+        http_port=args.http_port,
+        threads=args.threads,
+        relay_slots=args.relay_slots,
+        upload_limit_mbps=args.upload_limit_mbps,
+        keep_versions=args.keep_versions,
+        max_disk_gb=args.max_disk_gb,
+    )
     if args.data_dir is not None:
         fields["data_dir"] = args.data_dir
     from intellect_node.runtime import run_until_signalled
@@ -103,10 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "join":
         if args.role in ROLES_LATER:
             sys.exit(f"intellect-node: {ROLES_LATER[args.role]}; join with --role inference for now")
-        node = NodeConfig(**fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout)
-        from intellect_node.inference import InferenceNode
+        node = NodeConfig(
+            **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay
+        )
+        if args.role == "relay":
+            from intellect_node.relay_node import RelayNode
 
-        run_until_signalled(InferenceNode(node).run())
+            run_until_signalled(RelayNode(node).run())
+        else:
+            from intellect_node.inference import InferenceNode
+
+            run_until_signalled(InferenceNode(node).run())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from intellect_protocol.messages import ModelSpec, SamplingSpec, TaskSpec, TrainSpec
 from intellect_protocol.tasks import ARITHMETIC_ALPHABET
@@ -35,6 +35,18 @@ class RunConfig(BaseModel):
     task: TaskSpec = TaskSpec()
     sampling: SamplingSpec = SamplingSpec()
     train: TrainSpec = TrainSpec()
+
+    @model_validator(mode="after")
+    def _buildable(self) -> RunConfig:
+        m = self.model
+        missing = [t for t in SPECIAL_TOKENS if t not in m.vocab]
+        if missing:
+            raise ValueError(f"model.vocab lacks {missing}")
+        if len(set(m.vocab)) != len(m.vocab):
+            raise ValueError("model.vocab repeats a token")
+        if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
+            raise ValueError("model.hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        return self
 
 
 def default_data_dir() -> Path:
@@ -65,6 +77,16 @@ class NodeConfig(BaseModel):
     """Trainer: the largest safetensors shard it writes."""
     join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """How long `join` looks for the run in the DHT before giving up with advice."""
+    relay: bool = True
+    """Serve the weights this node holds to other nodes (inference nodes; `--no-relay` turns it off)."""
+    relay_slots: Annotated[int, Field(ge=1, le=1024)] = 2
+    """How many downstream nodes may fetch from this node at once (its fan-out in the relay tree)."""
+    upload_limit_mbps: Annotated[float, Field(gt=0)] | None = None
+    """Cap on what the node uploads, in Mbit/s (none by default)."""
+    keep_versions: Annotated[int, Field(ge=1, le=64)] | None = None
+    """Weight versions kept on disk (default: the run's async_level + 1)."""
+    max_disk_gb: Annotated[float, Field(gt=0)] | None = None
+    """Disk budget for weights; older versions go first, the newest is always kept."""
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

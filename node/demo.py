@@ -105,6 +105,8 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
         deadline = started + args.timeout
         step = 0
         while step < args.steps:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {step} of {args.steps} steps within --timeout {args.timeout:.0f}s")
             line = trainer.wait_for_line("STEP ", timeout=max(1.0, deadline - time.monotonic()))
             step = int(line.split()[1])
             print(f"  step {step}/{args.steps} {line.split(maxsplit=2)[2]}", flush=True)
@@ -119,5 +121,9 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
         print("demo interrupted", flush=True)
         return 130
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan the nodes
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for n in nodes:
+            n.terminate()
         for n in reversed(nodes):
             n.stop()

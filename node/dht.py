@@ -23,7 +23,15 @@ from intellect_node.metrics import Metrics
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RunSpec
-from intellect_protocol.records import NODE_TTL_S, REPUBLISH_S, SPEC_TTL_S, nodes_key, spec_key
+from intellect_protocol.records import (
+    CLOCK_SKEW_S,
+    NODE_TTL_S,
+    REPUBLISH_S,
+    SPEC_TTL_S,
+    nodes_key,
+    spec_key,
+    trainer_key,
+)
 
 logger = logging.getLogger(__name__)
 DHT_TIMEOUT_S = 15.0
@@ -38,11 +46,14 @@ def check_spec(value: object, run_id: str) -> RunSpec:
     return signed.message
 
 
-def check_node_record(value: object, subkey: object, run_id: str) -> NodeRecord:
+def check_node_record(value: object, subkey: object, run_id: str, now: float | None = None) -> NodeRecord:
     if not isinstance(value, bytes):
         raise Rejected("malformed", "DHT value is not bytes")
     signed = open_signed(value, NodeRecord)
     record = signed.message
+    now = time.time() if now is None else now
+    if not now - NODE_TTL_S - CLOCK_SKEW_S <= record.updated <= now + CLOCK_SKEW_S:
+        raise Rejected("stale_record", f"record signed at {record.updated:.0f}, now is {now:.0f}")
     if signed.signer_id != record.node_id or subkey != record.node_id:
         raise Rejected("signer_mismatch", f"record of {record.node_id} signed by {signed.signer_id}")
     if record.run_id != run_id:
@@ -59,18 +70,22 @@ class RecordValidator(RecordValidatorBase):
         self.run_id = run_id
         self._spec = DHTID.generate(source=spec_key(run_id)).to_bytes()
         self._nodes = DHTID.generate(source=nodes_key(run_id)).to_bytes()
+        self._trainer = DHTID.generate(source=trainer_key(run_id)).to_bytes()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._spec, self._nodes):
+        if record.key not in (self._spec, self._nodes, self._trainer):
             return True  # not ours: other applications may share the DHT
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
             value = MSGPackSerializer.loads(record.value)
+            ttl = SPEC_TTL_S if record.key == self._spec else NODE_TTL_S
+            if record.expiration_time > get_dht_time() + ttl + CLOCK_SKEW_S:
+                return False
             if record.key == self._spec:
                 check_spec(value, self.run_id)
                 return bool(subkey == self.run_id)
-            check_node_record(value, subkey, self.run_id)
-            return True
+            node = check_node_record(value, subkey, self.run_id)
+            return record.key == self._nodes or node.role == "trainer"
         except Exception:  # any failure to parse a peer's record means: do not store it
             return False
 
@@ -136,7 +151,23 @@ class Membership:
         return await self._store(spec_key(self.run_id), self.run_id, seal(self.identity, spec), SPEC_TTL_S)
 
     async def publish_record(self, record: NodeRecord) -> bool:
-        return await self._store(nodes_key(self.run_id), record.node_id, seal(self.identity, record), NODE_TTL_S)
+        data = seal(self.identity, record)
+        stored = await self._store(nodes_key(self.run_id), record.node_id, data, NODE_TTL_S)
+        if record.role == "trainer":
+            stored = await self._store(trainer_key(self.run_id), record.node_id, data, NODE_TTL_S) and stored
+        return stored
+
+    async def get_trainer(self) -> NodeRecord | None:
+        """The trainer's record, from the key only the run key can write."""
+        for subkey, value in (await self._get(trainer_key(self.run_id))).items():
+            try:
+                record = check_node_record(value, subkey, self.run_id)
+            except Rejected as e:
+                self.metrics.inc("node_dht_records_rejected_total", label=e.reason)
+                continue
+            if record.role == "trainer" and record.node_id == self.run_id:
+                return record
+        return None
 
     async def get_spec(self) -> RunSpec | None:
         for subkey, value in (await self._get(spec_key(self.run_id))).items():

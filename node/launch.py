@@ -75,10 +75,15 @@ class NodeProcess:
         except OSError:
             return ""
 
+    def terminate(self) -> None:
+        """Ask the node to shut down (SIGTERM); ``stop`` waits for it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, then SIGKILL the whole process group (the node's DHT and p2pd children too)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -1,14 +1,10 @@
-"""The node's HTTP server: ``/health``, ``/status`` (JSON), ``/metrics`` (Prometheus) and ``/weights/``.
-
-``/weights/`` serves the node's weight root as static files (Range requests included), so the layout is the
-same whether a node, nginx or an object store serves it.
-"""
+"""The node's HTTP server: ``/health``, ``/status`` (JSON), ``/metrics`` (Prometheus), plus the routes of
+the services that share it (the shard server's ``/weights/``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -19,10 +15,12 @@ logger = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, metrics: Metrics, status: Callable[[], dict[str, Any]], weights_root: Path | None) -> None:
+    def __init__(
+        self, metrics: Metrics, status: Callable[[], dict[str, Any]], routes: list[web.RouteDef] | None = None
+    ) -> None:
         self._metrics = metrics
         self._status = status
-        self._weights_root = weights_root
+        self._routes = routes or []
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -31,9 +29,7 @@ class HttpServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/status", self._status_handler)
         app.router.add_get("/metrics", self._metrics_handler)
-        if self._weights_root is not None:
-            self._weights_root.mkdir(parents=True, exist_ok=True)
-            app.router.add_static("/weights/", self._weights_root, show_index=False, follow_symlinks=False)
+        app.add_routes(self._routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)

@@ -30,18 +30,27 @@ from intellect_node.dht import Membership
 from intellect_node.keys import load_or_create
 from intellect_node.metrics import Metrics
 from intellect_node.model import build_model, build_tokenizer, encode_prompt, state_dict_for_export
+from intellect_node.relay import ShardServer
 from intellect_node.runtime import announce
 from intellect_node.status import HttpServer
+from intellect_node.store import WeightStore
 from intellect_node.transport import RolloutServer
-from intellect_node.weights import prune, write_checkpoint
-from intellect_protocol.envelope import Rejected, open_signed
-from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec, SubmitReply
+from intellect_node.weights import write_checkpoint
+from intellect_protocol.envelope import Rejected, decode_body, open_envelope
+from intellect_protocol.identity import node_id_of
+from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply
 from intellect_protocol.tasks import arithmetic_reward, assigned_task
 
 logger = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 1.0
-"""An unknown signer triggers a fresh DHT lookup at most this often per node id."""
+"""An unknown signer triggers a fresh DHT lookup at most this often per node id ..."""
+REGISTRY_MIN_INTERVAL_S = 0.2
+"""... and all unknown signers together at most this often."""
 MAX_TRACKED_LOOKUPS = 10_000
+MAX_QUEUED_PER_NODE = 2
+"""A node may have at most this many training steps' worth of rollout groups queued."""
+LOGPROB_FLOOR = -100.0
+"""Sampling log-probs below this are refused: no honest sampler draws a token of probability e^-100."""
 
 
 @dataclass
@@ -91,9 +100,13 @@ class Trainer:
             train=run.train,
         )
         self.metrics = Metrics()
-        self.weights_root = node.data_dir / "weights"
+        self.weights_root = node.data_dir / "weights" / self.run_id
+        shutil.rmtree(self.weights_root, ignore_errors=True)  # a bootstrap starts the run's history afresh
+        self.store = WeightStore(self.weights_root, self.run_id)
+        limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
+        self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
         self.membership = Membership(self.identity, self.run_id, self.metrics)
-        self.http = HttpServer(self.metrics, self.status, self.weights_root)
+        self.http = HttpServer(self.metrics, self.status, self.origin.routes())
         self.tokenizer = build_tokenizer(self.spec.model)
         self.model = build_model(self.spec.model, self.tokenizer)
         self.optimizer = torch.optim.AdamW(
@@ -103,9 +116,12 @@ class Trainer:
         """Completed training steps; the newest published weight version equals it."""
         self.queue: list[Group] = []
         self.queue_changed = asyncio.Event()
-        self.seen: set[tuple[str, int, int]] = set()
+        self.next_index: dict[tuple[str, int], int] = {}
+        """Per (node, version): the batch index expected next."""
+        self.queued_by_node: Counter[str] = Counter()
         self.registry: dict[str, NodeRecord] = {}
         self._lookup_at: dict[str, float] = {}
+        self._registry_at = -math.inf
         self.accepted_by_node: Counter[str] = Counter()
         self.rejected_by_node: Counter[str] = Counter()
         self.received_by_node: Counter[str] = Counter()
@@ -126,11 +142,18 @@ class Trainer:
     async def _registered(self, node_id: str) -> NodeRecord | None:
         record = self.registry.get(node_id)
         now = time.monotonic()
-        if record is None and now - self._lookup_at.get(node_id, -math.inf) > REGISTRY_REFRESH_S:
+        if (
+            record is None
+            and now - self._lookup_at.get(node_id, -math.inf) > REGISTRY_REFRESH_S
+            and now - self._registry_at > REGISTRY_MIN_INTERVAL_S
+        ):
             if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
                 self._lookup_at.clear()
-            self._lookup_at[node_id] = now
-            self.registry = await self.membership.get_nodes()
+            self._lookup_at[node_id] = self._registry_at = now
+            try:
+                self.registry = await self.membership.get_nodes()
+            except (TimeoutError, OSError) as e:
+                logger.warning("could not refresh the node registry from the DHT: %r", e)
             record = self.registry.get(node_id)
         return record
 
@@ -162,8 +185,8 @@ class Trainer:
                     raise Rejected("bad_content", "completion too long or token outside the vocabulary")
                 if eos in c[:-1]:
                     raise Rejected("bad_content", "tokens after end of sequence")
-                if not all(math.isfinite(x) and x <= 0.0 for x in lp):
-                    raise Rejected("bad_content", "log-probs must be finite and <= 0")
+                if not all(LOGPROB_FLOOR <= x <= 0.0 for x in lp):
+                    raise Rejected("bad_content", f"log-probs must lie in [{LOGPROB_FLOOR:g}, 0]")
                 terminated = c[-1] == eos
                 text = self.tokenizer.decode(c[:-1] if terminated else c, skip_special_tokens=False)
                 rewards.append(arithmetic_reward(text, task.answer, terminated))
@@ -173,33 +196,41 @@ class Trainer:
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
         node_id = ""
         try:
-            signed = open_signed(data, RolloutBatch)
-            batch = signed.message
-            node_id = signed.signer_id
+            signer, body = open_envelope(data, RolloutBatch)
+            node_id = node_id_of(signer)
+            record = await self._registered(node_id)
+            if record is None or record.role != "inference":
+                node_id = ""  # do not keep per-node state for keys the run does not know
+                raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
             self.received_by_node[node_id] += 1
+            batch = decode_body(signer, body, RolloutBatch).message
             if batch.run_id != self.run_id:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
-            if signed.signer_id != batch.node_id:
-                raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {signed.signer_id}")
-            record = await self._registered(batch.node_id)
-            if record is None or record.role != "inference":
-                raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+            if batch.node_id != node_id:
+                raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
             if batch.version > self.step:
                 raise Rejected("future_version", f"version {batch.version} > published {self.step}")
             if batch.version < self._fresh_floor():
                 raise Rejected("stale_version", f"version {batch.version} < step {self.step} - async_level")
-            key = (batch.node_id, batch.version, batch.batch_index)
-            if key in self.seen:
+            key = (node_id, batch.version)
+            expected = self.next_index.get(key, 0)
+            if batch.batch_index < expected:
                 raise Rejected("duplicate", f"batch {batch.batch_index} of version {batch.version} already received")
+            if batch.batch_index > expected:
+                # Batches of a version come in order: a worker cannot skip the tasks it does not like.
+                raise Rejected("out_of_order", f"expected batch {expected} of version {batch.version}")
+            if self.queued_by_node[node_id] >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
+                raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
             groups = self._check_contents(batch)
         except Rejected as e:
             return self.reject(e, peer, node_id)
-        self.seen.add(key)
+        self.next_index[key] = expected + 1
         self.queue.extend(groups)
+        self.queued_by_node[node_id] += len(groups)
         self.queue_changed.set()
-        self.accepted_by_node[batch.node_id] += len(groups)
+        self.accepted_by_node[node_id] += len(groups)
         self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
-        logger.debug("accepted batch node=%s version=%d groups=%d", batch.node_id, batch.version, len(groups))
+        logger.debug("accepted batch node=%s version=%d groups=%d", node_id, batch.version, len(groups))
         return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
 
     def _backlog(self) -> int:
@@ -214,12 +245,14 @@ class Trainer:
         if stale:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
         self.queue = [g for g in self.queue if g.version >= floor]
-        self.seen = {k for k in self.seen if k[1] >= floor}
+        self.next_index = {k: v for k, v in self.next_index.items() if k[1] >= floor}
         n = self.spec.train.batch_groups
         if len(self.queue) < n:
+            self.queued_by_node = Counter(g.node_id for g in self.queue)
             return None
         self.queue.sort(key=lambda g: g.version)  # oldest first: they go stale soonest
         batch, self.queue = self.queue[:n], self.queue[n:]
+        self.queued_by_node = Counter(g.node_id for g in self.queue)
         return batch
 
     def _train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -235,7 +268,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # never publish weights a bad batch turned into NaN
+            self.metrics.inc("node_trainer_steps_skipped_total", label="nonfinite_gradient")
+            logger.error("skipped the optimizer step: gradient norm is %s", float(grad_norm))
         self.model.eval()
         return {
             "loss": stats.loss,
@@ -255,7 +292,8 @@ class Trainer:
             state_dict_for_export(self.model),
             self.cfg.shard_bytes,
         )
-        prune(self.weights_root, keep=self.spec.train.async_level + 2)
+        keep = self.cfg.keep_versions or self.spec.train.async_level + 1
+        self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -267,6 +305,13 @@ class Trainer:
             weight_version=self.step,
             updated=time.time(),
             software=f"intellect-node/{__version__}",
+            relay=RelayInfo(
+                depth=0,
+                slots_total=self.origin.slots,
+                slots_free=self.origin.slots_free(),
+                upload_bps=self.origin.upload_bps(),
+                versions=self.store.complete_versions()[-16:],
+            ),
         )
 
     async def train_forever(self) -> None:
@@ -293,7 +338,10 @@ class Trainer:
             self.metrics.set("node_trainer_weight_version", self.step)
             self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
             self.metrics.set("node_trainer_idle_seconds", self.idle_s)
-            await self.membership.publish_record(self.record())
+            try:
+                await self.membership.publish_record(self.record())
+            except (TimeoutError, OSError) as e:  # the periodic republish will try again
+                logger.warning("could not announce version %d in the DHT: %r", self.step, e)
             logger.info(
                 "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f",
                 self.step, stats["reward_mean"], stats["accuracy"], stats["loss"],
@@ -324,7 +372,6 @@ class Trainer:
 
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
-        shutil.rmtree(self.weights_root, ignore_errors=True)  # a bootstrap starts the run's history afresh
         await asyncio.to_thread(self._publish, 0)
         server: RolloutServer | None = None
         try:

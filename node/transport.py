@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from intellect_protocol.codec import Channel
@@ -22,6 +22,11 @@ from intellect_protocol.messages import SubmitReply
 logger = logging.getLogger(__name__)
 HEADER = 8
 IO_TIMEOUT_S = 60.0
+MAX_CONCURRENT_STREAMS = 16
+"""Submissions handled at once; more wait (each holds up to one batch in memory)."""
+
+DELIVERY_ERRORS = (OSError, TimeoutError, asyncio.IncompleteReadError, P2PDaemonError, P2PHandlerError)
+"""What a failed delivery can raise: the caller counts it and tries again later."""
 
 BatchHandler = Callable[[bytes, str], Awaitable[SubmitReply]]
 RejectHandler = Callable[[Rejected, str], SubmitReply]
@@ -53,6 +58,7 @@ class RolloutServer:
         self._name = submit_protocol(run_id)
         self._handle = handle
         self._reject = reject
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
 
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(self._name, self._on_stream)
@@ -66,6 +72,13 @@ class RolloutServer:
     async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
         try:
+            async with self._slots:
+                await self._serve(peer, reader, writer)
+        finally:
+            writer.close()
+
+    async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
             try:
                 data = await asyncio.wait_for(_read_frame(reader, Channel.ROLLOUT_BATCH.value), IO_TIMEOUT_S)
             except Rejected as e:
@@ -75,8 +88,6 @@ class RolloutServer:
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("submit stream from peer=%s broke: %r", peer, e)
-        finally:
-            writer.close()
 
 
 async def submit(p2p: P2P, peer_id: str, run_id: str, data: bytes, trainer_id: str) -> SubmitReply:

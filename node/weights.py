@@ -1,13 +1,13 @@
-"""Checkpoints as plain static files: the trainer writes them, any HTTP server can serve them, clients verify.
+"""Checkpoints as plain static files: writing one with its signed manifest, verifying and loading it.
 
 Layout under a node's weight root, one folder per version::
 
     <version>/manifest.msgpack        the Manifest in a signed envelope (run key)
     <version>/shard-00000.safetensors  ... every shard the manifest names
 
-A version folder appears only once complete (written as ``<version>.partial`` and renamed), so a server
-never exposes a half-written checkpoint. A client acts on a manifest only if the run key signed it, and on a
-shard only once its size and SHA-256 match the manifest.
+A version folder appears only once complete (written as ``<version>.partial`` and renamed). A node acts on a
+manifest only if the run key signed it, and on a shard only once its size and SHA-256 match the manifest
+(``store.py`` keeps the folders, ``fetch.py`` receives them, ``relay.py`` serves them).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ HTTP_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10, so
 _CHUNK = 1 << 20
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -70,7 +70,7 @@ def write_checkpoint(
     for i, part in enumerate(_split(tensors, shard_bytes)):
         name = f"shard-{i:05d}.safetensors"
         save_file(part, str(tmp / name))
-        entries.append(ShardEntry(name=name, size=(tmp / name).stat().st_size, sha256=_sha256_file(tmp / name)))
+        entries.append(ShardEntry(name=name, size=(tmp / name).stat().st_size, sha256=sha256_file(tmp / name)))
     manifest = Manifest(
         run_id=run_id,
         version=version,
@@ -83,24 +83,6 @@ def write_checkpoint(
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return manifest
-
-
-def held_versions(root: Path) -> list[int]:
-    if not root.exists():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).exists())
-
-
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` versions; drop older ones and any leftover partial folders."""
-    for v in held_versions(root)[:-keep] if keep > 0 else held_versions(root):
-        shutil.rmtree(root / str(v), ignore_errors=True)
-    if root.exists():
-        newest = max(held_versions(root), default=-1)
-        for p in root.glob("*.partial"):
-            stem = p.name.split(".")[0]
-            if stem.isdigit() and int(stem) < newest:
-                shutil.rmtree(p, ignore_errors=True)
 
 
 def verify_manifest(data: bytes, run_id: str, version: int | None = None) -> Manifest:
@@ -122,45 +104,3 @@ def load_checkpoint(folder: Path, manifest: Manifest) -> dict[str, torch.Tensor]
     for shard in manifest.shards:
         tensors.update(load_file(str(folder / shard.name)))
     return tensors
-
-
-async def _download_shard(session: aiohttp.ClientSession, url: str, shard: ShardEntry, path: Path) -> None:
-    h = hashlib.sha256()
-    received = 0
-    async with session.get(url) as resp:
-        if resp.status != 200:
-            raise Rejected("http_status", f"GET {url} answered {resp.status}")
-        with open(path, "wb") as f:
-            async for chunk in resp.content.iter_chunked(_CHUNK):
-                received += len(chunk)
-                if received > shard.size:
-                    raise Rejected("bad_shard", f"{shard.name} is longer than the manifest's {shard.size} bytes")
-                h.update(chunk)
-                f.write(chunk)
-    if received != shard.size or h.hexdigest() != shard.sha256:
-        raise Rejected("bad_shard", f"{shard.name}: {received} bytes, sha256 {h.hexdigest()[:12]}… != manifest")
-
-
-async def fetch_checkpoint(
-    session: aiohttp.ClientSession, base_url: str, run_id: str, version: int, root: Path
-) -> tuple[Manifest, Path]:
-    """Download version ``version`` from ``base_url`` into ``root``; every byte verified before it is kept."""
-    final = root / str(version)
-    url = f"{base_url.rstrip('/')}/weights/{version}"
-    async with session.get(f"{url}/{MANIFEST_NAME}") as resp:
-        if resp.status != 200:
-            raise Rejected("http_status", f"GET {url}/{MANIFEST_NAME} answered {resp.status}")
-        data = await resp.content.read(Manifest.CHANNEL.value + 1)
-    manifest = verify_manifest(data, run_id, version)
-    if final.exists():
-        held = verify_manifest((final / MANIFEST_NAME).read_bytes(), run_id, version)
-        if held.checkpoint_sha256 == manifest.checkpoint_sha256:
-            return manifest, final
-        shutil.rmtree(final)  # the run restarted and republished this version number with other weights
-    tmp = root / f"{version}.partial"
-    tmp.mkdir(parents=True, exist_ok=True)
-    for shard in manifest.shards:
-        await _download_shard(session, f"{url}/{shard.name}", shard, tmp / shard.name)
-    (tmp / MANIFEST_NAME).write_bytes(data)
-    tmp.rename(final)
-    return manifest, final

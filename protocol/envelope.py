@@ -52,10 +52,10 @@ def seal(identity: Identity, message: WireModel) -> bytes:
     return data
 
 
-def open_signed(data: bytes, schema: type[M]) -> Signed[M]:
-    """Check size, envelope, version, kind and signature, then decode the body into ``schema``.
+def open_envelope(data: bytes, schema: type[M]) -> tuple[bytes, bytes]:
+    """Check size, envelope, version, kind and signature; returns (signer, body) with the body still encoded.
 
-    Raises Rejected with reason one of: oversized, malformed, version, kind, bad_signature, schema.
+    Lets a receiver decide whether it wants this signer's message at all before it pays for decoding the body.
     """
     try:
         env = unpack(data, schema.CHANNEL)
@@ -72,11 +72,23 @@ def open_signed(data: bytes, schema: type[M]) -> Signed[M]:
         raise Rejected("malformed", "signer, body and sig must be bytes")
     if not verify(signer, schema.KIND, body, sig):
         raise Rejected("bad_signature")
+    return signer, body
+
+
+def decode_body(signer: bytes, body: bytes, schema: type[M]) -> Signed[M]:
+    """Decode a verified body into ``schema``; raises Rejected('malformed' | 'oversized' | 'schema')."""
     try:
-        fields = unpack(body, schema.CHANNEL)
-        message = schema.model_validate(fields)
+        message = schema.model_validate(unpack(body, schema.CHANNEL))
     except CodecError as e:
         raise Rejected(e.reason, e.detail) from None
     except pydantic.ValidationError as e:
         raise Rejected("schema", str(e).replace("\n", " ")[:300]) from None
     return Signed(message=message, signer=signer, signer_id=node_id_of(signer))
+
+
+def open_signed(data: bytes, schema: type[M]) -> Signed[M]:
+    """Check size, envelope, version, kind and signature, then decode the body into ``schema``.
+
+    Raises Rejected with reason one of: oversized, malformed, version, kind, bad_signature, schema.
+    """
+    return decode_body(*open_envelope(data, schema), schema)

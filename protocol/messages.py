@@ -87,6 +87,23 @@ class RunSpec(WireModel):
     train: TrainSpec = TrainSpec()
 
 
+class RelayInfo(BaseModel):
+    """What a node that serves weight shards announces, so that others can choose it as a parent."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    depth: Annotated[int, Field(ge=0, le=1024)]
+    """Hops from the origin (the trainer is 0)."""
+    parent: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
+    slots_total: Annotated[int, Field(ge=0, le=1024)]
+    slots_free: Annotated[int, Field(ge=0, le=1024)]
+    upload_bps: Annotated[float, Field(ge=0.0)] = 0.0
+    """Measured upload rate over the last transfers (bytes per second)."""
+    versions: Annotated[list[U31], Field(max_length=64)] = []
+    """Complete, verified versions it serves."""
+    fetching: Annotated[int, Field(ge=-1, lt=2**31)] = -1
+    """A version it is receiving and already serves shard by shard (-1: none)."""
+
+
 class NodeRecord(WireModel):
     """What a node says about itself in the DHT: signed by its own key, expiring, small."""
 
@@ -101,6 +118,8 @@ class NodeRecord(WireModel):
     """The newest verified weight version the node holds (-1: none yet)."""
     updated: float
     software: Annotated[str, Field(max_length=64)] = ""
+    relay: RelayInfo | None = None
+    """Present when the node serves weight shards to others."""
 
 
 class ShardEntry(BaseModel):

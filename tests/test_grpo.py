@@ -81,3 +81,14 @@ def test_token_logprobs_match_log_softmax() -> None:
     for temp in (1.0, 0.7):
         ref = torch.log_softmax(logits / temp, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         assert torch.allclose(token_logprobs(logits, targets, temp), ref, atol=1e-6)
+
+
+def test_extreme_logprob_old_cannot_poison_the_gradient() -> None:
+    """A peer may send logp_old = -100: exp(100) overflows float32, which must not turn gradients into NaN."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-100.0, -1.5]])
+    for adv in (1.0, -1.0):
+        loss, _ = grpo_loss(logp, old, torch.tensor([adv]), torch.ones(1, 2))
+        loss.backward()
+        assert torch.isfinite(loss) and logp.grad is not None and torch.isfinite(logp.grad).all()
+        logp.grad = None

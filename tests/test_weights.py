@@ -1,111 +1,189 @@
-"""Checkpoints: signed manifests, verified shards, served by the node's real HTTP server on loopback."""
+"""Checkpoints end to end on loopback: signed manifests, shards verified, served by the node's shard server.
+
+The fetcher is driven with a fixed source list here; the relay tree that plans sources is tested in
+test_tree.py and, with real nodes, in test_relay_tree.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
 
+from intellect_node.fetch import ShardFetcher
 from intellect_node.metrics import Metrics
+from intellect_node.relay import ShardServer
 from intellect_node.status import HttpServer
-from intellect_node.weights import (
-    HTTP_TIMEOUT,
-    MANIFEST_NAME,
-    fetch_checkpoint,
-    held_versions,
-    load_checkpoint,
-    prune,
-    verify_manifest,
-    write_checkpoint,
-)
+from intellect_node.store import WeightStore
+from intellect_node.tree import Candidate
+from intellect_node.weights import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
 
 RUN_KEY = Identity.generate()
+RUN = RUN_KEY.node_id
 
 
-def _tensors() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(4)}
+def _tensors(seed: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(n)}
 
 
 def test_write_splits_into_shards_and_round_trips(tmp_path: Path) -> None:
     tensors = _tensors()
-    manifest = write_checkpoint(tmp_path, RUN_KEY, RUN_KEY.node_id, 0, tensors, shard_bytes=40_000)
+    manifest = write_checkpoint(tmp_path, RUN_KEY, RUN, 0, tensors, shard_bytes=40_000)
     assert len(manifest.shards) == 2  # 64x64 fp32 is 16 KiB: two tensors fit in 40 KB, a third would not
     folder = tmp_path / "0"
-    assert verify_manifest((folder / MANIFEST_NAME).read_bytes(), RUN_KEY.node_id, 0) == manifest
+    assert verify_manifest((folder / MANIFEST_NAME).read_bytes(), RUN, 0) == manifest
     loaded = load_checkpoint(folder, manifest)
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 
 def test_manifest_signed_by_another_key_is_refused(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, Identity.generate(), RUN_KEY.node_id, 0, _tensors(), shard_bytes=1 << 20)
+    write_checkpoint(tmp_path, Identity.generate(), RUN, 0, _tensors(), shard_bytes=1 << 20)
     with pytest.raises(Rejected) as e:
-        verify_manifest((tmp_path / "0" / MANIFEST_NAME).read_bytes(), RUN_KEY.node_id, 0)
+        verify_manifest((tmp_path / "0" / MANIFEST_NAME).read_bytes(), RUN, 0)
     assert e.value.reason == "foreign_manifest"
 
 
 def test_manifest_of_another_version_is_refused(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path, RUN_KEY, RUN_KEY.node_id, 3, _tensors(), shard_bytes=1 << 20)
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 3, _tensors(), shard_bytes=1 << 20)
     with pytest.raises(Rejected) as e:
-        verify_manifest((tmp_path / "3" / MANIFEST_NAME).read_bytes(), RUN_KEY.node_id, 4)
+        verify_manifest((tmp_path / "3" / MANIFEST_NAME).read_bytes(), RUN, 4)
     assert e.value.reason == "wrong_version"
 
 
-def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+def test_prune_keeps_the_newest_within_the_disk_budget(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path, RUN)
     for v in range(5):
-        write_checkpoint(tmp_path, RUN_KEY, RUN_KEY.node_id, v, {"w": torch.zeros(2)}, shard_bytes=1 << 20)
-    prune(tmp_path, keep=2)
-    assert held_versions(tmp_path) == [3, 4]
+        write_checkpoint(tmp_path, RUN_KEY, RUN, v, _tensors(v, 2), shard_bytes=1 << 20)
+    store.prune(keep=3)
+    assert store.complete_versions() == [2, 3, 4]
+    store.prune(keep=3, max_bytes=40_000)  # one version is ~33 KB: only the newest fits
+    assert store.complete_versions() == [4]
 
 
-async def _serve_and_fetch(origin: Path, dest: Path, version: int) -> tuple[object, Path]:
-    server = HttpServer(Metrics(), lambda: {}, origin)
-    port = await server.start("127.0.0.1", 0)
+@contextlib.asynccontextmanager
+async def _origin(root: Path, **server_args: float) -> AsyncIterator[tuple[str, Metrics]]:
+    metrics = Metrics()
+    server = ShardServer(WeightStore(root, RUN), metrics, slots=int(server_args.pop("slots", 4)), **server_args)
+    http = HttpServer(metrics, lambda: {}, server.routes())
+    port = await http.start("127.0.0.1", 0)
     try:
-        async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
-            return await fetch_checkpoint(session, f"http://127.0.0.1:{port}", RUN_KEY.node_id, version, dest)
+        yield f"http://127.0.0.1:{port}", metrics
     finally:
-        await server.close()
+        await http.close()
 
 
-def test_fetch_over_http_verifies_every_shard(tmp_path: Path) -> None:
+async def _fetch(
+    dest: Path, version: int, sources: list[Candidate], metrics: Metrics | None = None, timeout: float = 30.0
+) -> WeightStore:
+    store = WeightStore(dest, RUN)
+
+    async def find(exclude: set[str]) -> list[Candidate]:
+        return [c for c in sources if c.node_id not in exclude]
+
+    async with aiohttp.ClientSession() as session:
+        fetcher = ShardFetcher(session, store, "c" * 32, metrics or Metrics())
+        await fetcher.fetch(version, find, timeout=timeout)
+    return store
+
+
+def test_fetch_verifies_every_shard_and_loads(tmp_path: Path) -> None:
     tensors = _tensors()
-    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 7, tensors, shard_bytes=40_000)
-    manifest, folder = asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 7))
-    loaded = load_checkpoint(folder, manifest)  # type: ignore[arg-type]
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 7, tensors, shard_bytes=20_000)
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, _):
+            return await _fetch(tmp_path / "client", 7, [Candidate("a" * 32, url, 0, True)])
+
+    store = asyncio.run(main())
+    manifest = store.manifest(7)
+    assert store.complete_versions() == [7] and manifest is not None and len(manifest.shards) == 4
+    loaded = load_checkpoint(store.folder(7), manifest)
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
-    assert held_versions(tmp_path / "client") == [7]
 
 
-def test_corrupted_shard_is_refused_and_not_kept(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 1, _tensors(), shard_bytes=40_000)
-    shard = sorted((tmp_path / "origin" / "1").glob("*.safetensors"))[1]
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+def test_a_source_serving_bad_bytes_is_banned_and_the_shard_comes_from_elsewhere(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "good", RUN_KEY, RUN, 1, _tensors(), shard_bytes=20_000)
+    write_checkpoint(tmp_path / "bad", RUN_KEY, RUN, 1, _tensors(), shard_bytes=20_000)
+    for shard in sorted((tmp_path / "bad" / "1").glob("*.safetensors")):  # same manifest, corrupted bytes
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    metrics = Metrics()
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "good") as (good, _), _origin(tmp_path / "bad") as (bad, _):
+            liar = Candidate("b" * 32, bad, 1, True)  # the parent, tried first
+            return await _fetch(tmp_path / "client", 1, [liar, Candidate("a" * 32, good, 0, False)], metrics)
+
+    store = asyncio.run(main())
+    assert store.complete_versions() == [1]
+    assert metrics.counter("node_relay_bans_total") == 1
+
+
+def test_forged_manifest_is_never_acted_on(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", Identity.generate(), RUN, 2, _tensors(), shard_bytes=1 << 20)
+
+    async def main() -> None:
+        async with _origin(tmp_path / "origin") as (url, _):
+            await _fetch(tmp_path / "client", 2, [Candidate("a" * 32, url, 0, True)], metrics, timeout=1.0)
+
+    metrics = Metrics()
     with pytest.raises(Rejected) as e:
-        asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 1))
-    assert e.value.reason == "bad_shard"
-    assert held_versions(tmp_path / "client") == []
+        asyncio.run(main())
+    assert e.value.reason == "no_source" and metrics.counter("node_relay_bans_total") == 1
+    assert not (tmp_path / "client" / "2.partial").exists() and WeightStore(tmp_path / "client", RUN).complete_versions() == []
 
 
-def test_forged_manifest_on_the_server_is_refused(tmp_path: Path) -> None:
-    write_checkpoint(tmp_path / "origin", Identity.generate(), RUN_KEY.node_id, 2, _tensors(), shard_bytes=1 << 20)
-    with pytest.raises(Rejected) as e:
-        asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 2))
-    assert e.value.reason == "foreign_manifest"
-    assert held_versions(tmp_path / "client") == []
+def test_partial_shard_resumes_with_range(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 4, _tensors(n=1), shard_bytes=1 << 20)
+    manifest_data = (tmp_path / "origin" / "4" / MANIFEST_NAME).read_bytes()
+    shard = verify_manifest(manifest_data, RUN, 4).shards[0]
+    client = WeightStore(tmp_path / "client", RUN)
+    client.begin(4, manifest_data)
+    half = (tmp_path / "origin" / "4" / shard.name).read_bytes()[: shard.size // 2]
+    client.part_path(4, shard.name).write_bytes(half)
+    metrics = Metrics()
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, origin_metrics):
+            store = await _fetch(tmp_path / "client", 4, [Candidate("a" * 32, url, 0, True)], metrics)
+            assert origin_metrics.counter("node_relay_bytes_sent_total") == shard.size - len(half)
+            return store
+
+    assert asyncio.run(main()).complete_versions() == [4]
+    assert metrics.counter("node_relay_bytes_received_total") == shard.size - len(half)
+
+
+def test_verified_shards_survive_a_restart(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 5, _tensors(), shard_bytes=20_000)
+    manifest_data = (tmp_path / "origin" / "5" / MANIFEST_NAME).read_bytes()
+    first = WeightStore(tmp_path / "client", RUN)
+    manifest, missing = first.begin(5, manifest_data)
+    for shard in manifest.shards[:3]:  # as if three shards arrived before the node was killed
+        first.part_path(5, shard.name).write_bytes((tmp_path / "origin" / "5" / shard.name).read_bytes())
+        first.mark_verified(5, shard.name)
+    _, missing = WeightStore(tmp_path / "client", RUN).begin(5, manifest_data)
+    assert [s.name for s in missing] == [manifest.shards[3].name]
 
 
 def test_a_republished_version_replaces_the_held_copy(tmp_path: Path) -> None:
     """A trainer restarted with the same key republishes version numbers; clients must not keep stale bytes."""
-    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 1, {"w": torch.zeros(8)}, shard_bytes=1 << 20)
-    asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 1))
-    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN_KEY.node_id, 1, {"w": torch.ones(8)}, shard_bytes=1 << 20)
-    manifest, folder = asyncio.run(_serve_and_fetch(tmp_path / "origin", tmp_path / "client", 1))
-    assert torch.equal(load_checkpoint(folder, manifest)["w"], torch.ones(8))  # type: ignore[arg-type]
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, {"w": torch.zeros(8)}, shard_bytes=1 << 20)
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, _):
+            return await _fetch(tmp_path / "client", 1, [Candidate("a" * 32, url, 0, True)])
+
+    asyncio.run(main())
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, {"w": torch.ones(8)}, shard_bytes=1 << 20)
+    store = asyncio.run(main())
+    manifest = store.manifest(1)
+    assert manifest is not None and torch.equal(load_checkpoint(store.folder(1), manifest)["w"], torch.ones(8))

@@ -1,0 +1,281 @@
+"""Receiving a checkpoint: shards in parallel from several sources, each verified before it is kept.
+
+Per shard the fetcher picks the usable source with the best score (measured throughput times success rate, the
+parent preferred), resumes a partial shard with HTTP Range, and checks size and SHA-256 against the signed
+manifest. A source that serves bad bytes is banned for ``ban_s`` and the shard is fetched elsewhere; a source
+that is unreachable is set aside and the tree is asked for new sources (a re-parent). A 404 or 503 is not a
+fault: the source does not have the shard yet, or has no free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from intellect_node.metrics import Metrics
+from intellect_node.relay import CHILD_HEADER, LONG_POLL_S
+from intellect_node.store import WeightStore
+from intellect_node.tree import Candidate
+from intellect_node.weights import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import Manifest, ShardEntry
+
+logger = logging.getLogger(__name__)
+_CHUNK = 1 << 20
+SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
+REFRESH_S = 0.5
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or Rejected('oversized') as soon as it passes ``limit`` bytes."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            raise Rejected("oversized", f"more than {limit} bytes")
+    return bytes(body)
+
+
+@dataclass
+class Source:
+    node_id: str
+    url: str
+    depth: int
+    is_parent: bool = False
+    bps: float = 0.0
+    ok: int = 0
+    failed: int = 0
+    away_until: float = 0.0
+    """Not asked before this time: no slot, not there yet, or unreachable."""
+
+    def score(self) -> float:
+        base = self.bps if self.bps > 0 else 100e6 / (1 + self.depth)
+        return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.is_parent else 1.0)
+
+
+SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
+"""Given node ids to avoid, the current plan (parent first): see tree.plan."""
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, version: int, total: int) -> None:
+        self.version, self.total, self.done = version, total, 0
+        self.started = time.monotonic()
+        self.enabled = sys.stderr.isatty()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            frac = self.done / max(1, self.total)
+            rate = self.done / max(1e-6, time.monotonic() - self.started) / 1e6
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(
+                f"\rweights v{self.version} [{bar:<30}] {frac:5.1%} "
+                f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {rate:.1f} MB/s"
+            )
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class ShardFetcher:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        store: WeightStore,
+        node_id: str,
+        metrics: Metrics,
+        parallel: int = 4,
+        ban_s: float = 300.0,
+    ) -> None:
+        self.session = session
+        self.store = store
+        self.node_id = node_id
+        self.metrics = metrics
+        self.parallel = parallel
+        self.ban_s = ban_s
+        self.banned: dict[str, float] = {}
+        self.sources: dict[str, Source] = {}
+        self.parent: str | None = None
+        self._find: SourceFinder | None = None
+        self._refreshed = 0.0
+
+    def _excluded(self) -> set[str]:
+        now = time.monotonic()
+        self.banned = {n: t for n, t in self.banned.items() if t > now}
+        return set(self.banned)
+
+    async def _refresh(self, force: bool = False) -> None:
+        if self._find is None or (not force and time.monotonic() - self._refreshed < REFRESH_S):
+            return
+        self._refreshed = time.monotonic()
+        down = {n for n, s in self.sources.items() if s.failed >= 2 and s.away_until > time.monotonic()}
+        plan = await self._find(self._excluded() | down)
+        fresh: dict[str, Source] = {}
+        for c in plan:
+            src = self.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
+            src.url, src.depth, src.is_parent = c.url, c.depth, c.is_parent
+            fresh[c.node_id] = src
+        self.sources = fresh
+        new_parent = plan[0].node_id if plan and plan[0].is_parent else None
+        if new_parent != self.parent:
+            logger.info("parent=%s depth=%s (was %s)", new_parent, plan[0].depth + 1 if plan else "?", self.parent)
+            if self.parent is not None:
+                self.metrics.inc("node_relay_reparents_total")
+            self.parent = new_parent
+
+    def _pick(self, tried: set[str]) -> Source | None:
+        now = time.monotonic()
+        usable = [s for s in self.sources.values() if s.away_until <= now and s.node_id not in self.banned]
+        if not usable:
+            return None
+        fresh = [s for s in usable if s.node_id not in tried] or usable
+        return max(fresh, key=Source.score)
+
+    async def _manifest(self, version: int, deadline: float) -> bytes:
+        while time.monotonic() < deadline:
+            await self._refresh()
+            for src in sorted(self.sources.values(), key=lambda s: not s.is_parent):
+                if src.node_id in self.banned:
+                    continue
+                try:
+                    async with self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:
+                        if resp.status == 200:
+                            data = await read_limited(resp, Channel.MANIFEST.value)
+                            verify_manifest(data, self.store.run_id, version)
+                            return data
+                except (TimeoutError, aiohttp.ClientError):
+                    src.failed += 1
+                except Rejected as e:  # a forged or broken manifest: never acted on, its source banned
+                    logger.warning("banned source=%s: manifest of version %d: %s", src.node_id, version, e)
+                    self.metrics.inc("node_relay_bans_total")
+                    self.banned[src.node_id] = time.monotonic() + self.ban_s
+            await asyncio.sleep(0.1)
+        raise Rejected("no_source", f"no source had the manifest of version {version}")
+
+    async def fetch(self, version: int, find: SourceFinder, timeout: float = 3600.0) -> Manifest:
+        """Receive ``version`` into the store; returns its manifest once every shard is verified."""
+        self._find = find
+        await self._refresh(force=True)
+        deadline = time.monotonic() + timeout
+        data = await self._manifest(version, deadline)
+        manifest, missing = self.store.begin(version, data)
+        progress = Progress(version, manifest.total_size)
+        progress.add(manifest.total_size - sum(s.size for s in missing))
+        todo: deque[ShardEntry] = deque(missing)
+        tried: dict[str, set[str]] = {}
+
+        async def worker() -> None:
+            while todo:
+                if time.monotonic() > deadline:
+                    raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
+                shard = todo.popleft()
+                attempted = tried.setdefault(shard.name, set())
+                src = self._pick(attempted)
+                if src is None:
+                    todo.append(shard)
+                    await self._refresh()
+                    await asyncio.sleep(0.05)
+                    continue
+                attempted.add(src.node_id)
+                if await self._one(version, shard, src):
+                    progress.add(shard.size)
+                else:
+                    todo.append(shard)
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for _ in range(min(self.parallel, max(1, len(missing)))):
+                    tasks.create_task(worker())
+        except BaseException:
+            self.store.abandon(version)
+            raise
+        self.store.finish(version)
+        return manifest
+
+    async def _one(self, version: int, shard: ShardEntry, src: Source) -> bool:
+        """Fetch one shard from ``src``; True once it is verified and kept."""
+        part = self.store.part_path(version, shard.name)
+        have = part.stat().st_size if part.exists() else 0
+        if have >= shard.size:
+            part.unlink(missing_ok=True)
+            have = 0
+        digest = hashlib.sha256()
+        if have:
+            with open(part, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+        headers = {CHILD_HEADER: self.node_id}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        url = f"{src.url}/weights/{version}/{shard.name}"
+        started = time.monotonic()
+        received = 0
+        whole_from_src = have == 0
+        try:
+            async with self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:
+                if resp.status in (404, 503):
+                    src.away_until = time.monotonic() + (1.0 if resp.status == 503 else 0.2)
+                    if resp.status == 503 and src.is_parent:
+                        await self._refresh(force=True)
+                    return False
+                if resp.status == 200 and have:
+                    have, digest, whole_from_src = 0, hashlib.sha256(), True  # the source ignored the Range
+                elif resp.status not in (200, 206):
+                    src.failed += 1
+                    return False
+                with open(part, "r+b" if have else "wb") as f:
+                    f.seek(have)
+                    f.truncate()
+                    async for chunk in resp.content.iter_chunked(_CHUNK):
+                        if have + received + len(chunk) > shard.size:
+                            return self._bad(version, shard, src, whole_from_src, "longer than the manifest says")
+                        digest.update(chunk)
+                        f.write(chunk)
+                        received += len(chunk)
+                        self.metrics.inc("node_relay_bytes_received_total", len(chunk))
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            src.failed += 1
+            src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
+            logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e, have)
+            await self._refresh(force=src.is_parent)
+            return False
+        if have + received != shard.size or digest.hexdigest() != shard.sha256:
+            return self._bad(version, shard, src, whole_from_src, "hash mismatch")
+        self.store.mark_verified(version, shard.name)
+        src.ok += 1
+        src.failed = 0
+        elapsed = time.monotonic() - started
+        if received >= _CHUNK and elapsed > 0:
+            rate = received / elapsed
+            src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
+        return True
+
+    def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, why: str) -> bool:
+        self.store.part_path(version, shard.name).unlink(missing_ok=True)
+        if whole:  # only a source that sent every byte of the shard is to blame
+            if self.banned.get(src.node_id, 0.0) <= time.monotonic():  # count a ban once, not per shard in flight
+                self.metrics.inc("node_relay_bans_total", help="sources banned for serving bad bytes")
+                logger.warning("banned source=%s for %.0fs: shard %s %s", src.node_id, self.ban_s, shard.name, why)
+            self.banned[src.node_id] = time.monotonic() + self.ban_s
+        return False
+
+
+def verify_local(store: WeightStore, version: int) -> bool:
+    """True if every shard of a complete version still matches its manifest (used by tests and `status`)."""
+    manifest = store.manifest(version)
+    folder = store.folder(version)
+    return manifest is not None and all(
+        (folder / s.name).is_file() and sha256_file(folder / s.name) == s.sha256 for s in manifest.shards
+    )

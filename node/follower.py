@@ -1,0 +1,100 @@
+"""Keeping a node's weights in step with the trainer, through the relay tree; shared by inference and relay.
+
+``sync(v)`` announces that the node is receiving ``v`` (so children can pick it at once), fetches it through
+``fetch.ShardFetcher`` with sources planned by ``tree.plan`` from fresh DHT records, then keeps only the newest
+``keep`` versions within the disk budget. Everything this node holds, it serves (unless started with
+``--no-relay``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from intellect_node.dht import Membership
+from intellect_node.fetch import ShardFetcher
+from intellect_node.metrics import Metrics
+from intellect_node.relay import ShardServer
+from intellect_node.store import WeightStore
+from intellect_node.tree import Candidate, plan
+from intellect_protocol.messages import Manifest, RelayInfo
+
+logger = logging.getLogger(__name__)
+
+
+class WeightFollower:
+    def __init__(
+        self,
+        node_id: str,
+        run_id: str,
+        membership: Membership,
+        store: WeightStore,
+        metrics: Metrics,
+        server: ShardServer | None,
+        keep: int,
+        max_bytes: int | None,
+        publish: Callable[[], Awaitable[object]],
+    ) -> None:
+        self.node_id = node_id
+        self.run_id = run_id
+        self.membership = membership
+        self.store = store
+        self.metrics = metrics
+        self.server = server
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self.publish = publish
+        self.depth = -1
+        self.fetching = -1
+        self.fetcher: ShardFetcher | None = None
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self.fetcher = ShardFetcher(session, self.store, self.node_id, self.metrics)
+
+    @property
+    def parent(self) -> str | None:
+        return self.fetcher.parent if self.fetcher is not None else None
+
+    def relay_info(self) -> RelayInfo | None:
+        if self.server is None or self.depth < 0:
+            return None
+        return RelayInfo(
+            depth=self.depth,
+            parent=self.parent,
+            slots_total=self.server.slots,
+            slots_free=self.server.slots_free(),
+            upload_bps=self.server.upload_bps(),
+            versions=self.store.complete_versions()[-16:],
+            fetching=self.fetching,
+        )
+
+    async def _find(self, exclude: set[str]) -> list[Candidate]:
+        records = await self.membership.get_nodes()
+        version = self.fetching
+        parent, sources = plan(records, self.node_id, self.run_id, version, self.parent, exclude)
+        if parent is not None and self.depth != parent.depth + 1:
+            self.depth = parent.depth + 1
+            await self.publish()
+        return sources
+
+    async def sync(self, version: int) -> Manifest:
+        """Hold a verified copy of ``version``; returns its manifest."""
+        if self.fetcher is None:
+            raise RuntimeError("WeightFollower.start() has not run")
+        if version in self.store.complete_versions():
+            manifest = self.store.manifest(version)
+            if manifest is not None:
+                return manifest
+        self.fetching = version
+        await self.publish()
+        try:
+            manifest = await self.fetcher.fetch(version, self._find)
+        finally:
+            self.fetching = -1
+        self.store.prune(self.keep, self.max_bytes)
+        self.metrics.inc("node_weights_versions_received_total")
+        self.metrics.set("node_weights_versions_held", len(self.store.complete_versions()))
+        await self.publish()
+        return manifest

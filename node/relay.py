@@ -1,0 +1,150 @@
+"""The shard server: every node that holds weights serves them, verified shard by verified shard.
+
+``GET /weights/<version>/manifest.msgpack`` and ``GET /weights/<version>/<shard>`` (Range and HEAD supported).
+A shard of a version still arriving is served the moment it is verified: a request for it waits (long poll)
+instead of failing, so each level of the relay tree adds about one shard's transfer time. Downstream nodes name
+themselves in ``X-Intellect-Node``; each takes one of the node's upload slots while it keeps fetching, and a
+node without a free slot answers 503, which sends the child to another parent. Anonymous clients (curl, a
+mirror) are served without a slot. An optional upload limit (a token bucket over all responses) lets a
+volunteer cap what the node sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from intellect_node.metrics import Metrics
+from intellect_node.store import WeightStore
+from intellect_node.weights import MANIFEST_NAME
+
+logger = logging.getLogger(__name__)
+
+CHILD_HEADER = "X-Intellect-Node"
+SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CHILD_TTL_S = 10.0
+"""A child that has not asked for anything this long gives its slot back."""
+LONG_POLL_S = 20.0
+_CHUNK = 256 * 1024
+
+
+class TokenBucket:
+    """Shared upload budget: at most ``rate`` bytes per second, bursts of a quarter second."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.capacity = max(rate / 4, _CHUNK)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            if self.tokens < 0:
+                await asyncio.sleep(-self.tokens / self.rate)
+
+
+class ShardServer:
+    def __init__(self, store: WeightStore, metrics: Metrics, slots: int, upload_limit_bps: float | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.slots = slots
+        self._children: dict[str, float] = {}
+        self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
+        self._rate = 0.0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/weights/{version}/{name}", self._get)]
+
+    def _active_children(self) -> dict[str, float]:
+        now = time.monotonic()
+        self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
+        return self._children
+
+    def slots_free(self) -> int:
+        return max(0, self.slots - len(self._active_children()))
+
+    def children(self) -> list[str]:
+        return sorted(self._active_children())
+
+    def upload_bps(self) -> float:
+        """Delivered rate of recent transfers (an EWMA over responses of at least one chunk)."""
+        return self._rate
+
+    def _admit(self, child: str) -> bool:
+        active = self._active_children()
+        if child in active or len(active) < self.slots:
+            active[child] = time.monotonic()
+            return True
+        return False
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        v, name = request.match_info["version"], request.match_info["name"]
+        if not v.isdigit() or len(v) > 10 or not SHARD_NAME.match(name) or name.endswith(".part"):
+            raise web.HTTPNotFound()
+        version = int(v)
+        if name == MANIFEST_NAME:
+            data = self.store.manifest_bytes(version)
+            if data is None:
+                raise web.HTTPNotFound()
+            return web.Response(body=data, content_type="application/octet-stream")
+        child = request.headers.get(CHILD_HEADER)
+        if child is not None and not self._admit(child[:64]):
+            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+        path = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
+        if path is None:
+            raise web.HTTPNotFound()
+        return await self._send(request, path, child)
+
+    async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
+        size = path.stat().st_size
+        try:
+            rng = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        start = rng.start or 0
+        if start < 0:
+            start = max(0, size + start)
+        stop = size if rng.stop is None else min(rng.stop, size)
+        ranged = rng.start is not None or rng.stop is not None
+        if ranged and start >= stop:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if ranged:
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+        resp.content_length = stop - start
+        await resp.prepare(request)
+        if request.method == "HEAD":
+            return resp
+        started = time.monotonic()
+        sent = 0
+        with open(path, "rb") as f:
+            f.seek(start)
+            while sent < stop - start:
+                chunk = f.read(min(_CHUNK, stop - start - sent))
+                if not chunk:
+                    break
+                if self._bucket is not None:
+                    await self._bucket.take(len(chunk))
+                await resp.write(chunk)
+                sent += len(chunk)
+                if child is not None:
+                    self._children[child[:64]] = time.monotonic()
+        await resp.write_eof()
+        elapsed = time.monotonic() - started
+        if sent >= _CHUNK and elapsed > 0:
+            self._rate = sent / elapsed if self._rate == 0 else 0.7 * self._rate + 0.3 * sent / elapsed
+        self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
+        self.metrics.inc("node_relay_shards_served_total")
+        return resp

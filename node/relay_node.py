@@ -1,0 +1,41 @@
+"""The relay role: a bandwidth-only node. It follows every new version the trainer announces and serves it.
+
+It loads no model and needs no GPU: `intellect-node join --role relay --peers ... --run-id ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from intellect_node.volunteer import POLL_S, Volunteer
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import Role, RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+class RelayNode(Volunteer):
+    role: Role = "relay"
+
+    async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
+        assert self.follower is not None
+        if self.server is None:
+            raise SystemExit("a relay that does not relay has nothing to do: drop --no-relay")
+        while True:
+            trainer = await self.trainer()
+            if trainer is None or trainer.weight_version <= self.version:
+                await asyncio.sleep(POLL_S)
+                continue
+            try:
+                await self.follower.sync(trainer.weight_version)
+                logger.info(
+                    "holding version=%d depth=%d parent=%s", self.version, self.follower.depth, self.follower.parent
+                )
+                print(f"HOLDING {self.version}", flush=True)
+            except (TimeoutError, Rejected, aiohttp.ClientError) as e:
+                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
+                await asyncio.sleep(POLL_S)

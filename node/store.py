@@ -1,0 +1,167 @@
+"""One run's weight folder: complete versions, versions in progress, and only verified shards visible.
+
+Layout (plain static files, servable by any HTTP server once complete)::
+
+    <root>/<version>/manifest.msgpack          a complete, verified version
+    <root>/<version>/shard-NNNNN.safetensors
+    <root>/<version>.partial/manifest.msgpack  a version being received: manifest verified first,
+    <root>/<version>.partial/<name>            then each shard, visible under its name once verified,
+    <root>/<version>.partial/<name>.part       while its bytes arrive (resumed with HTTP Range)
+
+Invariant: a file named as a shard is always one whose size and SHA-256 matched the signed manifest, so the
+shard server may hand out any such file at once (pipelined relaying), and a restarted node keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from intellect_node.weights import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_protocol.messages import Manifest, ShardEntry
+
+logger = logging.getLogger(__name__)
+
+
+class WeightStore:
+    def __init__(self, root: Path, run_id: str) -> None:
+        self.root = root
+        self.run_id = run_id
+        root.mkdir(parents=True, exist_ok=True)
+        self._manifests: dict[int, Manifest] = {}
+        self._verified: dict[int, set[str]] = {}
+        self._arrived: dict[tuple[int, str], asyncio.Event] = {}
+
+    # ---- reading (the shard server) -----------------------------------------------------------------
+
+    def complete_versions(self) -> list[int]:
+        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).exists())
+
+    def in_progress(self) -> list[int]:
+        return sorted(self._verified)
+
+    def folder(self, version: int) -> Path:
+        return self.root / str(version)
+
+    def partial(self, version: int) -> Path:
+        return self.root / f"{version}.partial"
+
+    def manifest_bytes(self, version: int) -> bytes | None:
+        for folder in (self.folder(version), self.partial(version)):
+            path = folder / MANIFEST_NAME
+            if path.exists():
+                return path.read_bytes()
+        return None
+
+    def manifest(self, version: int) -> Manifest | None:
+        if version not in self._manifests:
+            data = self.manifest_bytes(version)
+            if data is None:
+                return None
+            self._manifests[version] = verify_manifest(data, self.run_id, version)
+        return self._manifests[version]
+
+    def shard_file(self, version: int, name: str) -> Path | None:
+        """The verified file for shard ``name`` of ``version``, if this node has it."""
+        done = self.folder(version) / name
+        if done.is_file():
+            return done
+        if name in self._verified.get(version, ()):
+            return self.partial(version) / name
+        return None
+
+    async def wait_shard(self, version: int, name: str, timeout: float) -> Path | None:
+        """Wait until shard ``name`` of a version in progress is verified; None if it does not come in time."""
+        manifest = self._manifests.get(version)
+        if version not in self._verified or manifest is None or all(s.name != name for s in manifest.shards):
+            return self.shard_file(version, name)
+        event = self._arrived.setdefault((version, name), asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.shard_file(version, name)
+
+    # ---- writing (the fetcher) ----------------------------------------------------------------------
+
+    def begin(self, version: int, manifest_data: bytes) -> tuple[Manifest, list[ShardEntry]]:
+        """Start (or resume) receiving ``version``: returns its manifest and the shards still missing.
+
+        Shards already on disk from an earlier run are re-hashed once and kept if they match.
+        """
+        manifest = verify_manifest(manifest_data, self.run_id, version)
+        if (self.folder(version) / MANIFEST_NAME).exists():
+            held = verify_manifest((self.folder(version) / MANIFEST_NAME).read_bytes(), self.run_id, version)
+            if held.checkpoint_sha256 == manifest.checkpoint_sha256:
+                self._manifests[version] = held
+                return held, []
+            shutil.rmtree(self.folder(version))  # the run restarted and reused this version number
+        partial = self.partial(version)
+        old = partial / MANIFEST_NAME
+        if old.exists() and verify_manifest(old.read_bytes(), self.run_id, version) != manifest:
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / MANIFEST_NAME).write_bytes(manifest_data)
+        self._manifests[version] = manifest
+        verified: set[str] = set()
+        for shard in manifest.shards:
+            path = partial / shard.name
+            if path.is_file():
+                if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
+                    verified.add(shard.name)
+                else:
+                    path.unlink()
+        self._verified[version] = verified
+        if verified:
+            logger.info("resuming version=%d verified_shards=%d of %d", version, len(verified), len(manifest.shards))
+        return manifest, [s for s in manifest.shards if s.name not in verified]
+
+    def part_path(self, version: int, name: str) -> Path:
+        return self.partial(version) / f"{name}.part"
+
+    def mark_verified(self, version: int, name: str) -> None:
+        self.part_path(version, name).rename(self.partial(version) / name)
+        self._verified.setdefault(version, set()).add(name)
+        event = self._arrived.pop((version, name), None)
+        if event is not None:
+            event.set()
+
+    def verified_count(self, version: int) -> int:
+        return len(self._verified.get(version, ()))
+
+    def finish(self, version: int) -> Path:
+        partial = self.partial(version)
+        for leftover in partial.glob("*.part"):
+            leftover.unlink()
+        partial.rename(self.folder(version))
+        self._verified.pop(version, None)
+        for key in [k for k in self._arrived if k[0] == version]:
+            self._arrived.pop(key).set()
+        return self.folder(version)
+
+    def abandon(self, version: int) -> None:
+        """Stop serving a version in progress (its verified shards stay on disk for a resume)."""
+        self._verified.pop(version, None)
+        for key in [k for k in self._arrived if k[0] == version]:
+            self._arrived.pop(key).set()
+
+    def prune(self, keep: int, max_bytes: int | None = None) -> None:
+        """Keep the newest ``keep`` complete versions (fewer if they exceed ``max_bytes``, never fewer than one)."""
+        versions = self.complete_versions()
+        kept: list[int] = []
+        total = 0
+        for v in reversed(versions):
+            size = sum(p.stat().st_size for p in self.folder(v).iterdir() if p.is_file())
+            if kept and (len(kept) >= keep or (max_bytes is not None and total + size > max_bytes)):
+                shutil.rmtree(self.folder(v), ignore_errors=True)
+                self._manifests.pop(v, None)
+                continue
+            kept.append(v)
+            total += size
+        newest = max(kept, default=-1)
+        for p in self.root.glob("*.partial"):
+            stem = p.name.split(".")[0]
+            if stem.isdigit() and int(stem) < newest and int(stem) not in self._verified:
+                shutil.rmtree(p, ignore_errors=True)

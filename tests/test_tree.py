@@ -1,0 +1,68 @@
+"""Parent choice in the relay tree, from DHT records alone."""
+
+from __future__ import annotations
+
+from intellect_node.tree import plan
+from intellect_protocol.messages import NodeRecord, RelayInfo
+
+ORIGIN = "0" * 32
+
+
+def _rec(nid: str, depth: int, free: int, parent: str | None = None, versions: tuple[int, ...] = (1,),
+         fetching: int = -1, bps: float = 0.0) -> NodeRecord:  # fmt: skip
+    return NodeRecord(
+        run_id=ORIGIN, node_id=nid, role="trainer" if nid == ORIGIN else "relay", updated=0.0,
+        http_url=f"http://{nid[:4]}", relay=RelayInfo(depth=depth, parent=parent, slots_total=2, slots_free=free,
+        versions=list(versions), fetching=fetching, upload_bps=bps),
+    )  # fmt: skip
+
+
+def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
+    return {r.node_id: r for r in recs}
+
+
+def test_origin_is_the_last_resort() -> None:
+    a = "a" * 32
+    parent, sources = plan(_records(_rec(ORIGIN, 0, 2), _rec(a, 1, 1, ORIGIN)), "e" * 32, ORIGIN, 1, None)
+    assert parent is not None and parent.node_id == a and parent.is_parent
+    assert [s.node_id for s in sources] == [a, ORIGIN]
+    parent, _ = plan(_records(_rec(ORIGIN, 0, 2), _rec(a, 1, 0, ORIGIN)), "e" * 32, ORIGIN, 1, None)
+    assert parent is not None and parent.node_id == ORIGIN  # the only relay has no free slot
+
+
+def test_lowest_depth_then_fastest() -> None:
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    recs = _records(
+        _rec(ORIGIN, 0, 0), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6), _rec(c, 1, 1, ORIGIN, bps=9e6)
+    )
+    parent, sources = plan(recs, "e" * 32, ORIGIN, 1, None)
+    assert parent is not None and parent.node_id == c and parent.depth == 1
+    assert [s.node_id for s in sources] == [c, b, a, ORIGIN]
+
+
+def test_a_relay_receiving_the_version_counts_and_one_without_it_does_not() -> None:
+    a, b = "a" * 32, "b" * 32
+    recs = _records(_rec(ORIGIN, 0, 1, versions=(2,)), _rec(a, 1, 1, ORIGIN, versions=(1,)),
+                    _rec(b, 1, 1, ORIGIN, versions=(1,), fetching=2))  # fmt: skip
+    parent, _ = plan(recs, "e" * 32, ORIGIN, 2, None)
+    assert parent is not None and parent.node_id == b
+
+
+def test_keeps_a_live_parent_and_never_picks_a_descendant() -> None:
+    me, a, child, grandchild = "e" * 32, "a" * 32, "c" * 32, "d" * 32
+    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 1, 0, ORIGIN), _rec(child, 2, 2, me), _rec(grandchild, 3, 2, child))
+    parent, _ = plan(recs, me, ORIGIN, 1, a)
+    assert parent is not None and parent.node_id == a  # full, but we hold one of its slots already
+    parent, sources = plan(recs, me, ORIGIN, 1, None)
+    assert parent is not None and parent.node_id == ORIGIN
+    assert child not in {s.node_id for s in sources} and grandchild not in {s.node_id for s in sources}
+
+
+def test_excluded_and_dead_parents_are_replaced() -> None:
+    a, b = "a" * 32, "b" * 32
+    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 1, 1, ORIGIN), _rec(b, 1, 1, ORIGIN))
+    parent, _ = plan(recs, "e" * 32, ORIGIN, 1, a, exclude={a})
+    assert parent is not None and parent.node_id == b
+    del recs[b]
+    parent, _ = plan(recs, "e" * 32, ORIGIN, 1, b)  # b's record expired: it is gone
+    assert parent is not None and parent.node_id == a
