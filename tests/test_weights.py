@@ -139,7 +139,8 @@ def test_forged_manifest_is_never_acted_on(tmp_path: Path) -> None:
     with pytest.raises(Rejected) as e:
         asyncio.run(main())
     assert e.value.reason == "no_source" and metrics.counter("node_relay_bans_total") == 1
-    assert not (tmp_path / "client" / "2.partial").exists() and WeightStore(tmp_path / "client", RUN).complete_versions() == []
+    assert not (tmp_path / "client" / "2.partial").exists()
+    assert WeightStore(tmp_path / "client", RUN).complete_versions() == []
 
 
 def test_partial_shard_resumes_with_range(tmp_path: Path) -> None:
