@@ -54,6 +54,8 @@ class Source:
     bps: float = 0.0
     ok: int = 0
     failed: int = 0
+    full: bool = False
+    """It answered 503 (no free slot) last time."""
     away_until: float = 0.0
     """Not asked before this time: no slot, not there yet, or unreachable."""
 
@@ -120,7 +122,9 @@ class ShardFetcher:
         if self._find is None or (not force and time.monotonic() - self._refreshed < REFRESH_S):
             return
         self._refreshed = time.monotonic()
-        down = {n for n, s in self.sources.items() if s.failed >= 2 and s.away_until > time.monotonic()}
+        now = time.monotonic()
+        # Unreachable twice, or out of slots (503): plan around them until they have had time to recover.
+        down = {n for n, s in self.sources.items() if (s.failed >= 2 or s.full) and s.away_until > now}
         plan = await self._find(self._excluded() | down)
         fresh: dict[str, Source] = {}
         for c in plan:
@@ -226,8 +230,9 @@ class ShardFetcher:
         try:
             async with self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:
                 if resp.status in (404, 503):
-                    src.away_until = time.monotonic() + (1.0 if resp.status == 503 else 0.2)
-                    if resp.status == 503 and src.is_parent:
+                    src.full = resp.status == 503
+                    src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
+                    if src.full and src.is_parent:
                         await self._refresh(force=True)
                     return False
                 if resp.status == 200 and have:
@@ -256,6 +261,7 @@ class ShardFetcher:
         self.store.mark_verified(version, shard.name)
         src.ok += 1
         src.failed = 0
+        src.full = False
         elapsed = time.monotonic() - started
         if received >= _CHUNK and elapsed > 0:
             rate = received / elapsed
