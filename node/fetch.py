@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import logging
 import sys
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -177,18 +177,22 @@ class ShardFetcher:
         manifest, missing = self.store.begin(version, data)
         progress = Progress(version, manifest.total_size)
         progress.add(manifest.total_size - sum(s.size for s in missing))
-        todo: deque[ShardEntry] = deque(missing)
+        # Shards go in manifest order, a failed one back to its place: a relay receives in order, so its
+        # children, asking in the same order, find each shard as soon as it can exist (pipelining).
+        order = {s.name: i for i, s in enumerate(manifest.shards)}
+        todo: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
+        heapq.heapify(todo)
         tried: dict[str, set[str]] = {}
 
         async def worker() -> None:
             while todo:
                 if time.monotonic() > deadline:
                     raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
-                shard = todo.popleft()
+                index, shard = heapq.heappop(todo)
                 attempted = tried.setdefault(shard.name, set())
                 src = self._pick(attempted)
                 if src is None:
-                    todo.append(shard)
+                    heapq.heappush(todo, (index, shard))
                     await self._refresh()
                     await asyncio.sleep(0.05)
                     continue
@@ -196,7 +200,7 @@ class ShardFetcher:
                 if await self._one(version, shard, src):
                     progress.add(shard.size)
                 else:
-                    todo.append(shard)
+                    heapq.heappush(todo, (index, shard))
 
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -259,6 +263,10 @@ class ShardFetcher:
         if have + received != shard.size or digest.hexdigest() != shard.sha256:
             return self._bad(version, shard, src, whole_from_src, "hash mismatch")
         self.store.mark_verified(version, shard.name)
+        logger.debug(
+            "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
+            time.monotonic() - started,
+        )  # fmt: skip
         src.ok += 1
         src.failed = 0
         src.full = False

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -16,12 +18,14 @@ import aiohttp
 from intellect_node.dht import Membership
 from intellect_node.fetch import ShardFetcher
 from intellect_node.metrics import Metrics
-from intellect_node.relay import ShardServer
+from intellect_node.relay import CHILD_HEADER, CHILD_TTL_S, ShardServer
 from intellect_node.store import WeightStore
 from intellect_node.tree import Candidate, plan
 from intellect_protocol.messages import Manifest, RelayInfo
 
 logger = logging.getLogger(__name__)
+KEEPALIVE_S = CHILD_TTL_S / 3
+ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
 class WeightFollower:
@@ -98,3 +102,20 @@ class WeightFollower:
         self.metrics.set("node_weights_versions_held", len(self.store.complete_versions()))
         await self.publish()
         return manifest
+
+    async def keep_attached(self, session: aiohttp.ClientSession) -> None:
+        """Hold this node's slot at its parent between versions, so the tree stays as it is."""
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            f = self.fetcher
+            if f is None or f.parent is None or self.fetching >= 0 or f.parent not in f.sources:
+                continue
+            src = f.sources[f.parent]
+            try:
+                async with session.post(
+                    f"{src.url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
+                ) as resp:
+                    if resp.status == 503:  # the slot went to another node: choose again at the next version
+                        src.full, src.away_until = True, time.monotonic() + 2.0
+            except (aiohttp.ClientError, TimeoutError):
+                src.failed += 1

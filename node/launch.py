@@ -24,15 +24,28 @@ class NodeExited(RuntimeError):
 
 
 class NodeProcess:
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        prefix: list[str] | None = None,
+        stdin: int | None = None,
+    ) -> None:
+        """Run ``prefix + command + argv``; ``command`` defaults to the ``intellect-node`` CLI of this Python,
+        ``prefix`` can place it elsewhere (``ip netns exec NS``)."""
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self.stdout_path = log_dir / f"{name}.out"
         self._log = open(self.log_path, "wb")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        command = command or [sys.executable, "-m", "intellect_node.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "intellect_node.cli", *argv],
+            [*(prefix or []), *command, *argv],
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=full_env,

@@ -3,7 +3,8 @@
 ``GET /weights/<version>/manifest.msgpack`` and ``GET /weights/<version>/<shard>`` (Range and HEAD supported).
 A shard of a version still arriving is served the moment it is verified: a request for it waits (long poll)
 instead of failing, so each level of the relay tree adds about one shard's transfer time. Downstream nodes name
-themselves in ``X-Intellect-Node``; each takes one of the node's upload slots while it keeps fetching, and a
+themselves in ``X-Intellect-Node``; each takes one of the node's upload slots and keeps it while it fetches or
+sends a keep-alive (``POST /relay/attach``) at least every ``CHILD_TTL_S``, so the tree holds between versions; a
 node without a free slot answers 503, which sends the child to another parent. Anonymous clients (curl, a
 mirror) are served without a slot. An optional upload limit (a token bucket over all responses) lets a
 volunteer cap what the node sends.
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -30,6 +32,8 @@ SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHILD_TTL_S = 10.0
 """A child that has not asked for anything this long gives its slot back."""
 LONG_POLL_S = 20.0
+MANIFEST_POLL_S = 5.0
+"""How long a request for the manifest of a version not yet begun here waits before a 404."""
 _CHUNK = 256 * 1024
 
 
@@ -54,20 +58,32 @@ class TokenBucket:
 
 
 class ShardServer:
-    def __init__(self, store: WeightStore, metrics: Metrics, slots: int, upload_limit_bps: float | None = None) -> None:
+    def __init__(
+        self,
+        store: WeightStore,
+        metrics: Metrics,
+        slots: int,
+        upload_limit_bps: float | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
         self.metrics = metrics
         self.slots = slots
+        self.on_change = on_change
+        """Called when the set of children changes (the node then republishes its free slots)."""
         self._children: dict[str, float] = {}
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self._rate = 0.0
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/weights/{version}/{name}", self._get)]
+        return [web.get("/weights/{version}/{name}", self._get), web.post("/relay/attach", self._attach)]
 
     def _active_children(self) -> dict[str, float]:
         now = time.monotonic()
+        before = len(self._children)
         self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
+        if len(self._children) != before and self.on_change is not None:
+            self.on_change()
         return self._children
 
     def slots_free(self) -> int:
@@ -83,9 +99,22 @@ class ShardServer:
     def _admit(self, child: str) -> bool:
         active = self._active_children()
         if child in active or len(active) < self.slots:
+            new = child not in active
             active[child] = time.monotonic()
+            if new and self.on_change is not None:
+                self.on_change()
             return True
         return False
+
+    async def _attach(self, request: web.Request) -> web.Response:
+        """A child's keep-alive: hold (or take) a slot without fetching anything."""
+        child = request.headers.get(CHILD_HEADER)
+        if not child:
+            raise web.HTTPBadRequest(text=f"send {CHILD_HEADER}: <node id>")
+        if not self._admit(child[:64]):
+            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+        return web.Response(text="ok")
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]
@@ -94,6 +123,8 @@ class ShardServer:
         version = int(v)
         if name == MANIFEST_NAME:
             data = self.store.manifest_bytes(version)
+            if data is None and await self.store.wait_begun(version, MANIFEST_POLL_S):
+                data = self.store.manifest_bytes(version)
             if data is None:
                 raise web.HTTPNotFound()
             return web.Response(body=data, content_type="application/octet-stream")

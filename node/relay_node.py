@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 
@@ -34,7 +35,7 @@ class RelayNode(Volunteer):
                 logger.info(
                     "holding version=%d depth=%d parent=%s", self.version, self.follower.depth, self.follower.parent
                 )
-                print(f"HOLDING {self.version}", flush=True)
+                print(f"HOLDING {self.version} at={time.time():.6f}", flush=True)
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
                 logger.warning("could not fetch version %d: %s", trainer.weight_version, e)

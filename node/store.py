@@ -33,6 +33,8 @@ class WeightStore:
         self._manifests: dict[int, Manifest] = {}
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
+        self._begun = asyncio.Event()
+        """Pulsed (set, then replaced) whenever a version starts arriving."""
 
     # ---- reading (the shard server) -----------------------------------------------------------------
 
@@ -72,16 +74,42 @@ class WeightStore:
             return self.partial(version) / name
         return None
 
+    def _is_future(self, version: int) -> bool:
+        return version not in self._verified and version > max(self.complete_versions(), default=-1)
+
+    async def wait_begun(self, version: int, timeout: float) -> bool:
+        """Wait until a version newer than anything held starts arriving here; True if it has."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._is_future(version):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._begun.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
     async def wait_shard(self, version: int, name: str, timeout: float) -> Path | None:
-        """Wait until shard ``name`` of a version in progress is verified; None if it does not come in time."""
+        """Wait until shard ``name`` of ``version`` is verified here; None if it does not come in time.
+
+        Waits through a version that has not started arriving yet (a child may ask a moment before its parent
+        has the manifest) and through a shard still in flight.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not await self.wait_begun(version, timeout):
+            return None
         manifest = self._manifests.get(version)
         if version not in self._verified or manifest is None or all(s.name != name for s in manifest.shards):
             return self.shard_file(version, name)
-        event = self._arrived.setdefault((version, name), asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+        if self.shard_file(version, name) is None:
+            event = self._arrived.setdefault((version, name), asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                pass
         return self.shard_file(version, name)
 
     # ---- writing (the fetcher) ----------------------------------------------------------------------
@@ -114,6 +142,8 @@ class WeightStore:
                 else:
                     path.unlink()
         self._verified[version] = verified
+        self._begun.set()
+        self._begun = asyncio.Event()
         if verified:
             logger.info("resuming version=%d verified_shards=%d of %d", version, len(verified), len(manifest.shards))
         return manifest, [s for s in manifest.shards if s.name not in verified]

@@ -24,8 +24,12 @@ class Candidate:
 
 
 def _serves(record: NodeRecord, version: int) -> bool:
+    """Holds ``version``, is receiving it, or holds the one before (it follows the run and is about to):
+    a child may attach at once, and its requests wait at the parent until the version starts arriving."""
     relay = record.relay
-    return relay is not None and (version in relay.versions or relay.fetching == version)
+    return relay is not None and (
+        version in relay.versions or relay.fetching == version or record.weight_version >= version - 1
+    )
 
 
 def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> bool:
@@ -57,7 +61,7 @@ def plan(
         if nid == me or nid in exclude or r.relay is None or not r.http_url or r.relay.depth >= MAX_DEPTH:
             continue
         if nid != origin and _descends_from(records, nid, me):
-            continue
+            continue  # never a descendant, not even the current parent: two nodes choosing at once can close a cycle
         usable[nid] = r
 
     def cand(r: NodeRecord, is_parent: bool) -> Candidate:

@@ -46,7 +46,12 @@ class Volunteer:
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.store = WeightStore(node.data_dir / "weights" / self.run_id, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
-        self.server = ShardServer(self.store, self.metrics, node.relay_slots, limit) if node.relay else None
+        self._publish_soon = asyncio.Event()
+        self.server = (
+            ShardServer(self.store, self.metrics, node.relay_slots, limit, on_change=self._publish_soon.set)
+            if node.relay
+            else None
+        )
         self.http = HttpServer(self.metrics, self.status, self.server.routes() if self.server else [])
         self.follower: WeightFollower | None = None
         self.spec: RunSpec | None = None
@@ -76,6 +81,14 @@ class Volunteer:
             await self.membership.publish_record(self.record())
         except (TimeoutError, OSError) as e:
             logger.warning("could not publish the DHT record: %s", e)
+
+    async def publish_on_change(self) -> None:
+        """Republish as soon as something others plan with changes (a slot taken or freed)."""
+        while True:
+            await self._publish_soon.wait()
+            self._publish_soon.clear()
+            await self.publish()
+            await asyncio.sleep(0.2)  # at most five DHT stores a second, however busy the slots are
 
     def status(self) -> dict[str, Any]:
         f = self.follower
@@ -141,6 +154,8 @@ class Volunteer:
                 self.follower.start(session)
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self.membership.republish_forever(self.record))
+                    tasks.create_task(self.publish_on_change())
+                    tasks.create_task(self.follower.keep_attached(session))
                     tasks.create_task(self.work(spec, session))
         finally:
             await self.http.close()

@@ -12,6 +12,7 @@ def _rec(nid: str, depth: int, free: int, parent: str | None = None, versions: t
          fetching: int = -1, bps: float = 0.0) -> NodeRecord:  # fmt: skip
     return NodeRecord(
         run_id=ORIGIN, node_id=nid, role="trainer" if nid == ORIGIN else "relay", updated=0.0,
+        weight_version=max(versions, default=-1),
         http_url=f"http://{nid[:4]}", relay=RelayInfo(depth=depth, parent=parent, slots_total=2, slots_free=free,
         versions=list(versions), fetching=fetching, upload_bps=bps),
     )  # fmt: skip
@@ -40,12 +41,13 @@ def test_lowest_depth_then_fastest() -> None:
     assert [s.node_id for s in sources] == [c, b, a, ORIGIN]
 
 
-def test_a_relay_receiving_the_version_counts_and_one_without_it_does_not() -> None:
-    a, b = "a" * 32, "b" * 32
-    recs = _records(_rec(ORIGIN, 0, 1, versions=(2,)), _rec(a, 1, 1, ORIGIN, versions=(1,)),
-                    _rec(b, 1, 1, ORIGIN, versions=(1,), fetching=2))  # fmt: skip
-    parent, _ = plan(recs, "e" * 32, ORIGIN, 2, None)
-    assert parent is not None and parent.node_id == b
+def test_a_relay_following_the_run_counts_and_one_left_behind_does_not() -> None:
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(1,)),
+                    _rec(b, 2, 1, ORIGIN, versions=(2,)), _rec(c, 3, 1, ORIGIN, versions=(1,), fetching=3))  # fmt: skip
+    parent, sources = plan(recs, "e" * 32, ORIGIN, 3, None)
+    assert parent is not None and parent.node_id == b  # holds 2: about to fetch 3
+    assert a not in {s.node_id for s in sources} and c in {s.node_id for s in sources}
 
 
 def test_keeps_a_live_parent_and_never_picks_a_descendant() -> None:
