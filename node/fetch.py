@@ -32,7 +32,7 @@ from intellect_protocol.messages import Manifest, ShardEntry
 logger = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
-REFRESH_S = 0.5
+REFRESH_S = 1.0
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -16,6 +16,8 @@ from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Role, RunSpec
 
 logger = logging.getLogger(__name__)
+WATCH_S = 1.0
+"""How often a relay reads the trainer's record: relays are many, and each read is a DHT lookup."""
 
 
 class RelayNode(Volunteer):
@@ -28,7 +30,7 @@ class RelayNode(Volunteer):
         while True:
             trainer = await self.trainer()
             if trainer is None or trainer.weight_version <= self.version:
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(WATCH_S)
                 continue
             try:
                 await self.follower.sync(trainer.weight_version)

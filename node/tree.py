@@ -55,13 +55,19 @@ def plan(
     exclude: set[str] = frozenset(),  # type: ignore[assignment]
     alternates: int = 2,
 ) -> tuple[Candidate | None, list[Candidate]]:
-    """The parent to use for ``version`` and the sources to try, best first (the parent first)."""
+    """The parent to use for ``version`` and the sources to try, best first (the parent first).
+
+    The current parent is kept unless this node saw it fail (``exclude``: banned, unreachable, out of slots) or
+    its depth shows a cycle (in a cycle depths grow with every republish until they pass ``MAX_DEPTH``); what
+    other records claim about its ancestry
+    lags behind a re-shaping tree and is not reason enough to leave it. A new parent is never a descendant.
+    """
     usable: dict[str, NodeRecord] = {}
     for nid, r in records.items():
         if nid == me or nid in exclude or r.relay is None or not r.http_url or r.relay.depth >= MAX_DEPTH:
             continue
-        if nid != origin and _descends_from(records, nid, me):
-            continue  # never a descendant, not even the current parent: two nodes choosing at once can close a cycle
+        if nid not in (origin, parent) and _descends_from(records, nid, me):
+            continue
         usable[nid] = r
 
     def cand(r: NodeRecord, is_parent: bool) -> Candidate:
