@@ -51,7 +51,7 @@ def test_help_does_not_import_torch() -> None:
 
 def test_unavailable_role_says_so() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "relay", "--peers", "/ip4/127.0.0.1/tcp/1",
+        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "validator", "--peers", "/ip4/127.0.0.1/tcp/1",
          "--run-id", "0" * 32],
         capture_output=True, text=True,
     )  # fmt: skip

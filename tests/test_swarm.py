@@ -105,7 +105,7 @@ def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swar
         worker = swarm.status(ready["status_url"])
         versions = worker["versions_loaded"]
         assert len(versions) >= 2, versions
-        assert versions == sorted(set(versions)) and versions[0] == 0
+        assert versions == sorted(set(versions))  # a node that joins late starts at the newest version
         assert trainer["accepted_groups_by_node"].get(ready["node_id"], 0) > 0
 
 
