@@ -236,6 +236,10 @@ class ShardFetcher:
                 if resp.status in (404, 503):
                     src.full = resp.status == 503
                     src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
+                    if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
+                        # It waited a long poll and still had nothing: a parent that is stuck itself (say,
+                        # cut off from the DHT) counts as failing, so twice of this moves us elsewhere.
+                        src.failed += 1
                     if src.full and src.is_parent:
                         await self._refresh(force=True)
                     return False

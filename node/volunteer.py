@@ -6,6 +6,7 @@ and weight follower; the roles (``inference``, ``relay``) subclass it and add th
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -31,7 +32,7 @@ POLL_S = 0.25
 """How often to look at the trainer's record while waiting for something to do."""
 
 
-class Volunteer:
+class Volunteer(abc.ABC):
     role: Role = "inference"
 
     def __init__(self, node: NodeConfig) -> None:
@@ -133,8 +134,9 @@ class Volunteer:
             logger.warning("could not read the trainer's record from the DHT: %r", e)
             return None
 
+    @abc.abstractmethod
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
-        raise NotImplementedError  # each role defines its loop
+        """The role's own loop (generate rollouts, or only relay)."""
 
     async def run(self) -> None:
         try:
