@@ -117,5 +117,11 @@ class WeightFollower:
                 ) as resp:
                     if resp.status == 503:  # the slot went to another node: choose again at the next version
                         src.full, src.away_until = True, time.monotonic() + 2.0
-            except (aiohttp.ClientError, TimeoutError):
+                    elif resp.status == 200:
+                        body = await resp.json(content_type=None)
+                        depth = body.get("depth") if isinstance(body, dict) else None
+                        if isinstance(depth, int) and 0 <= depth < 1024 and self.depth != depth + 1:
+                            self.depth = depth + 1  # the parent moved in the tree: so did we
+                            await self.publish()
+            except (aiohttp.ClientError, TimeoutError, ValueError):
                 src.failed += 1

@@ -71,6 +71,8 @@ class ShardServer:
         self.slots = slots
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
+        self.depth: Callable[[], int] = lambda: 0
+        """This node's depth in the tree, told to children in each keep-alive so theirs stays right."""
         self._children: dict[str, float] = {}
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self._rate = 0.0
@@ -114,7 +116,7 @@ class ShardServer:
         if not self._admit(child[:64]):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        return web.Response(text="ok")
+        return web.json_response({"depth": self.depth()})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]

@@ -150,6 +150,9 @@ class Volunteer(abc.ABC):
                 self.identity.node_id, self.run_id, self.membership, self.store, self.metrics, self.server,
                 keep, max_bytes, self.publish,
             )  # fmt: skip
+            if self.server is not None:
+                follower = self.follower
+                self.server.depth = lambda: follower.depth
             await self.publish()
             await self.ready(spec)
             async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
