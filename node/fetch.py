@@ -180,19 +180,19 @@ class ShardFetcher:
         # Shards go in manifest order, a failed one back to its place: a relay receives in order, so its
         # children, asking in the same order, find each shard as soon as it can exist (pipelining).
         order = {s.name: i for i, s in enumerate(manifest.shards)}
-        todo: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
-        heapq.heapify(todo)
+        pending: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
+        heapq.heapify(pending)
         tried: dict[str, set[str]] = {}
 
         async def worker() -> None:
-            while todo:
+            while pending:
                 if time.monotonic() > deadline:
                     raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
-                index, shard = heapq.heappop(todo)
+                index, shard = heapq.heappop(pending)
                 attempted = tried.setdefault(shard.name, set())
                 src = self._pick(attempted)
                 if src is None:
-                    heapq.heappush(todo, (index, shard))
+                    heapq.heappush(pending, (index, shard))
                     await self._refresh()
                     await asyncio.sleep(0.05)
                     continue
@@ -200,7 +200,7 @@ class ShardFetcher:
                 if await self._one(version, shard, src):
                     progress.add(shard.size)
                 else:
-                    heapq.heappush(todo, (index, shard))
+                    heapq.heappush(pending, (index, shard))
 
         try:
             async with asyncio.TaskGroup() as tasks:
