@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
 REFRESH_S = 1.0
+MANIFEST_WAIT_S = 6.0
+STALL_S = 30.0
+"""No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
+the caller asks the trainer's record again and fetches the newest version instead."""
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -100,6 +104,7 @@ class ShardFetcher:
         metrics: Metrics,
         parallel: int = 4,
         ban_s: float = 300.0,
+        stall_s: float = STALL_S,
     ) -> None:
         self.session = session
         self.store = store
@@ -107,6 +112,7 @@ class ShardFetcher:
         self.metrics = metrics
         self.parallel = parallel
         self.ban_s = ban_s
+        self.stall_s = stall_s
         self.banned: dict[str, float] = {}
         self.sources: dict[str, Source] = {}
         self.parent: str | None = None
@@ -173,7 +179,7 @@ class ShardFetcher:
         self._find = find
         await self._refresh(force=True)
         deadline = time.monotonic() + timeout
-        data = await self._manifest(version, deadline)
+        data = await self._manifest(version, min(deadline, time.monotonic() + MANIFEST_WAIT_S))
         manifest, missing = self.store.begin(version, data)
         progress = Progress(version, manifest.total_size)
         progress.add(manifest.total_size - sum(s.size for s in missing))
@@ -183,11 +189,15 @@ class ShardFetcher:
         pending: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
         heapq.heapify(pending)
         tried: dict[str, set[str]] = {}
+        last_progress = time.monotonic()
 
         async def worker() -> None:
+            nonlocal last_progress
             while pending:
                 if time.monotonic() > deadline:
                     raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
+                if time.monotonic() - last_progress > self.stall_s:
+                    raise Rejected("stalled", f"no shard of version {version} arrived in {self.stall_s:.0f}s")
                 index, shard = heapq.heappop(pending)
                 attempted = tried.setdefault(shard.name, set())
                 src = self._pick(attempted)
@@ -199,6 +209,7 @@ class ShardFetcher:
                 attempted.add(src.node_id)
                 if await self._one(version, shard, src):
                     progress.add(shard.size)
+                    last_progress = time.monotonic()
                 else:
                     heapq.heappush(pending, (index, shard))
 
@@ -206,8 +217,12 @@ class ShardFetcher:
             async with asyncio.TaskGroup() as tasks:
                 for _ in range(min(self.parallel, max(1, len(missing)))):
                     tasks.create_task(worker())
-        except BaseException:
+        except BaseException as e:
             self.store.abandon(version)
+            if isinstance(e, BaseExceptionGroup):
+                rejected, _ = e.split(Rejected)
+                if rejected is not None:  # callers handle one Rejected, as from the manifest phase
+                    raise rejected.exceptions[0] from None
             raise
         self.store.finish(version)
         return manifest

@@ -32,7 +32,7 @@ SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHILD_TTL_S = 10.0
 """A child that has not asked for anything this long gives its slot back."""
 LONG_POLL_S = 10.0
-MANIFEST_POLL_S = 5.0
+MANIFEST_POLL_S = 2.0
 """How long a request for the manifest of a version not yet begun here waits before a 404."""
 _CHUNK = 256 * 1024
 

@@ -75,7 +75,10 @@ class WeightStore:
         return None
 
     def _is_future(self, version: int) -> bool:
-        return version not in self._verified and version > max(self.complete_versions(), default=-1)
+        """Newer than anything held or arriving here: it may still come. An older version this node skipped
+        (nodes fetch only the newest) never will."""
+        newest = max([*self.complete_versions(), *self._verified], default=-1)
+        return version > newest
 
     async def wait_begun(self, version: int, timeout: float) -> bool:
         """Wait until a version newer than anything held starts arriving here; True if it has."""
@@ -167,6 +170,8 @@ class WeightStore:
             leftover.unlink()
         partial.rename(self.folder(version))
         self._verified.pop(version, None)
+        self._begun.set()  # waiters re-check: a version they wait for may now be known to be skipped
+        self._begun = asyncio.Event()
         for key in [k for k in self._arrived if k[0] == version]:
             self._arrived.pop(key).set()
         return self.folder(version)

@@ -81,7 +81,12 @@ async def _origin(root: Path, **server_args: float) -> AsyncIterator[tuple[str, 
 
 
 async def _fetch(
-    dest: Path, version: int, sources: list[Candidate], metrics: Metrics | None = None, timeout: float = 30.0
+    dest: Path,
+    version: int,
+    sources: list[Candidate],
+    metrics: Metrics | None = None,
+    timeout: float = 30.0,
+    stall_s: float = 30.0,
 ) -> WeightStore:
     store = WeightStore(dest, RUN)
 
@@ -89,7 +94,7 @@ async def _fetch(
         return [c for c in sources if c.node_id not in exclude]
 
     async with aiohttp.ClientSession() as session:
-        fetcher = ShardFetcher(session, store, "c" * 32, metrics or Metrics())
+        fetcher = ShardFetcher(session, store, "c" * 32, metrics or Metrics(), stall_s=stall_s)
         await fetcher.fetch(version, find, timeout=timeout)
     return store
 
@@ -188,3 +193,18 @@ def test_a_republished_version_replaces_the_held_copy(tmp_path: Path) -> None:
     store = asyncio.run(main())
     manifest = store.manifest(1)
     assert manifest is not None and torch.equal(load_checkpoint(store.folder(1), manifest)["w"], torch.ones(8))
+
+
+def test_a_version_its_sources_dropped_is_given_up_not_waited_for_forever(tmp_path: Path) -> None:
+    """Sources keep only their newest versions: a node that fell behind must move on to the newest one."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 3, _tensors(), shard_bytes=20_000)
+    for shard in (tmp_path / "origin" / "3").glob("*.safetensors"):
+        shard.unlink()  # pruned between announcing the manifest and serving the shards
+
+    async def main() -> None:
+        async with _origin(tmp_path / "origin") as (url, _):
+            await _fetch(tmp_path / "client", 3, [Candidate("a" * 32, url, 0, True)], timeout=60, stall_s=1.0)
+
+    with pytest.raises(Rejected) as e:
+        asyncio.run(main())
+    assert e.value.reason == "stalled"
