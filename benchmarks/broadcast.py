@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,6 +45,26 @@ def _stamp(line: str, key: str = "at") -> float:
 def _verify(folder: Path, manifest_data: bytes, run_id: str) -> bool:
     manifest = verify_manifest(manifest_data, run_id, 1)
     return all(hashlib.sha256((folder / s.name).read_bytes()).hexdigest() == s.sha256 for s in manifest.shards)
+
+
+def _last_reparent(log: Path) -> float:
+    """Unix time of the node's last parent change, from its log (0 if none)."""
+    last = 0.0
+    for line in log.read_text(errors="replace").splitlines():
+        if " parent=" in line and "intellect_node.fetch" in line:
+            last = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+    return last
+
+
+def _wait_settled(logs: list[Path], quiet_s: float, timeout: float) -> float:
+    """Wait until no receiver has changed parent for ``quiet_s``: the broadcast of a run's later versions goes
+    through a tree that formed once; this measures that steady state, not the stampede of 16 joins."""
+    started = time.time()
+    while time.time() - started < timeout:
+        if time.time() - max(_last_reparent(log) for log in logs) >= quiet_s:
+            break
+        time.sleep(1.0)
+    return time.time() - started
 
 
 def run_ours(
@@ -71,6 +92,7 @@ def run_ours(
                 node.wait_ready(timeout=600)
             for node in nodes[1:]:  # the tree forms on the tiny version 0
                 node.wait_for_line("HOLDING 0 ", timeout=300)
+            settle_s = _wait_settled([work / "logs" / f"r{i}.log" for i in range(n)], quiet_s=10.0, timeout=180.0)
             assert origin.proc.stdin is not None
             origin.proc.stdin.write(b"PUBLISH\n")
             origin.proc.stdin.flush()
@@ -83,7 +105,12 @@ def run_ours(
             for i in range(n):
                 lines = [x for x in (work / "logs" / f"r{i}.log").read_text().splitlines() if "holding version=1" in x]
                 depths += [int(tok.split("=")[1]) for tok in lines[-1].split() if tok.startswith("depth=")]
-            return {"seconds": max(done) - t0, "verified": verified, "max_depth": max(depths, default=-1)}
+            return {
+                "seconds": max(done) - t0,
+                "verified": verified,
+                "max_depth": max(depths, default=-1),
+                "settle_s": round(settle_s, 1),
+            }
         finally:
             for node in nodes:
                 node.terminate()
