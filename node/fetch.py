@@ -24,7 +24,7 @@ from intellect_node.metrics import Metrics
 from intellect_node.relay import CHILD_HEADER, LONG_POLL_S
 from intellect_node.store import WeightStore
 from intellect_node.tree import Candidate
-from intellect_node.weights import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_node.weights import MANIFEST_NAME, verify_manifest
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, ShardEntry
@@ -303,12 +303,3 @@ class ShardFetcher:
                 logger.warning("banned source=%s for %.0fs: shard %s %s", src.node_id, self.ban_s, shard.name, why)
             self.banned[src.node_id] = time.monotonic() + self.ban_s
         return False
-
-
-def verify_local(store: WeightStore, version: int) -> bool:
-    """True if every shard of a complete version still matches its manifest (used by tests and `status`)."""
-    manifest = store.manifest(version)
-    folder = store.folder(version)
-    return manifest is not None and all(
-        (folder / s.name).is_file() and sha256_file(folder / s.name) == s.sha256 for s in manifest.shards
-    )

@@ -41,9 +41,6 @@ class WeightStore:
     def complete_versions(self) -> list[int]:
         return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).exists())
 
-    def in_progress(self) -> list[int]:
-        return sorted(self._verified)
-
     def folder(self, version: int) -> Path:
         return self.root / str(version)
 

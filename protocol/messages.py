@@ -19,7 +19,6 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 U31 = Annotated[int, Field(ge=0, lt=2**31)]
 U63 = Annotated[int, Field(ge=0, lt=2**63)]
 Role = Literal["trainer", "inference", "validator", "relay"]
-ROLES: tuple[str, ...] = ("trainer", "inference", "validator", "relay")
 
 
 class WireModel(BaseModel):
