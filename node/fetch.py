@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from intellect_node.metrics import Metrics
-from intellect_node.relay import CHILD_HEADER, LONG_POLL_S
+from intellect_node.relay import CHILD_HEADER, LONG_POLL_S, VERIFIED_HEADER
 from intellect_node.store import WeightStore
 from intellect_node.tree import Candidate
 from intellect_node.weights import MANIFEST_NAME, verify_manifest
@@ -118,6 +118,8 @@ class ShardFetcher:
         self.parent: str | None = None
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
+        self.strikes: dict[str, int] = {}
+        """Per source: shards it passed through unverified that then failed verification."""
 
     def _excluded(self) -> set[str]:
         now = time.monotonic()
@@ -263,25 +265,35 @@ class ShardFetcher:
                 elif resp.status not in (200, 206):
                     src.failed += 1
                     return False
+                vouched = resp.headers.get(VERIFIED_HEADER, "1") != "0"
+                self.store.part_opened(version, shard.name, have, shard.size)
                 with open(part, "r+b" if have else "wb") as f:
                     f.seek(have)
                     f.truncate()
                     async for chunk in resp.content.iter_chunked(_CHUNK):
                         if have + received + len(chunk) > shard.size:
-                            return self._bad(version, shard, src, whole_from_src, "longer than the manifest says")
+                            why = "longer than the manifest says"
+                            return self._bad(version, shard, src, whole_from_src, vouched, why)
                         digest.update(chunk)
                         f.write(chunk)
+                        f.flush()  # children reading this .part (cut-through) see the bytes now
                         received += len(chunk)
+                        self.store.part_grew(version, shard.name, have + received)
                         self.metrics.inc("node_relay_bytes_received_total", len(chunk))
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            self.store.part_closed(version, shard.name, verified=False)
             src.failed += 1
             src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
             logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e, have)
             await self._refresh(force=src.is_parent)
             return False
+        except BaseException:
+            self.store.part_closed(version, shard.name, verified=False)
+            raise
         if have + received != shard.size or digest.hexdigest() != shard.sha256:
-            return self._bad(version, shard, src, whole_from_src, "hash mismatch")
+            return self._bad(version, shard, src, whole_from_src, vouched, "hash mismatch")
         self.store.mark_verified(version, shard.name)
+        self.store.part_closed(version, shard.name, verified=True)
         logger.debug(
             "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
             time.monotonic() - started,
@@ -295,9 +307,17 @@ class ShardFetcher:
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
         return True
 
-    def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, why: str) -> bool:
+    def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, vouched: bool, why: str) -> bool:
+        """Bad bytes: banned at once if the source vouched for them (it had verified the shard) and sent all of
+        them; bytes it passed through unverified (cut-through) earn a strike, and a second strike bans."""
+        self.store.part_closed(version, shard.name, verified=False)
         self.store.part_path(version, shard.name).unlink(missing_ok=True)
-        if whole:  # only a source that sent every byte of the shard is to blame
+        if whole and not vouched:
+            self.strikes[src.node_id] = strikes = self.strikes.get(src.node_id, 0) + 1
+            logger.info("source=%s relayed unverified bytes of %s that failed: %s (strike %d)",
+                        src.node_id, shard.name, why, strikes)  # fmt: skip
+        # only a source that sent every byte of the shard is to blame
+        if whole and (vouched or self.strikes.get(src.node_id, 0) >= 2):
             if self.banned.get(src.node_id, 0.0) <= time.monotonic():  # count a ban once, not per shard in flight
                 self.metrics.inc("node_relay_bans_total", help="sources banned for serving bad bytes")
                 logger.warning("banned source=%s for %.0fs: shard %s %s", src.node_id, self.ban_s, shard.name, why)

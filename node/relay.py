@@ -22,12 +22,16 @@ from pathlib import Path
 from aiohttp import web
 
 from intellect_node.metrics import Metrics
-from intellect_node.store import WeightStore
+from intellect_node.store import Growing, WeightStore
 from intellect_node.weights import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
 CHILD_HEADER = "X-Intellect-Node"
+VERIFIED_HEADER = "X-Intellect-Verified"
+"""'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
+STREAM_STALL_S = 15.0
+"""A cut-through response whose upstream bytes stop arriving this long is cut short."""
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHILD_TTL_S = 10.0
 """A child that has not asked for anything this long gives its slot back."""
@@ -134,10 +138,64 @@ class ShardServer:
         if child is not None and not self._admit(child[:64]):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        path = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
-        if path is None:
+        found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
+        if found is None:
             raise web.HTTPNotFound()
-        return await self._send(request, path, child)
+        if isinstance(found, Growing):
+            return await self._stream(request, found, child)
+        return await self._send(request, found, child)
+
+    async def _stream(self, request: web.Request, growing: Growing, child: str | None) -> web.StreamResponse:
+        """Cut-through: send a shard's bytes as they arrive here, so a level of the tree adds about a network
+        round trip, not a shard's transfer time. Marked unverified; if this node's own attempt fails, the
+        response is cut short (the receiver resumes or goes elsewhere), never completed with other bytes."""
+        size = growing.total
+        try:
+            rng = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        if rng.stop is not None or (rng.start or 0) < 0 or (rng.start or 0) >= size:
+            raise web.HTTPNotFound()  # only "bytes=N-" resumes are streamed; a plain request is retried later
+        start = rng.start or 0
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream", VERIFIED_HEADER: "0"}
+        if rng.start is not None:
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        resp = web.StreamResponse(status=206 if rng.start is not None else 200, headers=headers)
+        resp.content_length = size - start
+        await resp.prepare(request)
+        self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
+        pos = start
+        with open(growing.path, "rb") as f:
+            while pos < size:
+                if growing.size > pos:
+                    f.seek(pos)
+                    chunk = f.read(min(_CHUNK, growing.size - pos))
+                    if not chunk:
+                        break
+                    if self._bucket is not None:
+                        await self._bucket.take(len(chunk))
+                    await resp.write(chunk)
+                    pos += len(chunk)
+                    if child is not None:
+                        self._children[child[:64]] = time.monotonic()
+                    continue
+                if growing.state == "failed":
+                    break
+                changed = growing.changed
+                try:
+                    await asyncio.wait_for(changed.wait(), STREAM_STALL_S)
+                except TimeoutError:
+                    break
+        sent = pos - start
+        self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
+        if pos < size:
+            self.metrics.inc("node_relay_streams_cut_total", help="cut-through responses cut short")
+            if request.transport is not None:
+                request.transport.close()  # the receiver sees a short body, never a complete wrong one
+            return resp
+        await resp.write_eof()
+        self.metrics.inc("node_relay_shards_served_total")
+        return resp
 
     async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
         size = path.stat().st_size

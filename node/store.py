@@ -17,12 +17,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect_node.weights import MANIFEST_NAME, sha256_file, verify_manifest
 from intellect_protocol.messages import Manifest, ShardEntry
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Growing:
+    """A shard whose bytes are arriving right now (cut-through relaying reads them as they land).
+
+    ``size`` bytes of the ``.part`` file are written and flushed; ``state`` is "open", then "done" (verified)
+    or "failed" (the attempt ended without a verified shard: a reader must cut its response short).
+    """
+
+    path: Path
+    size: int
+    total: int
+    state: str = "open"
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def pulse(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 class WeightStore:
@@ -33,6 +53,7 @@ class WeightStore:
         self._manifests: dict[int, Manifest] = {}
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
+        self._growing: dict[tuple[int, str], Growing] = {}
         self._begun = asyncio.Event()
         """Pulsed (set, then replaced) whenever a version starts arriving."""
 
@@ -91,11 +112,15 @@ class WeightStore:
                 return False
         return True
 
-    async def wait_shard(self, version: int, name: str, timeout: float) -> Path | None:
-        """Wait until shard ``name`` of ``version`` is verified here; None if it does not come in time.
+    def growing(self, version: int, name: str) -> Growing | None:
+        return self._growing.get((version, name))
+
+    async def wait_shard(self, version: int, name: str, timeout: float) -> Path | Growing | None:
+        """Wait until shard ``name`` of ``version`` is verified here, or its bytes start arriving; None if
+        neither happens in time.
 
         Waits through a version that has not started arriving yet (a child may ask a moment before its parent
-        has the manifest) and through a shard still in flight.
+        has the manifest) and through a shard not yet requested from upstream.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -104,13 +129,15 @@ class WeightStore:
         manifest = self._manifests.get(version)
         if version not in self._verified or manifest is None or all(s.name != name for s in manifest.shards):
             return self.shard_file(version, name)
-        if self.shard_file(version, name) is None:
+        while (found := self.shard_file(version, name) or self.growing(version, name)) is None:
             event = self._arrived.setdefault((version, name), asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                pass
-        return self.shard_file(version, name)
+                return None
+            if version not in self._verified:  # abandoned or finished meanwhile
+                return self.shard_file(version, name)
+        return found
 
     # ---- writing (the fetcher) ----------------------------------------------------------------------
 
@@ -151,6 +178,31 @@ class WeightStore:
     def part_path(self, version: int, name: str) -> Path:
         return self.partial(version) / f"{name}.part"
 
+    def part_opened(self, version: int, name: str, have: int, total: int) -> Growing:
+        """The fetcher starts (or resumes) writing this shard's ``.part`` file; readers may follow it."""
+        old = self._growing.pop((version, name), None)
+        if old is not None:
+            old.state = "failed"
+            old.pulse()
+        growing = Growing(self.part_path(version, name), have, total)
+        self._growing[(version, name)] = growing
+        event = self._arrived.pop((version, name), None)
+        if event is not None:
+            event.set()
+        return growing
+
+    def part_grew(self, version: int, name: str, size: int) -> None:
+        growing = self._growing.get((version, name))
+        if growing is not None:
+            growing.size = size
+            growing.pulse()
+
+    def part_closed(self, version: int, name: str, verified: bool) -> None:
+        growing = self._growing.pop((version, name), None)
+        if growing is not None:
+            growing.state = "done" if verified else "failed"
+            growing.pulse()
+
     def mark_verified(self, version: int, name: str) -> None:
         self.part_path(version, name).rename(self.partial(version) / name)
         self._verified.setdefault(version, set()).add(name)
@@ -176,6 +228,8 @@ class WeightStore:
     def abandon(self, version: int) -> None:
         """Stop serving a version in progress (its verified shards stay on disk for a resume)."""
         self._verified.pop(version, None)
+        for key in [k for k in self._growing if k[0] == version]:
+            self.part_closed(*key, verified=False)
         for key in [k for k in self._arrived if k[0] == version]:
             self._arrived.pop(key).set()
 

@@ -208,3 +208,84 @@ def test_a_version_its_sources_dropped_is_given_up_not_waited_for_forever(tmp_pa
     with pytest.raises(Rejected) as e:
         asyncio.run(main())
     assert e.value.reason == "stalled"
+
+
+@contextlib.asynccontextmanager
+async def _relay(root: Path, metrics: Metrics) -> AsyncIterator[tuple[str, WeightStore]]:
+    """A relay's store and shard server in this event loop (its fetcher is driven by the test)."""
+    store = WeightStore(root, RUN)
+    http = HttpServer(metrics, lambda: {}, ShardServer(store, metrics, slots=4).routes())
+    port = await http.start("127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}", store
+    finally:
+        await http.close()
+
+
+def test_a_relay_passes_a_shard_on_while_it_is_still_arriving(tmp_path: Path) -> None:
+    """Cut-through: the child's copy of the shard starts before the relay has it all (one 800 kB shard, the
+    origin's upload capped at 400 kB/s), and the child still verifies it against the signed manifest."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    relay_metrics, child_metrics = Metrics(), Metrics()
+
+    async def main() -> WeightStore:
+        async with (
+            _origin(tmp_path / "origin", upload_limit_bps=400_000) as (origin, _),
+            _relay(tmp_path / "relay", relay_metrics) as (relay, relay_store),
+            aiohttp.ClientSession() as session,
+        ):
+            upstream = [Candidate("a" * 32, origin, 0, True)]
+
+            async def find_upstream(exclude: set[str]) -> list[Candidate]:
+                return upstream
+
+            relaying = asyncio.create_task(
+                ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream)
+            )
+            child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
+            await relaying
+            return child
+
+    child = asyncio.run(main())
+    manifest = child.manifest(1)
+    assert child.complete_versions() == [1] and manifest is not None
+    assert relay_metrics.counter("node_relay_streams_total") >= 1
+    assert child_metrics.counter("node_relay_bytes_received_total") == manifest.total_size
+    assert child_metrics.counter("node_relay_bans_total") == 0
+
+
+def test_unverified_bad_bytes_cost_a_relay_a_strike_not_a_ban(tmp_path: Path) -> None:
+    """A relay that passes on bytes from a lying upstream is not to blame for them: its child retries; the relay
+    bans the liar, takes the shard from the origin, and the child gets it from the relay."""
+    write_checkpoint(tmp_path / "good", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    write_checkpoint(tmp_path / "bad", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    for shard in (tmp_path / "bad" / "1").glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    relay_metrics, child_metrics = Metrics(), Metrics()
+
+    async def main() -> WeightStore:
+        async with (
+            _origin(tmp_path / "good") as (good, _),
+            _origin(tmp_path / "bad", upload_limit_bps=400_000) as (bad, _),
+            _relay(tmp_path / "relay", relay_metrics) as (relay, relay_store),
+            aiohttp.ClientSession() as session,
+        ):
+            upstream = [Candidate("b" * 32, bad, 0, True), Candidate("a" * 32, good, 0, False)]
+
+            async def find_upstream(exclude: set[str]) -> list[Candidate]:
+                return [c for c in upstream if c.node_id not in exclude]
+
+            relaying = asyncio.create_task(
+                ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream)
+            )
+            child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
+            await relaying
+            return child
+
+    child = asyncio.run(main())
+    assert child.complete_versions() == [1]
+    assert relay_metrics.counter("node_relay_bans_total") == 1  # the relay banned the liar
+    assert child_metrics.counter("node_relay_bans_total") == 0  # the child did not ban the relay
+    assert relay_metrics.counter("node_relay_streams_total") >= 1
