@@ -31,6 +31,7 @@ from intellect_protocol.messages import Manifest, ShardEntry
 
 logger = logging.getLogger(__name__)
 _CHUNK = 1 << 20
+_PIECE = 64 * 1024
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
 REFRESH_S = 1.0
 MANIFEST_WAIT_S = 6.0
@@ -251,6 +252,8 @@ class ShardFetcher:
         try:
             async with self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:
                 if resp.status in (404, 503):
+                    logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
+                                 resp.status, time.monotonic() - started)  # fmt: skip
                     src.full = resp.status == 503
                     src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
                     if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
@@ -270,21 +273,34 @@ class ShardFetcher:
                 with open(part, "r+b" if have else "wb") as f:
                     f.seek(have)
                     f.truncate()
-                    async for chunk in resp.content.iter_chunked(_CHUNK):
-                        if have + received + len(chunk) > shard.size:
-                            why = "longer than the manifest says"
-                            return self._bad(version, shard, src, whole_from_src, vouched, why)
-                        digest.update(chunk)
-                        f.write(chunk)
-                        f.flush()  # children reading this .part (cut-through) see the bytes now
-                        received += len(chunk)
-                        self.store.part_grew(version, shard.name, have + received)
-                        self.metrics.inc("node_relay_bytes_received_total", len(chunk))
+                    # Pieces of _PIECE bytes: one write, flush and wake-up of cut-through readers per piece,
+                    # not per TCP segment (a shaped link delivers a few kB at a time).
+                    while have + received < shard.size:
+                        want = min(_PIECE, shard.size - have - received)
+                        try:
+                            piece = await resp.content.readexactly(want)
+                        except asyncio.IncompleteReadError as e:
+                            piece = e.partial
+                        if piece:
+                            digest.update(piece)
+                            f.write(piece)
+                            f.flush()  # children reading this .part (cut-through) see the bytes now
+                            received += len(piece)
+                            self.store.part_grew(version, shard.name, have + received)
+                            self.metrics.inc("node_relay_bytes_received_total", len(piece))
+                        if len(piece) < want:
+                            raise ConnectionError(f"the response ended after {have + received} of {shard.size} bytes")
+                    if await resp.content.read(1):
+                        return self._bad(version, shard, src, whole_from_src, vouched, "longer than the manifest says")
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             self.store.part_closed(version, shard.name, verified=False)
-            src.failed += 1
-            src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
-            logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e, have)
+            if received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
+                src.away_until = time.monotonic() + 0.2
+            else:
+                src.failed += 1
+                src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
+            logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e,
+                         have + received)  # fmt: skip
             await self._refresh(force=src.is_parent)
             return False
         except BaseException:

@@ -136,6 +136,7 @@ class ShardServer:
             return web.Response(body=data, content_type="application/octet-stream")
         child = request.headers.get(CHILD_HEADER)
         if child is not None and not self._admit(child[:64]):
+            logger.debug("refused child=%s: no free slot (children %s)", child[:8], [c[:8] for c in self._children])
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
         found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
