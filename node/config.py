@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import ModelSpec, SamplingSpec, TaskSpec, TrainSpec
+from intellect_protocol.messages import ModelSpec, SamplingSpec, TaskSpec, TrainSpec, VerifySpec
 from intellect_protocol.tasks import ARITHMETIC_ALPHABET
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -35,10 +35,15 @@ class RunConfig(BaseModel):
     task: TaskSpec = TaskSpec()
     sampling: SamplingSpec = SamplingSpec()
     train: TrainSpec = TrainSpec()
+    verify: VerifySpec = VerifySpec()
+    """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
 
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:
         m = self.model
+        if self.verify.topk > m.hidden_size:
+            raise ValueError(f"verify.topk={self.verify.topk} exceeds model.hidden_size={m.hidden_size}: a proof "
+                             "over one decode step needs that many values; lower verify.topk")  # fmt: skip
         missing = [t for t in SPECIAL_TOKENS if t not in m.vocab]
         if missing:
             raise ValueError(f"model.vocab lacks {missing}")

@@ -18,14 +18,15 @@ from typing import Any
 import aiohttp
 import torch
 
-from intellect_node.generate import sample_groups
+from intellect_node.generate import ProofSettings, sample_groups
 from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights
 from intellect_node.transport import submit
+from intellect_node.validator import task_reward
 from intellect_node.volunteer import POLL_S, Volunteer
 from intellect_node.weights import load_checkpoint
 from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
-from intellect_protocol.tasks import assigned_task, assignment_seed
+from intellect_protocol.tasks import assigned_task, sampling_seed
 
 logger = logging.getLogger(__name__)
 
@@ -71,36 +72,7 @@ class InferenceNode(Volunteer):
         logger.info("loaded version=%d bytes=%d seconds=%.2f", target, manifest.total_size, time.monotonic() - started)
 
     def _generate(self, spec: RunSpec, model: Any, tokenizer: Any) -> RolloutBatch:
-        n = spec.task.tasks_per_batch
-        node_id, version, index = self.identity.node_id, self.loaded, self.batch_index
-        tasks = [assigned_task(spec.seed, node_id, version, index, s, spec.task.max_operand) for s in range(n)]
-        prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
-        generator = torch.Generator().manual_seed(assignment_seed(spec.seed, node_id, version, index, -1) % 2**63)
-        groups = sample_groups(
-            model,
-            prompts,
-            group_size=spec.sampling.group_size,
-            max_new_tokens=spec.sampling.max_new_tokens,
-            temperature=spec.sampling.temperature,
-            eos_id=int(tokenizer.eos_token_id),
-            pad_id=int(tokenizer.pad_token_id),
-            generator=generator,
-        )
-        return RolloutBatch(
-            run_id=self.run_id,
-            node_id=node_id,
-            version=version,
-            batch_index=index,
-            groups=[
-                RolloutGroup(
-                    slot=s,
-                    prompt_ids=prompts[s],
-                    completions=[c.tokens for c in group],
-                    logprobs=[c.logprobs for c in group],
-                )
-                for s, group in enumerate(groups)
-            ],
-        )
+        return generate_batch(spec, model, tokenizer, self.identity.node_id, self.loaded, self.batch_index)
 
     async def ready(self, spec: RunSpec) -> None:
         self.p2p = await self.membership.replicate_p2p()
@@ -150,3 +122,64 @@ class InferenceNode(Volunteer):
                 logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
                 if reply.reason in ("stale_version", "duplicate", "out_of_order", "backlog_full"):
                     paused_at = self.loaded
+
+
+def generate_batch(
+    spec: RunSpec,
+    model: Any,
+    tokenizer: Any,
+    node_id: str,
+    version: int,
+    index: int,
+    max_rows: int | None = None,
+    **sampling: Any,
+) -> RolloutBatch:
+    """Batch ``index`` of ``node_id`` on weight ``version``: its assigned tasks, a seeded group per task, TOPLOC
+    proofs, and the rewards the worker computes for its own logs.
+
+    ``max_rows`` caps the rows of one generation call (the tokens do not depend on it: every row has its own
+    seed). ``sampling`` reaches sample_groups (tests and benchmarks use it to play dishonest workers)."""
+    n = spec.task.tasks_per_batch
+    tasks = [assigned_task(spec.seed, node_id, version, index, s, spec.task.max_operand) for s in range(n)]
+    prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
+    group_size = spec.sampling.group_size
+    rows = [
+        (prompts[s], sampling_seed(spec.seed, node_id, version, index, s, j))
+        for s in range(n)
+        for j in range(group_size)
+    ]
+    step = max_rows or len(rows)
+    completions = []
+    for start in range(0, len(rows), step):
+        part = rows[start : start + step]
+        for group in sample_groups(
+            model,
+            [p for p, _ in part],
+            group_size=1,
+            max_new_tokens=spec.sampling.max_new_tokens,
+            temperature=spec.sampling.temperature,
+            eos_id=int(tokenizer.eos_token_id),
+            pad_id=int(tokenizer.pad_token_id),
+            row_seeds=[seed for _, seed in part],
+            proofs=ProofSettings(spec.verify.topk, spec.verify.decode_batch),
+            **sampling,
+        ):
+            completions += group
+    groups = [completions[s * group_size : (s + 1) * group_size] for s in range(n)]
+    return RolloutBatch(
+        run_id=spec.run_id,
+        node_id=node_id,
+        version=version,
+        batch_index=index,
+        groups=[
+            RolloutGroup(
+                slot=s,
+                prompt_ids=prompts[s],
+                completions=[c.tokens for c in group],
+                logprobs=[c.logprobs for c in group],
+                proofs=[c.proofs for c in group],
+                rewards=[task_reward(tokenizer, tasks[s], c.tokens, c.terminated) for c in group],
+            )
+            for s, group in enumerate(groups)
+        ],
+    )

@@ -12,15 +12,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 import shutil
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from aiohttp import web
 
 from intellect_kernels.grpo import group_advantages, grpo_loss
 from intellect_kernels.logprobs import token_logprobs
@@ -29,14 +31,15 @@ from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.dht import Membership
 from intellect_node.keys import load_or_create
 from intellect_node.metrics import Metrics
-from intellect_node.model import build_model, build_tokenizer, encode_prompt, state_dict_for_export
+from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights, state_dict_for_export
 from intellect_node.relay import ShardServer
 from intellect_node.runtime import announce
 from intellect_node.status import HttpServer
 from intellect_node.store import WeightStore
 from intellect_node.transport import RolloutServer
-from intellect_node.weights import write_checkpoint
-from intellect_protocol.envelope import Rejected, decode_body, open_envelope
+from intellect_node.validator import Finding, Gate, Validator
+from intellect_node.weights import load_checkpoint, write_checkpoint
+from intellect_protocol.envelope import Rejected, decode_body, open_envelope, seal
 from intellect_protocol.identity import node_id_of
 from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply
 from intellect_protocol.tasks import arithmetic_reward, assigned_task
@@ -49,6 +52,7 @@ REGISTRY_MIN_INTERVAL_S = 0.2
 MAX_TRACKED_LOOKUPS = 10_000
 MAX_QUEUED_PER_NODE = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
+VERDICTS_KEPT = 256
 LOGPROB_FLOOR = -100.0
 """Sampling log-probs below this are refused: no honest sampler draws a token of probability e^-100."""
 
@@ -98,6 +102,7 @@ class Trainer:
             task=run.task,
             sampling=run.sampling,
             train=run.train,
+            verify=run.verify,
         )
         self.metrics = Metrics()
         self.weights_root = node.data_dir / "weights" / self.run_id
@@ -106,7 +111,7 @@ class Trainer:
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
         self.membership = Membership(self.identity, self.run_id, self.metrics)
-        self.http = HttpServer(self.metrics, self.status, self.origin.routes())
+        self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.model = build_model(self.spec.model, self.tokenizer)
         self.optimizer = torch.optim.AdamW(
@@ -116,8 +121,7 @@ class Trainer:
         """Completed training steps; the newest published weight version equals it."""
         self.queue: list[Group] = []
         self.queue_changed = asyncio.Event()
-        self.next_index: dict[tuple[str, int], int] = {}
-        """Per (node, version): the batch index expected next."""
+        self.gate = Gate(self.spec.train.async_level)
         self.queued_by_node: Counter[str] = Counter()
         self.registry: dict[str, NodeRecord] = {}
         self._lookup_at: dict[str, float] = {}
@@ -129,6 +133,14 @@ class Trainer:
         self.idle_s = 0.0
         self.maddrs: list[str] = []
         self.status_url = ""
+        # Validation (node/validator.py) on a second copy of the model holding the version a batch claims
+        self.validator = Validator(self.spec, self.tokenizer, build_model(self.spec.model, self.tokenizer))
+        self.validator_version = -1
+        self.pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]] = asyncio.Queue()
+        self.pending_by_node: Counter[str] = Counter()
+        self.banned: dict[str, str] = {}
+        """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
+        self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
@@ -202,40 +214,86 @@ class Trainer:
             if record is None or record.role != "inference":
                 node_id = ""  # do not keep per-node state for keys the run does not know
                 raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+            if node_id in self.banned:
+                raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
             self.received_by_node[node_id] += 1
             batch = decode_body(signer, body, RolloutBatch).message
             if batch.run_id != self.run_id:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
-            if batch.version > self.step:
-                raise Rejected("future_version", f"version {batch.version} > published {self.step}")
-            if batch.version < self._fresh_floor():
-                raise Rejected("stale_version", f"version {batch.version} < step {self.step} - async_level")
-            key = (node_id, batch.version)
-            expected = self.next_index.get(key, 0)
-            if batch.batch_index < expected:
-                raise Rejected("duplicate", f"batch {batch.batch_index} of version {batch.version} already received")
-            if batch.batch_index > expected:
-                # Batches of a version come in order: a worker cannot skip the tasks it does not like.
-                raise Rejected("out_of_order", f"expected batch {expected} of version {batch.version}")
-            if self.queued_by_node[node_id] >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
+            self.gate.check(batch, self.step)
+            queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
+            if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
                 raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
             groups = self._check_contents(batch)
         except Rejected as e:
             return self.reject(e, peer, node_id)
-        self.next_index[key] = expected + 1
-        self.queue.extend(groups)
-        self.queued_by_node[node_id] += len(groups)
-        self.queue_changed.set()
-        self.accepted_by_node[node_id] += len(groups)
-        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
-        logger.debug("accepted batch node=%s version=%d groups=%d", node_id, batch.version, len(groups))
+        self.gate.admit(batch)
+        self.pending.put_nowait((batch, groups, data))
+        self.pending_by_node[node_id] += len(groups)
+        self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+        logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(groups))
         return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
 
     def _backlog(self) -> int:
         floor = self._fresh_floor()
-        return sum(1 for g in self.queue if g.version >= floor)
+        return sum(1 for g in self.queue if g.version >= floor) + sum(self.pending_by_node.values())
+
+    # ---- validation ----------------------------------------------------------------------------------
+
+    def _load_validator(self, version: int) -> None:
+        manifest = self.store.manifest(version)
+        if manifest is None:
+            raise Rejected("stale_version", f"version {version} is no longer held here")
+        load_weights(self.validator.model, load_checkpoint(self.store.folder(version), manifest))
+        self.validator_version = version
+
+    def _validate(self, batch: RolloutBatch) -> Finding:
+        if self.validator_version != batch.version:
+            self._load_validator(batch.version)
+        return self.validator.check(batch)
+
+    async def validate_forever(self) -> None:
+        """Train only on what passed: every batch is checked against the exact version it claims."""
+        while True:
+            batch, groups, envelope = await self.pending.get()
+            self.pending_by_node[batch.node_id] -= len(groups)
+            self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+            if batch.version < self._fresh_floor():
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                continue
+            started = time.monotonic()
+            try:
+                finding = await asyncio.to_thread(self._validate, batch)
+            except Rejected as e:
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
+                continue
+            self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+            self.verdicts.append(seal(self.identity, finding.verdict(batch, envelope)))
+            if not finding.ok:
+                self.metrics.inc("node_validator_rejected_total", label=finding.reason, help="batches failing checks")
+                self.rejected_by_node[batch.node_id] += 1
+                logger.warning(
+                    "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
+                    batch.node_id, batch.version, batch.batch_index, finding.reason, finding.detail,
+                )  # fmt: skip
+                if self.spec.verify.ban and batch.node_id not in self.banned:
+                    self.banned[batch.node_id] = finding.reason
+                    self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
+                    logger.warning("banned node=%s for the run: %s", batch.node_id, finding.reason)
+                continue
+            self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
+            self.queue.extend(groups)
+            self.queued_by_node[batch.node_id] += len(groups)
+            self.accepted_by_node[batch.node_id] += len(groups)
+            self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
+            self.queue_changed.set()
+
+    async def _verdicts(self, _request: web.Request) -> web.Response:
+        """The newest signed verdicts, each a base64 envelope (check with intellect_protocol.envelope)."""
+        return web.json_response({"verdicts": [base64.b64encode(v).decode() for v in self.verdicts]})
 
     # ---- training ------------------------------------------------------------------------------------
 
@@ -245,7 +303,7 @@ class Trainer:
         if stale:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
         self.queue = [g for g in self.queue if g.version >= floor]
-        self.next_index = {k: v for k, v in self.next_index.items() if k[1] >= floor}
+        self.gate.forget_before(floor)
         n = self.spec.train.batch_groups
         if len(self.queue) < n:
             self.queued_by_node = Counter(g.node_id for g in self.queue)
@@ -365,6 +423,9 @@ class Trainer:
             "accepted_groups_by_node": dict(self.accepted_by_node),
             "rejected_batches_by_node": dict(self.rejected_by_node),
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
+            "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
+            "banned": self.banned,
+            "pending_validation": self.pending.qsize(),
             "history": self.history,
         }
 
@@ -399,6 +460,7 @@ class Trainer:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.membership.republish_forever(self.record, self.spec))
                 tasks.create_task(self.train_forever())
+                tasks.create_task(self.validate_forever())
         finally:
             if server is not None:
                 await server.close()

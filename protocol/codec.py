@@ -21,6 +21,7 @@ class Channel(enum.IntEnum):
     MANIFEST = 256 * 1024
     ROLLOUT_BATCH = 16 * 1024 * 1024
     REPLY = 4 * 1024
+    VERDICT = 8 * 1024
 
 
 class CodecError(ValueError):

@@ -70,6 +70,28 @@ class TrainSpec(BaseModel):
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
 
 
+class VerifySpec(BaseModel):
+    """How rollouts are checked (TOPLOC proofs, seeded sampling) and the thresholds a validator applies.
+
+    Thresholds come from benchmarks/calibrate_validator.py (honest and dishonest distributions measured on the
+    run's model); the defaults are those measured for the built-in tiny model.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    topk: Annotated[int, Field(ge=8, le=4096)] = 128
+    decode_batch: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_exp_mismatches: Annotated[int, Field(ge=0)] = 3
+    """Per proof: top-k values whose bf16 exponent differs from the validator's."""
+    max_mant_err_mean: Annotated[float, Field(ge=0.0)] = 0.258
+    max_mant_err_median: Annotated[float, Field(ge=0.0)] = 1.0
+    max_sampling_gap: Annotated[float, Field(ge=0.0)] = 0.05
+    """A token the validator does not re-derive is excused only if its Gumbel score is this close to the best."""
+    min_rederived: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
+    """Fraction of a completion's tokens the validator must re-derive exactly from its logits and the seed."""
+    ban: bool = True
+    """Ban a node for the rest of the run once one of its rollouts is caught cheating."""
+
+
 class RunSpec(WireModel):
     """Everything a joining node needs to take part in a run; signed by the run key."""
 
@@ -84,6 +106,7 @@ class RunSpec(WireModel):
     task: TaskSpec = TaskSpec()
     sampling: SamplingSpec = SamplingSpec()
     train: TrainSpec = TrainSpec()
+    verify: VerifySpec = VerifySpec()
 
 
 class RelayInfo(BaseModel):
@@ -155,6 +178,7 @@ class Manifest(WireModel):
 
 
 TokenIds = Annotated[list[U31], Field(max_length=65536)]
+Proof = Annotated[bytes, Field(min_length=2, max_length=2 + 2 * 4096)]
 
 
 class RolloutGroup(BaseModel):
@@ -166,6 +190,10 @@ class RolloutGroup(BaseModel):
     prompt_ids: TokenIds
     completions: Annotated[list[TokenIds], Field(min_length=1, max_length=256)]
     logprobs: Annotated[list[Annotated[list[float], Field(max_length=65536)]], Field(min_length=1, max_length=256)]
+    proofs: Annotated[list[Annotated[list[Proof], Field(max_length=4096)]], Field(max_length=256)] = []
+    """TOPLOC proofs per completion: the prompt's prefill, then every ``verify.decode_batch`` decode steps."""
+    rewards: Annotated[list[float], Field(max_length=256)] = []
+    """What the worker computed (for its own logs); a validator rejects the batch if it differs from its own."""
 
     @model_validator(mode="after")
     def _aligned(self) -> RolloutGroup:
@@ -174,6 +202,10 @@ class RolloutGroup(BaseModel):
         for c, lp in zip(self.completions, self.logprobs, strict=True):
             if len(c) != len(lp) or not c:
                 raise ValueError("each completion needs one log-prob per token and at least one token")
+        if self.proofs and len(self.proofs) != len(self.completions):
+            raise ValueError("one list of proofs per completion is required")
+        if self.rewards and len(self.rewards) != len(self.completions):
+            raise ValueError("one reward per completion, or none")
         return self
 
 
@@ -199,3 +231,26 @@ class SubmitReply(WireModel):
     trainer_step: Annotated[int, Field(ge=0)] = 0
     backlog: Annotated[int, Field(ge=0)] = 0
     """Fresh rollout groups the trainer has queued: a producer far ahead may wait for the next version."""
+
+
+class Verdict(WireModel):
+    """A validator's signed finding on one rollout batch (published by the trainer at ``GET /verdicts``)."""
+
+    KIND: ClassVar[str] = "verdict"
+    CHANNEL: ClassVar[Channel] = Channel.VERDICT
+    run_id: NodeId
+    node_id: NodeId
+    """The producer of the batch."""
+    version: U31
+    batch_index: U31
+    batch_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    """SHA-256 of the producer's signed envelope: the verdict is about exactly those bytes."""
+    ok: bool
+    reason: Annotated[str, Field(max_length=64)] = ""
+    detail: Annotated[str, Field(max_length=512)] = ""
+    completions: Annotated[int, Field(ge=0)] = 0
+    worst_exp_mismatches: Annotated[int, Field(ge=0)] = 0
+    worst_mant_err_mean: float = 0.0
+    worst_mant_err_median: float = 0.0
+    min_rederived: float = 1.0
+    max_sampling_gap: float = 0.0

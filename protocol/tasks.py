@@ -45,3 +45,9 @@ def arithmetic_reward(completion: str, answer: str, terminated: bool) -> float:
     if not terminated or _INTEGER.fullmatch(completion) is None:
         return 0.0
     return 1.0 if int(completion) == int(answer) else 0.2
+
+
+def sampling_seed(run_seed: int, node_id: str, version: int, batch_index: int, slot: int, sample: int) -> int:
+    """The seed of one completion's sampling noise: a validator re-derives every token from it."""
+    digest = hashlib.sha256(f"sample/{run_seed}/{node_id}/{version}/{batch_index}/{slot}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")

@@ -18,7 +18,8 @@ PROMPTS = [encode_prompt(TOK, p) for p in ("1+2=", "13+4=", "7+15=", "0+0=")]  #
 
 
 def _sample(seed: int, temperature: float = 1.0, max_new: int = 8) -> list:
-    return sample_groups(MODEL, PROMPTS, 4, max_new, temperature, EOS, PAD, torch.Generator().manual_seed(seed))
+    seeds = [seed * 1000 + i for i in range(4 * len(PROMPTS))]
+    return sample_groups(MODEL, PROMPTS, 4, max_new, temperature, EOS, PAD, seeds)
 
 
 def test_tokenizer_round_trip() -> None:

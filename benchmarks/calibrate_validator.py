@@ -1,0 +1,195 @@
+"""Choose the validator's thresholds from measured honest and dishonest distributions.
+
+    python benchmarks/calibrate_validator.py --model tiny       # the built-in tiny model (fp32)
+    python benchmarks/calibrate_validator.py --model smollm2    # SmolLM2-135M-Instruct, bf16
+
+Generates honest rollouts at several generation batch sizes (the numerics of a decode step depend on the batch
+and on the KV cache; the validator's are one prefill), and dishonest ones: one decoder layer's weights with
+relative noise, greedy decoding, and another sampling temperature. The validator measures every rollout with
+no thresholds; then each threshold is set above the largest honest value by a margin (``--headroom`` times it,
+plus a floor), and the table shows how many honest and dishonest rollouts the chosen thresholds reject.
+The ``[verify]`` section printed (and written with ``--out``) goes into the run's TOML config. Calibration
+uses its own seeds: benchmarks/toploc_detect.py measures detection on rollouts never used here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from intellect_node.config import RunConfig  # noqa: E402
+from intellect_node.inference import generate_batch  # noqa: E402
+from intellect_node.model import build_model, build_tokenizer  # noqa: E402
+from intellect_node.validator import Finding, Validator  # noqa: E402
+from intellect_protocol.messages import RunSpec, SamplingSpec, TaskSpec, VerifySpec  # noqa: E402
+
+MEASURE = VerifySpec(
+    max_exp_mismatches=10**9,
+    max_mant_err_mean=math.inf,
+    max_mant_err_median=math.inf,
+    max_sampling_gap=math.inf,
+    min_rederived=0.0,
+)
+"""Thresholds that reject nothing: the validator only measures."""
+
+
+def load(model: str) -> tuple[Any, Any]:
+    if model == "tiny":
+        run = RunConfig()
+        tok = build_tokenizer(run.model)
+        return build_model(run.model, tok), tok
+    from intellect_node.hf import load_causal_lm
+
+    return load_causal_lm("smollm2")
+
+
+def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 4) -> RunSpec:
+    run = RunConfig()
+    if model == "tiny":
+        sampling = SamplingSpec(temperature=1.0, max_new_tokens=12, group_size=8)
+    else:
+        sampling = SamplingSpec(temperature=1.0, max_new_tokens=64, group_size=8)
+    return RunSpec(
+        run_id="c" * 32,
+        created=0.0,
+        seed=seed,
+        model=run.model,
+        task=TaskSpec(tasks_per_batch=tasks_per_batch, max_operand=99),
+        sampling=sampling,
+        train=run.train,
+        verify=verify,
+    )
+
+
+def perturb_layer(model: Any, rel: float, layer: int | None = None, seed: int = 0) -> Any:
+    """A copy with every weight matrix of one decoder layer multiplied elementwise by (1 + rel * N(0, 1))."""
+    other = copy.deepcopy(model)
+    layers = other.model.layers
+    chosen = layers[len(layers) // 2 if layer is None else layer]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in chosen.parameters():
+            if p.dim() == 2:
+                noise = torch.randn(p.shape, generator=g).to(p.dtype)
+                p.mul_(1 + rel * noise)
+    return other
+
+
+def rollouts(
+    spec: RunSpec,
+    producer: Any,
+    tok: Any,
+    validator: Validator,
+    batches: int,
+    max_rows: int | None,
+    node: str,
+    first_index: int = 0,
+    **sampling: Any,
+) -> tuple[list[Finding], float, float]:
+    """(findings, generation seconds, validation seconds) for ``batches`` batches."""
+    findings, gen_s, val_s = [], 0.0, 0.0
+    for b in range(first_index, first_index + batches):
+        t = time.perf_counter()
+        batch = generate_batch(spec, producer, tok, node, 0, b, max_rows=max_rows, **sampling)
+        gen_s += time.perf_counter() - t
+        t = time.perf_counter()
+        findings.append(validator.check(batch))
+        val_s += time.perf_counter() - t
+    return findings, gen_s, val_s
+
+
+def stats(findings: list[Finding]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"exp": [], "mean": [], "median": [], "rederived": [], "gap": []}
+    for f in findings:
+        out["exp"] += [float(x) for x in f.exp_mismatches]
+        out["mean"] += f.mant_err_mean
+        out["median"] += f.mant_err_median
+        out["rederived"] += f.rederived
+        out["gap"] += f.max_gap
+    return out
+
+
+def rejects(s: dict[str, list[float]], v: VerifySpec) -> int:
+    n = 0
+    for e, mean, med, red, gap in zip(s["exp"], s["mean"], s["median"], s["rederived"], s["gap"], strict=True):
+        toploc_bad = e > v.max_exp_mismatches or mean > v.max_mant_err_mean or med > v.max_mant_err_median
+        sampling_bad = red < v.min_rederived or gap > v.max_sampling_gap
+        n += toploc_bad or sampling_bad
+    return n
+
+
+def choose(honest: dict[str, list[float]], headroom: float) -> VerifySpec:
+    """Each threshold above the largest honest value: ``headroom`` times it, and at least a floor."""
+    return VerifySpec(
+        max_exp_mismatches=int(math.ceil(max(max(honest["exp"]) * headroom, max(honest["exp"]) + 2))),
+        max_mant_err_mean=round(max(max(honest["mean"]) * headroom, max(honest["mean"]) + 0.25), 3),
+        max_mant_err_median=float(max(math.ceil(max(honest["median"]) * headroom), max(honest["median"]) + 1)),
+        max_sampling_gap=round(max(max(honest["gap"]) * headroom, 0.05), 4),
+        min_rederived=round(max(0.0, min(honest["rederived"]) - 0.1), 3),
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--batches", type=int, default=2, help="batches (4 tasks x 8 samples) per configuration")
+    p.add_argument("--rel-noise", type=float, default=0.01, help="relative weight noise of the perturbed layer")
+    p.add_argument("--headroom", type=float, default=1.5)
+    p.add_argument("--out", type=Path, help="write the [verify] section here")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model, tok = load(args.model)
+    spec = make_spec(args.model, MEASURE, seed=1_000_003)
+    validator = Validator(spec, tok, model)
+    node = "d" * 32
+    rows: list[tuple[str, dict[str, list[float]], float, float]] = []
+    honest: dict[str, list[float]] = {}
+    for max_rows in (1, 8, 32):
+        batches = max(1, args.batches // 2) if max_rows == 1 else args.batches
+        findings, g, v = rollouts(spec, model, tok, validator, batches, max_rows, node, first_index=100 * max_rows)
+        s = stats(findings)
+        rows.append((f"honest, batch size {max_rows}", s, g, v))
+        for k, vals in s.items():
+            honest.setdefault(k, []).extend(vals)
+    dishonest = [
+        (f"layer weights x (1 + {args.rel_noise:g} N(0,1))", perturb_layer(model, args.rel_noise), {}),
+        ("greedy decoding", model, {"greedy": True}),
+        ("temperature 0.7", model, {"draw_temperature": 0.7}),
+    ]
+    for name, producer, sampling in dishonest:
+        findings, g, v = rollouts(spec, producer, tok, validator, args.batches, 32, node, first_index=7000, **sampling)
+        rows.append((name, stats(findings), g, v))
+    chosen = choose(honest, args.headroom)
+    print(f"calibration on {args.model}: {len(honest['exp'])} honest rollouts; thresholds {chosen.model_dump()}")
+    print(f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "
+          f"{'gap max':>8} {'rejected':>9}")  # fmt: skip
+    for name, s, _, _ in rows:
+        print(
+            f"{name:38} {len(s['exp']):4d} {max(s['exp']):8.0f} {max(s['mean']):9.3f} {max(s['median']):8.1f} "
+            f"{min(s['rederived']):14.3f} {max(s['gap']):8.3f} {rejects(s, chosen):5d}/{len(s['exp'])}"
+        )
+    section = "[verify]\n" + "".join(
+        f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in chosen.model_dump().items()
+    )
+    print(section, end="")
+    if args.out:
+        args.out.write_text(f"# from benchmarks/calibrate_validator.py --model {args.model}\n{section}")
+    honest_rejected = sum(rejects(s, chosen) for name, s, _, _ in rows if name.startswith("honest"))
+    dishonest_n = sum(len(s["exp"]) for name, s, _, _ in rows if not name.startswith("honest"))
+    caught = sum(rejects(s, chosen) for name, s, _, _ in rows if not name.startswith("honest"))
+    print(f"calibrate model={args.model} honest_rejected={honest_rejected}/{len(honest['exp'])} "
+          f"dishonest_rejected={caught}/{dishonest_n}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Seeded sampling a validator can re-derive: Gumbel-max with noise from a counter-based hash.
+
+The token at a position is ``argmax(logits / T + g)``, where ``g[v] = -log(-log(u[v]))`` and ``u`` comes from
+hashing (row seed, position, vocabulary index) with integer arithmetic only, so the same noise comes out on any
+device and in any batch. Gumbel-max draws exactly from softmax(logits / T). A validator holding (nearly) the same
+logits re-derives the token; where it does not, the gap between its best score and the claimed token's score
+says by how much: numerical noise gives gaps near zero, another sampler gives gaps of order one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix64(z: int) -> int:
+    """splitmix64 finalizer on Python ints."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def position_keys(row_seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """A 32-bit key per (row seed, position)."""
+    return torch.tensor([_mix64(_mix64(s & _M64) ^ p) & _M32 for s, p in zip(row_seeds, positions, strict=True)])
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(len(keys), vocab) float64 Gumbel noise; int64 arithmetic whose low 32 bits are exact on every backend."""
+    v = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    x = (keys.to(torch.int64).unsqueeze(1) + v.unsqueeze(0) * 0x9E3779B9) & _M32
+    x = _fmix32(_fmix32(x) ^ keys.to(torch.int64).unsqueeze(1))
+    u = (x.double() + 0.5) / 2.0**32
+    return -torch.log(-torch.log(u))
+
+
+def scores(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> torch.Tensor:
+    """The perturbed scores whose argmax is the sampled token: logits / T + Gumbel noise, in float64."""
+    return logits.double() / temperature + gumbel_noise(keys.to(logits.device), logits.shape[-1])
+
+
+def seeded_sample(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` (rows x vocab)."""
+    return scores(logits, temperature, keys).argmax(dim=-1)
+
+
+def sampling_gaps(
+    logits: torch.Tensor, temperature: float, keys: torch.Tensor, tokens: torch.Tensor, rows_per_pass: int = 64
+) -> torch.Tensor:
+    """best score - claimed token's score per row: 0 where the claimed token is the one re-derived.
+    Works through ``rows_per_pass`` rows at a time (the noise is rows x vocabulary float64)."""
+    out = []
+    tokens = tokens.view(-1, 1).to(logits.device)
+    for i in range(0, logits.shape[0], rows_per_pass):
+        s = scores(logits[i : i + rows_per_pass], temperature, keys[i : i + rows_per_pass])
+        out.append(s.max(dim=-1).values - s.gather(1, tokens[i : i + rows_per_pass]).squeeze(1))
+    return torch.cat(out).float()

@@ -1,0 +1,221 @@
+"""TOPLOC proofs in vectorized torch, byte-for-byte compatible with the reference ``toploc`` 0.1.6.
+
+A proof commits to the ``topk`` largest-magnitude values of a chunk of hidden states (the prefill, then every
+``decode_batching_size`` decode steps), as the polynomial over GF(65497) through the points
+(index mod m, bf16 bits of the value), m being the largest modulus <= 65497 that keeps the indices distinct.
+Encoding: m as 2 big-endian bytes, then each coefficient (ascending degree) as 2 big-endian bytes: 258 bytes
+for topk=128. A verifier recomputes the hidden states, takes its own top-k, evaluates the polynomial at those
+indices and compares exponents and mantissas (bf16 fields) of the committed values with its own.
+
+Where the reference's two verification paths differ (its Python path does not reduce indices by the modulus
+and takes ``statistics.median``), this follows its C++ path: indices reduced mod m, median = sorted[n // 2].
+Everything is batched over chunks: one Newton interpolation for all proofs of a generation step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+PRIME = 65497
+TOPK = 128
+DECODE_BATCH = 32
+NO_MATCH = float(2**64)
+"""Mean and median reported when no exponent matched (as the reference)."""
+
+_inverse: torch.Tensor | None = None
+
+
+class VerificationResult(NamedTuple):
+    exp_mismatches: int
+    mant_err_mean: float
+    mant_err_median: float
+
+
+def proof_bytes(topk: int = TOPK) -> int:
+    return 2 + 2 * topk
+
+
+def _inverses() -> torch.Tensor:
+    """inv[a] = a^(p-2) mod p for every residue (inv[0] = 0), by square-and-multiply over the whole table."""
+    global _inverse
+    if _inverse is None:
+        base = torch.arange(PRIME, dtype=torch.int64)
+        result = torch.ones(PRIME, dtype=torch.int64)
+        e = PRIME - 2
+        while e:
+            if e & 1:
+                result = result * base % PRIME
+            base = base * base % PRIME
+            e >>= 1
+        result[0] = 0
+        _inverse = result
+    return _inverse
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    if values.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"TOPLOC commits to 16-bit activations (bf16 or fp16), got {values.dtype}")
+    return values.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def injective_modulus(indices: torch.Tensor) -> int:
+    """Largest m <= 65497 with ``indices % m`` all distinct (the reference searches downwards from 65497)."""
+    k = indices.numel()
+    if k and int(indices.max()) < PRIME and torch.unique(indices).numel() == k:
+        return PRIME
+    for m in range(PRIME, 0, -1):
+        if torch.unique(indices % m).numel() == k:
+            return m
+    raise ValueError("no injective modulus found")
+
+
+def interpolate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Coefficients (ascending) of the polynomials through the points (x[b], y[b]) over GF(65497).
+
+    ``x`` and ``y`` are (B, k) int64, every row of ``x`` distinct mod p. Newton divided differences, then the
+    Newton form expanded with a rolling product, exactly as the reference does it, but for B rows at once.
+    """
+    inv = _inverses()
+    x = x % PRIME
+    dd = y % PRIME
+    k = x.shape[1]
+    for j in range(1, k):
+        num = (dd[:, j:] - dd[:, j - 1 : -1]) % PRIME
+        den = (x[:, j:] - x[:, :-j]) % PRIME
+        dd[:, j:] = num * inv[den] % PRIME
+    coeffs = torch.zeros_like(dd)
+    factor = torch.zeros_like(dd)
+    factor[:, 0] = 1
+    zero = torch.zeros((x.shape[0], 1), dtype=torch.int64)
+    for i in range(k):
+        coeffs = (coeffs + dd[:, i : i + 1] * factor) % PRIME
+        if i + 1 < k:
+            shifted = torch.cat([zero, factor[:, :-1]], dim=1)
+            factor = (shifted + factor * ((-x[:, i : i + 1]) % PRIME)) % PRIME
+    return coeffs
+
+
+def evaluate(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Horner evaluation of (B, n) coefficient rows at (B, k) points, mod p."""
+    x = x % PRIME
+    result = coeffs[:, -1:].expand_as(x).clone()
+    for i in range(coeffs.shape[1] - 2, -1, -1):
+        result = (result * x + coeffs[:, i : i + 1]) % PRIME
+    return result
+
+
+def encode(modulus: int, coeffs: torch.Tensor) -> bytes:
+    out = torch.empty(1 + coeffs.numel(), dtype=torch.int64)
+    out[0] = modulus
+    out[1:] = coeffs
+    hi = (out >> 8) & 0xFF
+    lo = out & 0xFF
+    return bytes(torch.stack([hi, lo], dim=1).to(torch.uint8).flatten().tolist())
+
+
+def decode(data: bytes) -> tuple[int, list[int]]:
+    """(modulus, coefficients), as the reference reads them (a trailing odd byte is ignored)."""
+    if len(data) < 2:
+        raise ValueError("proof shorter than 2 bytes")
+    coeffs = [(data[i] << 8) | data[i + 1] for i in range(2, len(data) - 1, 2)]
+    return (data[0] << 8) | data[1], coeffs
+
+
+def chunk_activations(
+    activations: list[torch.Tensor], decode_batching_size: int = DECODE_BATCH, skip_prefill: bool = False
+) -> list[torch.Tensor]:
+    """The flat chunks proofs are built over: the prefill alone, then runs of ``decode_batching_size`` steps."""
+    chunks = []
+    start = 0
+    if not skip_prefill:
+        chunks.append(activations[0].reshape(-1))
+        start = 1
+    for i in range(start, len(activations), decode_batching_size):
+        chunks.append(torch.cat([a.reshape(-1) for a in activations[i : i + decode_batching_size]]))
+    return chunks
+
+
+def _top(chunk: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if chunk.numel() < topk:
+        raise ValueError(f"a chunk of {chunk.numel()} values has fewer than topk={topk}")
+    indices = chunk.abs().topk(topk).indices
+    return indices.cpu(), chunk[indices].cpu()
+
+
+def build_chunk_proofs(chunks: list[torch.Tensor], topk: int = TOPK) -> list[bytes]:
+    """One proof per flat chunk; all interpolations in one batch."""
+    if not chunks:
+        return []
+    xs, ys, moduli = [], [], []
+    for chunk in chunks:
+        indices, values = _top(chunk, topk)
+        m = injective_modulus(indices)
+        moduli.append(m)
+        xs.append(indices % m)
+        ys.append(_bits(values))
+    coeffs = interpolate(torch.stack(xs), torch.stack(ys))
+    return [encode(m, c) for m, c in zip(moduli, coeffs, strict=True)]
+
+
+def build_proofs(
+    activations: list[torch.Tensor],
+    decode_batching_size: int = DECODE_BATCH,
+    topk: int = TOPK,
+    skip_prefill: bool = False,
+) -> list[bytes]:
+    """Same arguments and bytes as ``toploc.build_proofs_bytes``."""
+    return build_chunk_proofs(chunk_activations(activations, decode_batching_size, skip_prefill), topk)
+
+
+def verify_chunk_proofs(chunks: list[torch.Tensor], proofs: list[bytes], topk: int = TOPK) -> list[VerificationResult]:
+    """Statistics for each (chunk, proof) pair; a proof that does not decode to ``topk`` coefficients fails."""
+    if len(chunks) != len(proofs):
+        raise ValueError(f"{len(proofs)} proofs for {len(chunks)} chunks")
+    if not chunks:
+        return []
+    failed = VerificationResult(topk, NO_MATCH, NO_MATCH)
+    rows, xs, vals, where = [], [], [], []
+    for i, (chunk, proof) in enumerate(zip(chunks, proofs, strict=True)):
+        if len(proof) != proof_bytes(topk):
+            continue
+        m, coeffs = decode(proof)
+        if not 1 <= m <= PRIME:
+            continue
+        indices, values = _top(chunk, topk)
+        rows.append(coeffs)
+        xs.append(indices % m)
+        vals.append(_bits(values))
+        where.append(i)
+    results = [failed] * len(chunks)
+    if not rows:
+        return results
+    claimed = evaluate(torch.tensor(rows, dtype=torch.int64), torch.stack(xs))
+    own = torch.stack(vals)
+    exp_claimed, exp_own = (claimed & 0x7F80) >> 7, (own & 0x7F80) >> 7
+    mismatch = exp_claimed != exp_own
+    err = (claimed & 0x7F) - (own & 0x7F)
+    err = err.abs()
+    for row, i in enumerate(where):
+        errs = err[row][~mismatch[row]]
+        n_mis = int(mismatch[row].sum())
+        if errs.numel() == 0:
+            results[i] = VerificationResult(n_mis, NO_MATCH, NO_MATCH)
+            continue
+        ordered = errs.sort().values
+        results[i] = VerificationResult(
+            n_mis, float(errs.double().mean()), float(ordered[errs.numel() // 2])
+        )  # fmt: skip
+    return results
+
+
+def verify_proofs(
+    activations: list[torch.Tensor],
+    proofs: list[bytes],
+    decode_batching_size: int = DECODE_BATCH,
+    topk: int = TOPK,
+    skip_prefill: bool = False,
+) -> list[VerificationResult]:
+    """Same statistics as ``toploc.verify_proofs_bytes`` on a (rows, hidden) tensor (its C++ path)."""
+    return verify_chunk_proofs(chunk_activations(activations, decode_batching_size, skip_prefill), proofs, topk)

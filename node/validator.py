@@ -1,0 +1,253 @@
+"""Checking rollouts: the exact weights claimed, TOPLOC proofs, seeded sampling, termination, task, reward.
+
+For a batch produced with weight version ``v`` the validator holds a model with exactly version ``v`` (the
+caller loads it) and runs one prefill over every prompt + completion. Then, per completion:
+
+- toploc: the proofs are re-checked against its own last hidden states (prompt positions, then the positions
+  of the completion's tokens but its last): exponent mismatches and mantissa error mean / median per proof
+  must stay within the run's thresholds; a missing or malformed proof fails.
+- sampling: from its own logits and the completion's seed (run seed, node, version, batch, slot, sample) it
+  re-derives each token by Gumbel-max. The fraction re-derived must reach ``min_rederived``, and a token it
+  does not re-derive is excused only if its perturbed score is within ``max_sampling_gap`` of the best (a
+  numerical near-tie). Greedy decoding, another temperature, an edited token or another sampler fail here.
+- termination: the completion ends with EOS, or has exactly the run's ``max_new_tokens`` tokens.
+- task and reward: the prompt is the task the run assigns to that node for that version, batch and slot; the
+  reward is recomputed from the completion, and a reward the worker reported must equal it.
+
+The cheap checks on the envelope (signature, registration, run, version window, duplicates, order) are the
+trainer's (node/trainer.py); this module is the part that needs the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from intellect_kernels import toploc
+from intellect_kernels.sampling import position_keys, sampling_gaps
+from intellect_node.generate import HiddenCapture
+from intellect_node.model import encode_prompt
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
+from intellect_protocol.tasks import Task, arithmetic_reward, assigned_task, sampling_seed
+
+ROWS_PER_PREFILL = 16
+"""Completions per validation forward: bounds memory (logits are rows x positions x vocabulary)."""
+
+
+def task_reward(tokenizer: Any, task: Task, tokens: list[int], terminated: bool) -> float:
+    text = tokenizer.decode(tokens[:-1] if terminated else tokens, skip_special_tokens=False)
+    return arithmetic_reward(text, task.answer, terminated)
+
+
+@dataclass
+class Finding:
+    """What the validator measured on one batch; ``reason`` empty when every completion passed."""
+
+    reason: str = ""
+    detail: str = ""
+    completions: int = 0
+    exp_mismatches: list[int] = field(default_factory=list)
+    mant_err_mean: list[float] = field(default_factory=list)
+    mant_err_median: list[float] = field(default_factory=list)
+    rederived: list[float] = field(default_factory=list)
+    """Per completion: fraction of tokens re-derived."""
+    max_gap: list[float] = field(default_factory=list)
+    """Per completion: the largest sampling gap."""
+    rewards: list[list[float]] = field(default_factory=list)
+    row_reasons: list[str] = field(default_factory=list)
+    """Per completion (slot-major): the first check it failed, or ""."""
+
+    def fail(self, reason: str, detail: str) -> None:
+        if not self.reason:
+            self.reason, self.detail = reason, detail
+
+    def row(self, where: str, reason: str, detail: str) -> None:
+        self.row_reasons.append(reason)
+        if reason:
+            self.fail(reason, f"{where}: {detail}")
+
+    def row_fail(self, index: int, where: str, reason: str, detail: str) -> None:
+        if not self.row_reasons[index]:
+            self.row_reasons[index] = reason
+            self.fail(reason, f"{where}: {detail}")
+
+    @property
+    def ok(self) -> bool:
+        return not self.reason
+
+    def verdict(self, batch: RolloutBatch, envelope: bytes) -> Verdict:
+        finite = [x for x in self.mant_err_mean if x < toploc.NO_MATCH]
+        medians = [x for x in self.mant_err_median if x < toploc.NO_MATCH]
+        return Verdict(
+            run_id=batch.run_id,
+            node_id=batch.node_id,
+            version=batch.version,
+            batch_index=batch.batch_index,
+            batch_sha256=hashlib.sha256(envelope).hexdigest(),
+            ok=self.ok,
+            reason=self.reason,
+            detail=self.detail[:500],
+            completions=self.completions,
+            worst_exp_mismatches=max(self.exp_mismatches, default=0),
+            worst_mant_err_mean=max(finite, default=0.0),
+            worst_mant_err_median=max(medians, default=0.0),
+            min_rederived=min(self.rederived, default=1.0),
+            max_sampling_gap=max(self.max_gap, default=0.0),
+        )
+
+
+class Gate:
+    """The trainer's stateful checks on a batch's header, before any model work: the version must lie in
+    ``[step - async_level, step]``, and batches of a (node, version) come once each and in order, so a worker can
+    neither resend a rollout nor skip the tasks it does not like."""
+
+    def __init__(self, async_level: int) -> None:
+        self.async_level = async_level
+        self.next_index: dict[tuple[str, int], int] = {}
+
+    def floor(self, step: int) -> int:
+        return step - self.async_level
+
+    def check(self, batch: RolloutBatch, step: int) -> None:
+        if batch.version > step:
+            raise Rejected("future_version", f"version {batch.version} > published {step}")
+        if batch.version < self.floor(step):
+            raise Rejected("stale_version", f"version {batch.version} < step {step} - async_level")
+        expected = self.next_index.get((batch.node_id, batch.version), 0)
+        if batch.batch_index < expected:
+            raise Rejected("duplicate", f"batch {batch.batch_index} of version {batch.version} already received")
+        if batch.batch_index > expected:
+            raise Rejected("out_of_order", f"expected batch {expected} of version {batch.version}")
+
+    def admit(self, batch: RolloutBatch) -> None:
+        """Record a batch that passed every header and content check."""
+        self.next_index[(batch.node_id, batch.version)] = batch.batch_index + 1
+
+    def forget_before(self, floor: int) -> None:
+        self.next_index = {k: v for k, v in self.next_index.items() if k[1] >= floor}
+
+
+class Validator:
+    def __init__(self, spec: RunSpec, tokenizer: Any, model: torch.nn.Module) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.model = model
+        self.eos = int(tokenizer.eos_token_id)
+        self.pad = int(tokenizer.pad_token_id)
+
+    def task(self, batch: RolloutBatch, slot: int) -> Task:
+        s = self.spec
+        return assigned_task(s.seed, batch.node_id, batch.version, batch.batch_index, slot, s.task.max_operand)
+
+    def check_cheap(self, batch: RolloutBatch, finding: Finding) -> None:
+        """Assignment, termination and reward (no model needed), one reason per completion."""
+        s = self.spec
+        for g in batch.groups:
+            task = self.task(batch, g.slot)
+            assigned = g.prompt_ids == encode_prompt(self.tokenizer, task.prompt)
+            rewards = []
+            for j, c in enumerate(g.completions):
+                terminated = c[-1] == self.eos
+                rewards.append(task_reward(self.tokenizer, task, c, terminated))
+                where = f"slot {g.slot} sample {j}"
+                if not assigned:
+                    finding.row(where, "unassigned_task", "not the task the run assigns to this node")
+                elif not terminated and len(c) != s.sampling.max_new_tokens:
+                    finding.row(where, "termination", "neither EOS nor the run's maximum length")
+                elif g.rewards and abs(g.rewards[j] - rewards[j]) > 1e-6:
+                    finding.row(where, "reward_mismatch", f"reported {g.rewards[j]}, recomputed {rewards[j]}")
+                else:
+                    finding.row(where, "", "")
+            finding.rewards.append(rewards)
+
+    @torch.no_grad()
+    def check(self, batch: RolloutBatch) -> Finding:
+        """Every check on every completion; the model must hold exactly ``batch.version``."""
+        finding = Finding()
+        self.check_cheap(batch, finding)
+        rows = [
+            (g.slot, j, g.prompt_ids, c, g.proofs[j] if g.proofs else [])
+            for g in batch.groups
+            for j, c in enumerate(g.completions)
+        ]
+        finding.completions = len(rows)
+        for start in range(0, len(rows), ROWS_PER_PREFILL):  # bounded memory
+            self._check_rows(batch, rows[start : start + ROWS_PER_PREFILL], start, finding)
+        return finding
+
+    def _check_rows(self, batch: RolloutBatch, rows: list[Any], first: int, finding: Finding) -> None:
+        v = self.spec.verify
+        s = self.spec
+        seqs = [prompt + completion for _, _, prompt, completion, _ in rows]
+        width = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, width - len(x) :] = torch.tensor(x)
+            mask[i, width - len(x) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with HiddenCapture(self.model) as capture:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            hidden = capture.take()
+        # One batched TOPLOC verification and one batched re-derivation for all rows
+        chunks: list[torch.Tensor] = []
+        claimed: list[bytes] = []
+        spans: list[tuple[int, int]] = []
+        step_logits: list[torch.Tensor] = []
+        keys: list[int] = []
+        steps: list[int] = []
+        tokens: list[int] = []
+        for i, (slot, j, prompt, completion, proofs) in enumerate(rows):
+            off = width - len(seqs[i])
+            n, p = len(completion), len(prompt)
+            # the prefill's positions, then those whose input was one of the completion's tokens
+            activations = [hidden[i, off : off + p]] + list(hidden[i, off + p : off + p + n - 1].unsqueeze(1))
+            mine = toploc.chunk_activations(activations, v.decode_batch)
+            if len(proofs) != len(mine):  # verified as failing: no proofs to compare with
+                proofs = [b""] * len(mine)
+            spans.append((len(chunks), len(chunks) + len(mine)))
+            chunks += mine
+            claimed += proofs
+            step_logits.append(logits[i, off + p - 1 : off + p - 1 + n])
+            keys += [sampling_seed(s.seed, batch.node_id, batch.version, batch.batch_index, slot, j)] * n
+            steps += range(n)
+            tokens += completion
+        results = toploc.verify_chunk_proofs(chunks, claimed, v.topk)
+        gaps = sampling_gaps(
+            torch.cat(step_logits), s.sampling.temperature, position_keys(keys, steps), torch.tensor(tokens)
+        )
+        at = 0
+        for i, (slot, j, _, completion, _) in enumerate(rows):
+            mine_results = results[spans[i][0] : spans[i][1]]
+            worst = max(mine_results, key=lambda r: (r.exp_mismatches, r.mant_err_mean, r.mant_err_median))
+            finding.exp_mismatches.append(max(r.exp_mismatches for r in mine_results))
+            finding.mant_err_mean.append(max(r.mant_err_mean for r in mine_results))
+            finding.mant_err_median.append(max(r.mant_err_median for r in mine_results))
+            row_gaps = gaps[at : at + len(completion)]
+            at += len(completion)
+            rederived = float((row_gaps == 0).float().mean())
+            max_gap = float(row_gaps.max())
+            finding.rederived.append(rederived)
+            finding.max_gap.append(max_gap)
+            where = f"slot {slot} sample {j}"
+            if any(
+                r.exp_mismatches > v.max_exp_mismatches
+                or r.mant_err_mean > v.max_mant_err_mean
+                or r.mant_err_median > v.max_mant_err_median
+                for r in mine_results
+            ):
+                finding.row_fail(
+                    first + i, where, "toploc", f"hidden states do not match the proofs (worst {tuple(worst)})"
+                )
+            elif rederived < v.min_rederived or max_gap > v.max_sampling_gap:
+                finding.row_fail(
+                    first + i,
+                    where,
+                    "sampling",
+                    f"{rederived:.0%} of tokens re-derived, largest gap {max_gap:.3f} "
+                    f"(run allows {v.min_rederived:.0%}, {v.max_sampling_gap:.3f})",
+                )
