@@ -38,6 +38,7 @@ MEASURE = VerifySpec(
     max_mant_err_median=math.inf,
     max_sampling_gap=math.inf,
     min_rederived=0.0,
+    max_logprob_error=math.inf,
 )
 """Thresholds that reject nothing: the validator only measures."""
 
@@ -108,22 +109,24 @@ def rollouts(
 
 
 def stats(findings: list[Finding]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"exp": [], "mean": [], "median": [], "rederived": [], "gap": []}
+    out: dict[str, list[float]] = {"exp": [], "mean": [], "median": [], "rederived": [], "gap": [], "lp": []}
     for f in findings:
         out["exp"] += [float(x) for x in f.exp_mismatches]
         out["mean"] += f.mant_err_mean
         out["median"] += f.mant_err_median
         out["rederived"] += f.rederived
         out["gap"] += f.max_gap
+        out["lp"] += f.logprob_err
     return out
 
 
 def rejects(s: dict[str, list[float]], v: VerifySpec) -> int:
     n = 0
-    for e, mean, med, red, gap in zip(s["exp"], s["mean"], s["median"], s["rederived"], s["gap"], strict=True):
+    rows = zip(s["exp"], s["mean"], s["median"], s["rederived"], s["gap"], s["lp"], strict=True)
+    for e, mean, med, red, gap, lp in rows:
         toploc_bad = e > v.max_exp_mismatches or mean > v.max_mant_err_mean or med > v.max_mant_err_median
         sampling_bad = red < v.min_rederived or gap > v.max_sampling_gap
-        n += toploc_bad or sampling_bad
+        n += toploc_bad or sampling_bad or lp > v.max_logprob_error
     return n
 
 
@@ -135,6 +138,7 @@ def choose(honest: dict[str, list[float]], headroom: float) -> VerifySpec:
         max_mant_err_median=float(max(math.ceil(max(honest["median"]) * headroom), max(honest["median"]) + 1)),
         max_sampling_gap=round(max(max(honest["gap"]) * headroom, 0.05), 4),
         min_rederived=round(max(0.0, min(honest["rederived"]) - 0.1), 3),
+        max_logprob_error=round(max(max(honest["lp"]) * headroom, 0.01), 4),
     )
 
 
@@ -171,11 +175,12 @@ def main() -> int:
     chosen = choose(honest, args.headroom)
     print(f"calibration on {args.model}: {len(honest['exp'])} honest rollouts; thresholds {chosen.model_dump()}")
     print(f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "
-          f"{'gap max':>8} {'rejected':>9}")  # fmt: skip
-    for name, s, _, _ in rows:
+          f"{'gap max':>8} {'logp err':>9} {'rejected':>9}  gen s  val s")  # fmt: skip
+    for name, s, g, v in rows:
         print(
             f"{name:38} {len(s['exp']):4d} {max(s['exp']):8.0f} {max(s['mean']):9.3f} {max(s['median']):8.1f} "
-            f"{min(s['rederived']):14.3f} {max(s['gap']):8.3f} {rejects(s, chosen):5d}/{len(s['exp'])}"
+            f"{min(s['rederived']):14.3f} {max(s['gap']):8.3f} {max(s['lp']):9.4f} "
+            f"{rejects(s, chosen):5d}/{len(s['exp']):<4d} {g:6.1f} {v:6.1f}"
         )
     section = "[verify]\n" + "".join(
         f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in chosen.model_dump().items()

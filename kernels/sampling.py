@@ -28,16 +28,21 @@ def position_keys(row_seeds: list[int], positions: list[int]) -> torch.Tensor:
     return torch.tensor([_mix64(_mix64(s & _M64) ^ p) & _M32 for s, p in zip(row_seeds, positions, strict=True)])
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32, in 16-bit halves so no int64 product overflows (exact everywhere)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
+    x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
+    x = _mul32(x, 0xC2B2AE35)
     return x ^ (x >> 16)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(len(keys), vocab) float64 Gumbel noise; int64 arithmetic whose low 32 bits are exact on every backend."""
+    """(len(keys), vocab) float64 Gumbel noise; int64 arithmetic on values below 2^50: exact on every backend."""
     v = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     x = (keys.to(torch.int64).unsqueeze(1) + v.unsqueeze(0) * 0x9E3779B9) & _M32
     x = _fmix32(_fmix32(x) ^ keys.to(torch.int64).unsqueeze(1))

@@ -55,8 +55,8 @@ def _inverses() -> torch.Tensor:
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    if values.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"TOPLOC commits to 16-bit activations (bf16 or fp16), got {values.dtype}")
+    if values.dtype != torch.bfloat16:
+        raise ValueError(f"TOPLOC commits to bf16 activations, got {values.dtype}")
     return values.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
 
 

@@ -13,10 +13,7 @@ from pathlib import Path
 
 from intellect_node import __version__
 
-ROLES_AVAILABLE = ("inference", "relay")
-ROLES_LATER = {
-    "validator": "the validator role comes with TOPLOC proof checking and is not available in this version",
-}
+ROLES_AVAILABLE = ("inference", "relay", "validator")
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
@@ -53,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     _run_args(boot)
     boot.add_argument("--max-steps", type=int, help="stop training after this many steps (keeps serving)")
     boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
+    boot.add_argument("--validator", action="append", default=[], metavar="NODE_ID",
+                      help="take verdicts from this validator (repeatable); else the trainer validates")  # fmt: skip
 
     join = sub.add_parser("join", help="join a run as a volunteer")
     _node_args(join)
-    join.add_argument("--role", required=True, choices=ROLES_AVAILABLE + tuple(ROLES_LATER), help="what this node does")
+    join.add_argument("--role", required=True, choices=ROLES_AVAILABLE, help="what this node does")
     join.add_argument("--peers", action="append", default=[], required=True, metavar="MULTIADDR",
                       help="a DHT peer to join through, as printed by `bootstrap` (repeatable)")  # fmt: skip
     join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
@@ -123,13 +122,13 @@ def _main(args: argparse.Namespace) -> None:
 
     if args.command == "bootstrap":
         run = load_run_config(args.config, args.overrides)
-        node = NodeConfig(**fields, max_steps=args.max_steps, shard_bytes=int(args.shard_mb * 2**20))
+        node = NodeConfig(
+            **fields, max_steps=args.max_steps, shard_bytes=int(args.shard_mb * 2**20), validators=args.validator
+        )
         from intellect_node.trainer import Trainer
 
         run_until_signalled(Trainer(node, run).run())
     elif args.command == "join":
-        if args.role in ROLES_LATER:
-            sys.exit(f"intellect-node: {ROLES_LATER[args.role]}; join with --role inference for now")
         node = NodeConfig(
             **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay
         )
@@ -137,6 +136,10 @@ def _main(args: argparse.Namespace) -> None:
             from intellect_node.relay_node import RelayNode
 
             run_until_signalled(RelayNode(node).run())
+        elif args.role == "validator":
+            from intellect_node.validator_node import ValidatorNode
+
+            run_until_signalled(ValidatorNode(node).run())
         else:
             from intellect_node.inference import InferenceNode
 

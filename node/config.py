@@ -82,6 +82,8 @@ class NodeConfig(BaseModel):
     """Trainer: the largest safetensors shard it writes."""
     join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """How long `join` looks for the run in the DHT before giving up with advice."""
+    validators: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = []
+    """Trainer: validator nodes whose signed verdicts it takes (it validates itself when none answers)."""
     relay: bool = True
     """Serve the weights this node holds to other nodes (inference nodes; `--no-relay` turns it off)."""
     relay_slots: Annotated[int, Field(ge=1, le=1024)] = 2

@@ -51,6 +51,11 @@ def summarize(run: RunConfig, trainer: dict[str, Any], workers: list[dict[str, A
     lines.append(f"{trainer['node_id'][:20]:<22}{'trainer':<11}{'':>13}{sum(received.values()):>10}")
     rejected = trainer.get("rejected_batches_by_reason", {})
     lines.append(f"rejected batches: {json.dumps(rejected) if rejected else 'none'}")
+    failed = trainer.get("validation_failures_by_reason", {})
+    lines.append(
+        f"validation (TOPLOC proofs, seeded sampling, task, reward): {trainer.get('verdicts_ok', 0)} batches passed, "
+        f"failed: {json.dumps(failed) if failed else 'none'}; banned nodes: {len(trainer.get('banned', {}))}"
+    )
     lines += ["", "mean reward per training step, ten a row (the row's mean exact-answer accuracy in brackets):"]
     hist = trainer["history"]
     for start in range(0, len(hist), 10):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
 import math
 import shutil
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -36,13 +38,14 @@ from intellect_node.relay import ShardServer
 from intellect_node.runtime import announce
 from intellect_node.status import HttpServer
 from intellect_node.store import WeightStore
-from intellect_node.transport import RolloutServer
-from intellect_node.validator import Finding, Gate, Validator
+from intellect_node.transport import RolloutServer, request, validate_protocol
+from intellect_node.validator import Finding, Gate, Validator, task_reward
 from intellect_node.weights import load_checkpoint, write_checkpoint
-from intellect_protocol.envelope import Rejected, decode_body, open_envelope, seal
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected, decode_body, open_envelope, open_signed, seal
 from intellect_protocol.identity import node_id_of
-from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply
-from intellect_protocol.tasks import arithmetic_reward, assigned_task
+from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply, Verdict
+from intellect_protocol.tasks import assigned_task
 
 logger = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 1.0
@@ -53,8 +56,8 @@ MAX_TRACKED_LOOKUPS = 10_000
 MAX_QUEUED_PER_NODE = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
 VERDICTS_KEPT = 256
-LOGPROB_FLOOR = -100.0
-"""Sampling log-probs below this are refused: no honest sampler draws a token of probability e^-100."""
+VALIDATOR_REFRESH_S = 5.0
+VALIDATE_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -141,6 +144,9 @@ class Trainer:
         self.banned: dict[str, str] = {}
         """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
         self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
+        self.p2p: Any = None
+        self._turn = 0
+        self._store_lock = threading.Lock()
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
@@ -173,13 +179,9 @@ class Trainer:
         return self.step - self.spec.train.async_level
 
     def _check_contents(self, batch: RolloutBatch) -> list[Group]:
+        """Shape (node/validator.py), assignment, and the rewards recomputed here."""
         spec = self.spec
-        if len(batch.groups) != spec.task.tasks_per_batch:
-            raise Rejected("bad_content", f"{len(batch.groups)} groups, the run asks for {spec.task.tasks_per_batch}")
-        if sorted(g.slot for g in batch.groups) != list(range(spec.task.tasks_per_batch)):
-            raise Rejected("bad_content", "slots must be 0..tasks_per_batch-1, each once")
-        vocab = len(spec.model.vocab)
-        eos = int(self.tokenizer.eos_token_id)
+        self.validator.check_shape(batch)
         groups = []
         for g in batch.groups:
             task = assigned_task(
@@ -187,21 +189,8 @@ class Trainer:
             )
             if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
-            if len(g.completions) != spec.sampling.group_size:
-                raise Rejected(
-                    "bad_content", f"group of {len(g.completions)}, the run asks for {spec.sampling.group_size}"
-                )
-            rewards = []
-            for c, lp in zip(g.completions, g.logprobs, strict=True):
-                if len(c) > spec.sampling.max_new_tokens or max(c) >= vocab:
-                    raise Rejected("bad_content", "completion too long or token outside the vocabulary")
-                if eos in c[:-1]:
-                    raise Rejected("bad_content", "tokens after end of sequence")
-                if not all(LOGPROB_FLOOR <= x <= 0.0 for x in lp):
-                    raise Rejected("bad_content", f"log-probs must lie in [{LOGPROB_FLOOR:g}, 0]")
-                terminated = c[-1] == eos
-                text = self.tokenizer.decode(c[:-1] if terminated else c, skip_special_tokens=False)
-                rewards.append(arithmetic_reward(text, task.answer, terminated))
+            eos = int(self.tokenizer.eos_token_id)
+            rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos) for c in g.completions]
             groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards))
         return groups
 
@@ -243,10 +232,13 @@ class Trainer:
     # ---- validation ----------------------------------------------------------------------------------
 
     def _load_validator(self, version: int) -> None:
-        manifest = self.store.manifest(version)
-        if manifest is None:
-            raise Rejected("stale_version", f"version {version} is no longer held here")
-        load_weights(self.validator.model, load_checkpoint(self.store.folder(version), manifest))
+        self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them
+        with self._store_lock:  # _publish prunes old versions: not while one is being read
+            manifest = self.store.manifest(version)
+            if manifest is None or version not in self.store.complete_versions():
+                raise Rejected("stale_version", f"version {version} is no longer held here")
+            tensors = load_checkpoint(self.store.folder(version), manifest)
+        load_weights(self.validator.model, tensors)
         self.validator_version = version
 
     def _validate(self, batch: RolloutBatch) -> Finding:
@@ -254,42 +246,114 @@ class Trainer:
             self._load_validator(batch.version)
         return self.validator.check(batch)
 
+    async def _validators(self) -> list[NodeRecord]:
+        """Registered validator nodes this trainer trusts (``--validator``), in turn."""
+        if time.monotonic() - self._registry_at > VALIDATOR_REFRESH_S:
+            self._registry_at = time.monotonic()
+            try:
+                self.registry = await self.membership.get_nodes()
+            except (TimeoutError, OSError) as e:
+                logger.warning("could not refresh the node registry from the DHT: %r", e)
+        found = [
+            r
+            for r in self.registry.values()
+            if r.node_id in self.cfg.validators and r.role == "validator" and r.p2p_maddrs
+        ]
+        self._turn += 1
+        return found[self._turn % len(found) :] + found[: self._turn % len(found)] if found else []
+
+    async def _remote_verdict(self, batch: RolloutBatch, envelope: bytes) -> tuple[Verdict, bytes] | None:
+        """A trusted validator's signed verdict on exactly these bytes; None if none could give one."""
+        digest = hashlib.sha256(envelope).hexdigest()
+        for record in await self._validators():
+            peer = record.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
+            try:
+                raw = await request(
+                    self.p2p, peer, validate_protocol(self.run_id), envelope, Channel.VERDICT.value, VALIDATE_TIMEOUT_S
+                )
+                signed = open_signed(raw, Verdict)
+            except Exception as e:  # unreachable, refused, malformed: try the next one, then validate here
+                self.metrics.inc("node_trainer_validator_failures_total", label=getattr(e, "reason", "network"))
+                logger.info("validator %s gave no verdict: %r", record.node_id, e)
+                continue
+            v = signed.message
+            if signed.signer_id != record.node_id or (v.batch_sha256, v.node_id, v.version) != (
+                digest,
+                batch.node_id,
+                batch.version,
+            ):
+                self.metrics.inc("node_trainer_validator_failures_total", label="foreign_verdict")
+                logger.warning("validator %s sent a verdict about other bytes or signed by another key", record.node_id)
+                continue
+            return v, raw
+        return None
+
     async def validate_forever(self) -> None:
-        """Train only on what passed: every batch is checked against the exact version it claims."""
+        """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch
+        does here stops the loop: an unexpected error drops that batch (counted, logged), nobody is banned for it."""
         while True:
             batch, groups, envelope = await self.pending.get()
-            self.pending_by_node[batch.node_id] -= len(groups)
-            self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
-            if batch.version < self._fresh_floor():
-                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
-                continue
-            started = time.monotonic()
+            try:
+                await self._validate_one(batch, groups, envelope)
+            except Exception:
+                self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
+                logger.exception("validation of node=%s version=%d batch=%d failed; batch dropped",
+                                 batch.node_id, batch.version, batch.batch_index)  # fmt: skip
+            finally:
+                self.pending_by_node[batch.node_id] -= len(groups)
+                self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+
+    async def _validate_one(self, batch: RolloutBatch, groups: list[Group], envelope: bytes) -> None:
+        if batch.node_id in self.banned:
+            self.metrics.inc("node_trainer_groups_dropped_banned_total", len(groups))
+            return
+        if batch.version < self._fresh_floor():
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            return
+        started = time.monotonic()
+        remote = await self._remote_verdict(batch, envelope) if self.cfg.validators else None
+        if remote is not None:
+            verdict, sealed = remote
+            self.metrics.inc("node_trainer_remote_verdicts_total", help="verdicts from validator nodes")
+        else:
+            if self.cfg.validators:
+                self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no validator")
             try:
                 finding = await asyncio.to_thread(self._validate, batch)
             except Rejected as e:
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
                 logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
-                continue
-            self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
-            self.verdicts.append(seal(self.identity, finding.verdict(batch, envelope)))
-            if not finding.ok:
-                self.metrics.inc("node_validator_rejected_total", label=finding.reason, help="batches failing checks")
-                self.rejected_by_node[batch.node_id] += 1
-                logger.warning(
-                    "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
-                    batch.node_id, batch.version, batch.batch_index, finding.reason, finding.detail,
-                )  # fmt: skip
-                if self.spec.verify.ban and batch.node_id not in self.banned:
-                    self.banned[batch.node_id] = finding.reason
-                    self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
-                    logger.warning("banned node=%s for the run: %s", batch.node_id, finding.reason)
-                continue
-            self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
-            self.queue.extend(groups)
-            self.queued_by_node[batch.node_id] += len(groups)
-            self.accepted_by_node[batch.node_id] += len(groups)
-            self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
-            self.queue_changed.set()
+                return
+            verdict = finding.verdict(batch, envelope)
+            sealed = seal(self.identity, verdict)
+        self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+        self.verdicts.append(sealed)
+        if not verdict.ok:
+            self.metrics.inc("node_validator_rejected_total", label=verdict.reason, help="batches failing checks")
+            self.rejected_by_node[batch.node_id] += 1
+            logger.warning(
+                "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
+                batch.node_id, batch.version, batch.batch_index, verdict.reason, verdict.detail,
+            )  # fmt: skip
+            if self.spec.verify.ban and batch.node_id not in self.banned:
+                self.banned[batch.node_id] = verdict.reason
+                dropped = [g for g in self.queue if g.node_id == batch.node_id]
+                self.queue = [g for g in self.queue if g.node_id != batch.node_id]
+                self.queued_by_node.pop(batch.node_id, None)
+                self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
+                self.metrics.inc("node_trainer_groups_dropped_banned_total", len(dropped))
+                logger.warning("banned node=%s for the run: %s (%d queued groups dropped)",
+                               batch.node_id, verdict.reason, len(dropped))  # fmt: skip
+            return
+        if batch.version < self._fresh_floor():  # went stale while it was being judged
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            return
+        self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
+        self.queue.extend(groups)
+        self.queued_by_node[batch.node_id] += len(groups)
+        self.accepted_by_node[batch.node_id] += len(groups)
+        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
+        self.queue_changed.set()
 
     async def _verdicts(self, _request: web.Request) -> web.Response:
         """The newest signed verdicts, each a base64 envelope (check with intellect_protocol.envelope)."""
@@ -351,7 +415,8 @@ class Trainer:
             self.cfg.shard_bytes,
         )
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
-        self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
+        with self._store_lock:
+            self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -425,6 +490,7 @@ class Trainer:
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
             "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
             "banned": self.banned,
+            "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
             "pending_validation": self.pending.qsize(),
             "history": self.history,
         }
@@ -439,7 +505,7 @@ class Trainer:
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.status_url = f"http://{self.cfg.host}:{port}"
             self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
-            p2p = await self.membership.replicate_p2p()
+            p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()
             if not (

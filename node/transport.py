@@ -1,8 +1,12 @@
-"""Rollout delivery over hivemind's libp2p streams: one request, one reply, both size-bounded.
+"""Requests over hivemind's libp2p streams: one request, one reply, both size-bounded.
 
-Framing on the stream ``intellect-node/<run_id>/submit/v1``: an 8-byte big-endian length, then that many
-bytes; the request is a signed RolloutBatch envelope, the reply a signed SubmitReply. The length is checked
-against the channel limit before a byte of the body is read.
+Framing: an 8-byte big-endian length, then that many bytes; the length is checked against the channel limit
+before a byte of the body is read. Protocols:
+
+- ``intellect-node/<run_id>/submit/v1``: a signed RolloutBatch envelope to the trainer, a signed SubmitReply back.
+- ``intellect-node/<run_id>/validate/v1``: the trainer forwards a producer's RolloutBatch envelope, unchanged,
+  to a validator; the reply is the validator's signed Verdict (or a signed SubmitReply saying why it could not
+  judge, e.g. it does not hold the version).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import SubmitReply
+from intellect_protocol.messages import SubmitReply, WireModel
 
 logger = logging.getLogger(__name__)
 HEADER = 8
@@ -28,12 +32,16 @@ MAX_CONCURRENT_STREAMS = 16
 DELIVERY_ERRORS = (OSError, TimeoutError, asyncio.IncompleteReadError, P2PDaemonError, P2PHandlerError)
 """What a failed delivery can raise: the caller counts it and tries again later."""
 
-BatchHandler = Callable[[bytes, str], Awaitable[SubmitReply]]
-RejectHandler = Callable[[Rejected, str], SubmitReply]
+BatchHandler = Callable[[bytes, str], Awaitable[WireModel]]
+RejectHandler = Callable[[Rejected, str], WireModel]
 
 
 def submit_protocol(run_id: str) -> str:
     return f"intellect-node/{run_id}/submit/v1"
+
+
+def validate_protocol(run_id: str) -> str:
+    return f"intellect-node/{run_id}/validate/v1"
 
 
 async def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -50,12 +58,21 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
 
 
 class RolloutServer:
-    """Accepts rollout batches on the run's submit protocol and answers each with a signed reply."""
+    """Accepts rollout batches on one of the run's protocols (submit by default) and answers each with a signed
+    reply."""
 
-    def __init__(self, p2p: P2P, identity: Identity, run_id: str, handle: BatchHandler, reject: RejectHandler) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        identity: Identity,
+        run_id: str,
+        handle: BatchHandler,
+        reject: RejectHandler,
+        protocol: Callable[[str], str] = submit_protocol,
+    ) -> None:
         self._p2p = p2p
         self._identity = identity
-        self._name = submit_protocol(run_id)
+        self._name = protocol(run_id)
         self._handle = handle
         self._reject = reject
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
@@ -90,16 +107,23 @@ class RolloutServer:
             logger.debug("submit stream from peer=%s broke: %r", peer, e)
 
 
-async def submit(p2p: P2P, peer_id: str, run_id: str, data: bytes, trainer_id: str) -> SubmitReply:
-    """Send one signed batch to ``peer_id``; the reply must be signed by ``trainer_id``'s key."""
+async def request(
+    p2p: P2P, peer_id: str, protocol: str, data: bytes, limit: int, timeout: float = IO_TIMEOUT_S
+) -> bytes:
+    """Send one frame to ``peer_id`` on ``protocol``; returns the reply frame (at most ``limit`` bytes)."""
     _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), submit_protocol(run_id)), IO_TIMEOUT_S
+        p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), IO_TIMEOUT_S
     )
     try:
         await asyncio.wait_for(_write_frame(writer, data), IO_TIMEOUT_S)
-        raw = await asyncio.wait_for(_read_frame(reader, Channel.REPLY.value), IO_TIMEOUT_S)
+        return await asyncio.wait_for(_read_frame(reader, limit), timeout)
     finally:
         writer.close()
+
+
+async def submit(p2p: P2P, peer_id: str, run_id: str, data: bytes, trainer_id: str) -> SubmitReply:
+    """Send one signed batch to ``peer_id``; the reply must be signed by ``trainer_id``'s key."""
+    raw = await request(p2p, peer_id, submit_protocol(run_id), data, Channel.REPLY.value)
     signed = open_signed(raw, SubmitReply)
     if signed.signer_id != trainer_id:
         raise Rejected("foreign_reply", f"reply signed by {signed.signer_id}, not the trainer {trainer_id}")

@@ -21,12 +21,14 @@ trainer's (node/trainer.py); this module is the part that needs the model.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from intellect_kernels import toploc
+from intellect_kernels.logprobs import token_logprobs
 from intellect_kernels.sampling import position_keys, sampling_gaps
 from intellect_node.generate import HiddenCapture
 from intellect_node.model import encode_prompt
@@ -34,8 +36,16 @@ from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
 from intellect_protocol.tasks import Task, arithmetic_reward, assigned_task, sampling_seed
 
+LOGPROB_FLOOR = -100.0
+"""Sampling log-probs below this are refused: no honest sampler draws a token of probability e^-100."""
+MAX_PROMPT_TOKENS = 8192
 ROWS_PER_PREFILL = 16
 """Completions per validation forward: bounds memory (logits are rows x positions x vocabulary)."""
+
+
+def expected_proofs(completion_tokens: int, decode_batch: int) -> int:
+    """The prefill's proof, then one per ``decode_batch`` decode steps (all completion tokens but the last)."""
+    return 1 + math.ceil((completion_tokens - 1) / decode_batch)
 
 
 def task_reward(tokenizer: Any, task: Task, tokens: list[int], terminated: bool) -> float:
@@ -57,6 +67,8 @@ class Finding:
     """Per completion: fraction of tokens re-derived."""
     max_gap: list[float] = field(default_factory=list)
     """Per completion: the largest sampling gap."""
+    logprob_err: list[float] = field(default_factory=list)
+    """Per completion: largest |reported - recomputed| sampling log-prob."""
     rewards: list[list[float]] = field(default_factory=list)
     row_reasons: list[str] = field(default_factory=list)
     """Per completion (slot-major): the first check it failed, or ""."""
@@ -80,8 +92,6 @@ class Finding:
         return not self.reason
 
     def verdict(self, batch: RolloutBatch, envelope: bytes) -> Verdict:
-        finite = [x for x in self.mant_err_mean if x < toploc.NO_MATCH]
-        medians = [x for x in self.mant_err_median if x < toploc.NO_MATCH]
         return Verdict(
             run_id=batch.run_id,
             node_id=batch.node_id,
@@ -93,8 +103,8 @@ class Finding:
             detail=self.detail[:500],
             completions=self.completions,
             worst_exp_mismatches=max(self.exp_mismatches, default=0),
-            worst_mant_err_mean=max(finite, default=0.0),
-            worst_mant_err_median=max(medians, default=0.0),
+            worst_mant_err_mean=max(self.mant_err_mean, default=0.0),
+            worst_mant_err_median=max(self.mant_err_median, default=0.0),
             min_rederived=min(self.rederived, default=1.0),
             max_sampling_gap=max(self.max_gap, default=0.0),
         )
@@ -103,7 +113,8 @@ class Finding:
 class Gate:
     """The trainer's stateful checks on a batch's header, before any model work: the version must lie in
     ``[step - async_level, step]``, and batches of a (node, version) come once each and in order, so a worker can
-    neither resend a rollout nor skip the tasks it does not like."""
+    neither resend a rollout nor skip one batch's tasks for the next one's. (It can still stop producing on a
+    version, or choose among the open versions: tasks are fixed per version, not per wall-clock time.)"""
 
     def __init__(self, async_level: int) -> None:
         self.async_level = async_level
@@ -132,16 +143,51 @@ class Gate:
 
 
 class Validator:
-    def __init__(self, spec: RunSpec, tokenizer: Any, model: torch.nn.Module) -> None:
+    def __init__(self, spec: RunSpec, tokenizer: Any, model: Any) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.model = model
         self.eos = int(tokenizer.eos_token_id)
         self.pad = int(tokenizer.pad_token_id)
+        self.vocab = int(model.config.vocab_size)
 
     def task(self, batch: RolloutBatch, slot: int) -> Task:
         s = self.spec
         return assigned_task(s.seed, batch.node_id, batch.version, batch.batch_index, slot, s.task.max_operand)
+
+    def check_shape(self, batch: RolloutBatch) -> None:
+        """What a well-formed batch of this run looks like; raises Rejected("bad_content") before any model work.
+        A batch failing here is refused as malformed (a client bug, say), not judged as cheating."""
+        s = self.spec
+        if len(batch.groups) != s.task.tasks_per_batch:
+            raise Rejected("bad_content", f"{len(batch.groups)} groups, the run asks for {s.task.tasks_per_batch}")
+        if sorted(g.slot for g in batch.groups) != list(range(s.task.tasks_per_batch)):
+            raise Rejected("bad_content", "slots must be 0..tasks_per_batch-1, each once")
+        size = toploc.proof_bytes(s.verify.topk)
+        for g in batch.groups:
+            if len(g.completions) != s.sampling.group_size:
+                raise Rejected(
+                    "bad_content", f"group of {len(g.completions)}, the run asks for {s.sampling.group_size}"
+                )
+            if not g.prompt_ids or len(g.prompt_ids) > MAX_PROMPT_TOKENS or max(g.prompt_ids) >= self.vocab:
+                raise Rejected("bad_content", "empty or oversized prompt, or a token outside the vocabulary")
+            if len(g.proofs) != len(g.completions):
+                raise Rejected("bad_content", "one list of TOPLOC proofs per completion is required")
+            if g.rewards and not all(math.isfinite(r) for r in g.rewards):
+                raise Rejected("bad_content", "reported rewards must be finite")
+            for c, lp, proofs in zip(g.completions, g.logprobs, g.proofs, strict=True):
+                if len(c) > s.sampling.max_new_tokens or max(c) >= self.vocab:
+                    raise Rejected("bad_content", "completion too long or token outside the vocabulary")
+                if self.eos in c[:-1]:
+                    raise Rejected("bad_content", "tokens after end of sequence")
+                if not all(LOGPROB_FLOOR <= x <= 0.0 for x in lp):
+                    raise Rejected("bad_content", f"log-probs must lie in [{LOGPROB_FLOOR:g}, 0]")
+                if len(proofs) != expected_proofs(len(c), s.verify.decode_batch) or any(len(x) != size for x in proofs):
+                    raise Rejected(
+                        "bad_content",
+                        f"a completion of {len(c)} tokens carries {expected_proofs(len(c), s.verify.decode_batch)} "
+                        f"TOPLOC proofs of {size} bytes",
+                    )
 
     def check_cheap(self, batch: RolloutBatch, finding: Finding) -> None:
         """Assignment, termination and reward (no model needed), one reason per completion."""
@@ -158,7 +204,7 @@ class Validator:
                     finding.row(where, "unassigned_task", "not the task the run assigns to this node")
                 elif not terminated and len(c) != s.sampling.max_new_tokens:
                     finding.row(where, "termination", "neither EOS nor the run's maximum length")
-                elif g.rewards and abs(g.rewards[j] - rewards[j]) > 1e-6:
+                elif g.rewards and not abs(g.rewards[j] - rewards[j]) <= 1e-6:
                     finding.row(where, "reward_mismatch", f"reported {g.rewards[j]}, recomputed {rewards[j]}")
                 else:
                     finding.row(where, "", "")
@@ -168,9 +214,17 @@ class Validator:
     def check(self, batch: RolloutBatch) -> Finding:
         """Every check on every completion; the model must hold exactly ``batch.version``."""
         finding = Finding()
+        try:
+            self.check_shape(batch)
+        except Rejected as e:
+            finding.fail(e.reason, e.detail)
+            finding.row_reasons = [e.reason] * sum(len(g.completions) for g in batch.groups)
+            return finding
         self.check_cheap(batch, finding)
+        if not finding.ok:  # no model time for a batch already refused
+            return finding
         rows = [
-            (g.slot, j, g.prompt_ids, c, g.proofs[j] if g.proofs else [])
+            (g.slot, j, g.prompt_ids, c, g.proofs[j], g.logprobs[j])
             for g in batch.groups
             for j, c in enumerate(g.completions)
         ]
@@ -182,7 +236,7 @@ class Validator:
     def _check_rows(self, batch: RolloutBatch, rows: list[Any], first: int, finding: Finding) -> None:
         v = self.spec.verify
         s = self.spec
-        seqs = [prompt + completion for _, _, prompt, completion, _ in rows]
+        seqs = [prompt + completion for _, _, prompt, completion, _, _ in rows]
         width = max(len(x) for x in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -191,7 +245,7 @@ class Validator:
             mask[i, width - len(x) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with HiddenCapture(self.model) as capture:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             hidden = capture.take()
         # One batched TOPLOC verification and one batched re-derivation for all rows
         chunks: list[torch.Tensor] = []
@@ -201,13 +255,14 @@ class Validator:
         keys: list[int] = []
         steps: list[int] = []
         tokens: list[int] = []
-        for i, (slot, j, prompt, completion, proofs) in enumerate(rows):
+        reported: list[float] = []
+        for i, (slot, j, prompt, completion, proofs, logprobs) in enumerate(rows):
             off = width - len(seqs[i])
             n, p = len(completion), len(prompt)
             # the prefill's positions, then those whose input was one of the completion's tokens
             activations = [hidden[i, off : off + p]] + list(hidden[i, off + p : off + p + n - 1].unsqueeze(1))
             mine = toploc.chunk_activations(activations, v.decode_batch)
-            if len(proofs) != len(mine):  # verified as failing: no proofs to compare with
+            if len(proofs) != len(mine):  # check_shape makes this impossible; a missing proof fails
                 proofs = [b""] * len(mine)
             spans.append((len(chunks), len(chunks) + len(mine)))
             chunks += mine
@@ -216,23 +271,31 @@ class Validator:
             keys += [sampling_seed(s.seed, batch.node_id, batch.version, batch.batch_index, slot, j)] * n
             steps += range(n)
             tokens += completion
+            reported += logprobs
         results = toploc.verify_chunk_proofs(chunks, claimed, v.topk)
-        gaps = sampling_gaps(
-            torch.cat(step_logits), s.sampling.temperature, position_keys(keys, steps), torch.tensor(tokens)
-        )
+        all_logits = torch.cat(step_logits)
+        all_tokens = torch.tensor(tokens)
+        logprob_err = (token_logprobs(all_logits.unsqueeze(0), all_tokens.unsqueeze(0), s.sampling.temperature)[0]
+                       - torch.tensor(reported)).abs()  # fmt: skip
+        gaps = sampling_gaps(all_logits, s.sampling.temperature, position_keys(keys, steps), all_tokens)
         at = 0
-        for i, (slot, j, _, completion, _) in enumerate(rows):
+        for i, (slot, j, _, completion, _, _) in enumerate(rows):
             mine_results = results[spans[i][0] : spans[i][1]]
             worst = max(mine_results, key=lambda r: (r.exp_mismatches, r.mant_err_mean, r.mant_err_median))
             finding.exp_mismatches.append(max(r.exp_mismatches for r in mine_results))
             finding.mant_err_mean.append(max(r.mant_err_mean for r in mine_results))
             finding.mant_err_median.append(max(r.mant_err_median for r in mine_results))
             row_gaps = gaps[at : at + len(completion)]
+            row_lp_err = float(logprob_err[at : at + len(completion)].max())
             at += len(completion)
-            rederived = float((row_gaps == 0).float().mean())
+            misses = int((row_gaps > 0).sum())
+            rederived = 1.0 - misses / len(completion)
             max_gap = float(row_gaps.max())
             finding.rederived.append(rederived)
             finding.max_gap.append(max_gap)
+            finding.logprob_err.append(row_lp_err)
+            # near-ties the validator's numerics resolve the other way: at most this many, each within the gap
+            allowed = max(1, math.floor((1.0 - v.min_rederived) * len(completion)))
             where = f"slot {slot} sample {j}"
             if any(
                 r.exp_mismatches > v.max_exp_mismatches
@@ -243,11 +306,16 @@ class Validator:
                 finding.row_fail(
                     first + i, where, "toploc", f"hidden states do not match the proofs (worst {tuple(worst)})"
                 )
-            elif rederived < v.min_rederived or max_gap > v.max_sampling_gap:
+            elif misses > allowed or max_gap > v.max_sampling_gap:
                 finding.row_fail(
                     first + i,
                     where,
                     "sampling",
-                    f"{rederived:.0%} of tokens re-derived, largest gap {max_gap:.3f} "
-                    f"(run allows {v.min_rederived:.0%}, {v.max_sampling_gap:.3f})",
+                    f"{misses} of {len(completion)} tokens not re-derived, largest gap {max_gap:.3f} "
+                    f"(run allows {allowed}, each within {v.max_sampling_gap:.3f})",
                 )
+            elif row_lp_err > v.max_logprob_error:
+                finding.row_fail(
+                    first + i, where, "logprobs",
+                    f"reported sampling log-probs off by up to {row_lp_err:.3f} (run allows {v.max_logprob_error:.3f})",
+                )  # fmt: skip

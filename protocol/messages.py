@@ -87,7 +87,10 @@ class VerifySpec(BaseModel):
     max_sampling_gap: Annotated[float, Field(ge=0.0)] = 0.05
     """A token the validator does not re-derive is excused only if its Gumbel score is this close to the best."""
     min_rederived: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
-    """Fraction of a completion's tokens the validator must re-derive exactly from its logits and the seed."""
+    """Fraction of a completion's tokens the validator must re-derive exactly from its logits and the seed (at
+    least one near-tie, within ``max_sampling_gap``, is always excused)."""
+    max_logprob_error: Annotated[float, Field(ge=0.0)] = 0.01
+    """Largest |reported - recomputed| sampling log-prob of a token (they become GRPO's logp_old)."""
     ban: bool = True
     """Ban a node for the rest of the run once one of its rollouts is caught cheating."""
 

@@ -1,12 +1,14 @@
-"""Integration: a trainer and two inference nodes as real processes on loopback, and a hostile peer.
+"""Integration: a trainer, a validator and two inference nodes as real processes on loopback, and hostile peers.
 
-One swarm serves the whole module: it trains 6 steps (async level 2) while the test process joins the DHT as a
-plain hivemind client and as a peer that sends bad batches over the trainer's libp2p submit protocol.
+One swarm serves the whole module: it trains 6 steps (async level 2), every batch judged by the validator node,
+while the test process joins the DHT as a plain hivemind client, as a peer that sends bad batches over the
+trainer's libp2p submit protocol, and as a registered worker that cheats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import time
@@ -21,6 +23,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from intellect_node.config import RunConfig
 from intellect_node.keys import load_or_create
@@ -30,7 +33,8 @@ from intellect_node.transport import HEADER, _read_frame, submit, submit_protoco
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import open_signed, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import RolloutBatch, RolloutGroup, SubmitReply
+from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, SubmitReply, Verdict
+from intellect_protocol.records import nodes_key
 from intellect_protocol.tasks import assigned_task
 
 STEPS = 6
@@ -44,6 +48,7 @@ class Swarm:
     workers: list[NodeProcess]
     worker_ready: list[dict[str, Any]]
     client: DHT
+    validator_id: str
 
     @property
     def run_id(self) -> str:
@@ -62,6 +67,10 @@ class Swarm:
         with urllib.request.urlopen(self.ready["status_url"] + "/metrics", timeout=10) as resp:
             return resp.read().decode()
 
+    def verdicts(self) -> list[bytes]:
+        with urllib.request.urlopen(self.ready["status_url"] + "/verdicts", timeout=10) as resp:
+            return [base64.b64decode(v) for v in json.load(resp)["verdicts"]]
+
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
@@ -70,11 +79,22 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     nodes: list[NodeProcess] = []
     client: DHT | None = None
     try:
+        validator_id = load_or_create(root / "validator" / "node.key").node_id  # its key exists before the run
         trainer = NodeProcess(
-            "trainer", ["bootstrap", "--data-dir", str(root / "trainer"), "--max-steps", str(STEPS)], logs
+            "trainer",
+            ["bootstrap", "--data-dir", str(root / "trainer"), "--max-steps", str(STEPS), "--validator", validator_id],
+            logs,
         )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
+        validator = NodeProcess(
+            "validator",
+            ["join", "--role", "validator", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(root / "validator")],
+            logs,
+        )  # fmt: skip
+        nodes.append(validator)
+        validator.wait_ready(timeout=120)
         workers = []
         for i in range(2):
             argv = ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
@@ -84,7 +104,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         worker_ready = [w.wait_ready(timeout=120) for w in workers]
         trainer.wait_for_line(f"STEP {STEPS} ", timeout=300)
         client = DHT(initial_peers=ready["p2p_maddrs"][:1], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        yield Swarm(root, trainer, ready, workers, worker_ready, client)
+        yield Swarm(root, trainer, ready, workers, worker_ready, client, validator_id)
     finally:
         if client is not None:
             client.shutdown()
@@ -215,3 +235,43 @@ def test_a_plain_hivemind_client_reads_the_trainers_record(swarm: Swarm) -> None
         swarm.client.get(f"intellect-node/{swarm.run_id}/spec", latest=True).value[swarm.run_id].value
     )
     assert msgpack.unpackb(spec_env["body"])["train"]["async_level"] == 2
+
+
+def test_every_batch_is_judged_by_the_validator_node_and_its_verdicts_are_signed(swarm: Swarm) -> None:
+    verdicts = [open_signed(v, Verdict) for v in swarm.verdicts()]
+    assert verdicts, "no verdicts published"
+    from_validator = [v for v in verdicts if v.signer_id == swarm.validator_id]
+    assert from_validator and all(v.message.ok for v in from_validator)  # honest workers pass every check
+    assert {v.message.node_id for v in from_validator} <= {r["node_id"] for r in swarm.worker_ready}
+    assert "node_trainer_remote_verdicts_total" in swarm.metrics()
+    assert swarm.status()["banned"] == {}
+
+
+def _register(swarm: Swarm, identity: Identity) -> None:
+    """Publish a signed inference record for ``identity``, as a joining node does (docs/dht.md)."""
+    record = NodeRecord(run_id=swarm.run_id, node_id=identity.node_id, role="inference", updated=time.time())
+    stored = swarm.client.store(
+        nodes_key(swarm.run_id), seal(identity, record), get_dht_time() + 60, subkey=identity.node_id
+    )
+    assert stored
+
+
+def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> None:
+    """Its batch passes every check at the door (signature, registration, version, order, assigned tasks) but
+    carries made-up completions with no TOPLOC proofs: the validator rejects it and the trainer bans the node."""
+    cheater = Identity.generate()
+    _register(swarm, cheater)
+    version = swarm.status()["step"]
+    reply = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 0))))
+    assert reply.ok, reply  # taken for validation
+    deadline = time.time() + 60
+    while cheater.node_id not in swarm.status()["banned"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert swarm.status()["banned"].get(cheater.node_id) == "toploc"
+    verdict = [
+        v for v in map(lambda b: open_signed(b, Verdict), swarm.verdicts()) if v.message.node_id == cheater.node_id
+    ]
+    assert verdict and not verdict[-1].message.ok and verdict[-1].signer_id == swarm.validator_id
+    again = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 1))))
+    assert not again.ok and again.reason == "banned"
+    assert cheater.node_id not in swarm.status()["accepted_groups_by_node"]

@@ -11,7 +11,7 @@ import torch
 from intellect_node.config import RunConfig
 from intellect_node.inference import generate_batch
 from intellect_node.model import build_model, build_tokenizer, encode_prompt
-from intellect_node.validator import Validator
+from intellect_node.validator import Validator, expected_proofs
 from intellect_protocol.messages import RolloutBatch, RunSpec, TaskSpec
 
 RUN = RunConfig(sampling={"max_new_tokens": 12, "group_size": 4})  # type: ignore[arg-type]
@@ -91,8 +91,29 @@ def test_reward_task_termination_and_missing_proofs() -> None:
     short = [c[:-1] if len(c) > 1 else c for c in batch.groups[0].completions]
     assert short != batch.groups[0].completions and all(len(c) < 12 for c in short)
     logprobs = [lp[: len(c)] for lp, c in zip(batch.groups[0].logprobs, short, strict=True)]
-    cut = _edit(batch, completions=short, logprobs=logprobs, rewards=[])
+    proofs = [
+        ps[: expected_proofs(len(c), SPEC.verify.decode_batch)]
+        for ps, c in zip(batch.groups[0].proofs, short, strict=True)
+    ]
+    cut = _edit(batch, completions=short, logprobs=logprobs, proofs=proofs, rewards=[])
     assert VALIDATOR.check(cut).reason == "termination"
     no_proofs = _edit(batch, proofs=[[] for _ in batch.groups[0].completions])
-    assert VALIDATOR.check(no_proofs).reason == "toploc"
+    assert VALIDATOR.check(no_proofs).reason == "bad_content"  # malformed: refused, not judged
+
+
+def test_proofs_of_other_rollouts_and_made_up_logprobs_are_caught() -> None:
+    batch, other = _batch(0), _batch(1)
+    g0, g1 = batch.groups[0], other.groups[0]
+    # borrow proofs of the same shape from another rollout
+    borrowed = [
+        next(p for p in (q for g in other.groups for q in g.proofs) if len(p) == len(mine))
+        if any(len(q) == len(mine) for g in other.groups for q in g.proofs)
+        else mine
+        for mine in g0.proofs
+    ]
+    assert borrowed != g0.proofs and g1.proofs
+    assert VALIDATOR.check(_edit(batch, proofs=borrowed)).reason == "toploc"
+    # log-probs are GRPO's logp_old: a worker that shades them steers the update
+    shaded = [[min(0.0, x + 0.5) for x in lp] for lp in g0.logprobs]
+    assert VALIDATOR.check(_edit(batch, logprobs=shaded)).reason == "logprobs"
     assert encode_prompt(TOK, "1+1=")[0] == TOK.bos_token_id
