@@ -53,6 +53,8 @@ REGISTRY_REFRESH_S = 1.0
 REGISTRY_MIN_INTERVAL_S = 0.2
 """... and all unknown signers together at most this often."""
 MAX_TRACKED_LOOKUPS = 10_000
+MAX_REGISTRY_WAITERS = 4
+"""Submissions from unknown keys waiting for a registry lookup at once; more are refused at once."""
 MAX_QUEUED_PER_NODE = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
 VERDICTS_KEPT = 256
@@ -146,6 +148,9 @@ class Trainer:
         self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
         self.p2p: Any = None
         self._turn = 0
+        self._validators_at = -math.inf
+        self._registry_lock = asyncio.Lock()
+        self._registry_waiters = 0
         self._store_lock = threading.Lock()
 
     # ---- peer boundary -------------------------------------------------------------------------------
@@ -158,22 +163,37 @@ class Trainer:
         return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step)
 
     async def _registered(self, node_id: str) -> NodeRecord | None:
+        """The node's record; an unknown key triggers a DHT lookup, at most once a second per key and one
+        lookup at a time for all keys together, spaced at least REGISTRY_MIN_INTERVAL_S apart (a flood of
+        unknown keys costs the DHT at most a few reads a second, and a new node's first batch still gets one)."""
         record = self.registry.get(node_id)
-        now = time.monotonic()
-        if (
-            record is None
-            and now - self._lookup_at.get(node_id, -math.inf) > REGISTRY_REFRESH_S
-            and now - self._registry_at > REGISTRY_MIN_INTERVAL_S
-        ):
-            if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
-                self._lookup_at.clear()
-            self._lookup_at[node_id] = self._registry_at = now
+        if record is not None or time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
+            return record
+        if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
+            self._lookup_at.clear()
+        self._lookup_at[node_id] = time.monotonic()
+        if self._registry_waiters >= MAX_REGISTRY_WAITERS:  # a flood of unknown keys: do not queue behind it
+            return None
+        self._registry_waiters += 1
+        try:
+            return await self._lookup(node_id)
+        finally:
+            self._registry_waiters -= 1
+
+    async def _lookup(self, node_id: str) -> NodeRecord | None:
+        async with self._registry_lock:
+            record = self.registry.get(node_id)  # a lookup that finished while we waited may have found it
+            if record is not None:
+                return record
+            wait = self._registry_at + REGISTRY_MIN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._registry_at = time.monotonic()
             try:
                 self.registry = await self.membership.get_nodes()
             except (TimeoutError, OSError) as e:
                 logger.warning("could not refresh the node registry from the DHT: %r", e)
-            record = self.registry.get(node_id)
-        return record
+            return self.registry.get(node_id)
 
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
@@ -248,8 +268,8 @@ class Trainer:
 
     async def _validators(self) -> list[NodeRecord]:
         """Registered validator nodes this trainer trusts (``--validator``), in turn."""
-        if time.monotonic() - self._registry_at > VALIDATOR_REFRESH_S:
-            self._registry_at = time.monotonic()
+        if time.monotonic() - self._validators_at > VALIDATOR_REFRESH_S:
+            self._validators_at = time.monotonic()
             try:
                 self.registry = await self.membership.get_nodes()
             except (TimeoutError, OSError) as e:

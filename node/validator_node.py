@@ -108,11 +108,14 @@ class ValidatorNode(Volunteer):
                 if trainer is None or trainer.weight_version <= newest:
                     await asyncio.sleep(POLL_S)
                     continue
-                try:
-                    await self.follower.sync(trainer.weight_version)
-                except (TimeoutError, Rejected, aiohttp.ClientError) as e:
-                    self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                    logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
-                    await asyncio.sleep(POLL_S)
+                # every version rollouts may still claim, not only the newest (relays keep that many)
+                first = max(newest + 1, trainer.weight_version - spec.train.async_level)
+                for version in range(first, trainer.weight_version + 1):
+                    try:
+                        await self.follower.sync(version)
+                    except (TimeoutError, Rejected, aiohttp.ClientError) as e:
+                        self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                        logger.warning("could not fetch version %d: %s", version, e)
+                        await asyncio.sleep(POLL_S)
         finally:
             await server.close()

@@ -30,11 +30,12 @@ from intellect_node.keys import load_or_create
 from intellect_node.launch import NodeProcess
 from intellect_node.model import build_tokenizer, encode_prompt
 from intellect_node.transport import HEADER, _read_frame, submit, submit_protocol
+from intellect_node.validator import expected_proofs
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, SubmitReply, Verdict
-from intellect_protocol.records import nodes_key
+from intellect_protocol.records import NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
 
 STEPS = 6
@@ -130,7 +131,8 @@ def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swar
 
 
 def _batch(identity: Identity, run_id: str, version: int, batch_index: int) -> RolloutBatch:
-    """A batch with exactly the tasks the run assigns to ``identity`` (so only the tested check can fail)."""
+    """A well-formed batch with exactly the tasks the run assigns to ``identity``, the right answers and made-up
+    TOPLOC proofs (so only the tested check can fail)."""
     run = RunConfig()
     tok = build_tokenizer(run.model)
     eos = int(tok.eos_token_id)
@@ -138,12 +140,14 @@ def _batch(identity: Identity, run_id: str, version: int, batch_index: int) -> R
     for slot in range(run.task.tasks_per_batch):
         task = assigned_task(run.seed, identity.node_id, version, batch_index, slot, run.task.max_operand)
         answer = list(tok.encode(task.answer, add_special_tokens=False)) + [eos]
+        made_up = [bytes(258)] * expected_proofs(len(answer), run.verify.decode_batch)  # well-formed, not real
         groups.append(
             RolloutGroup(
                 slot=slot,
                 prompt_ids=encode_prompt(tok, task.prompt),
                 completions=[answer] * run.sampling.group_size,
                 logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
+                proofs=[made_up] * run.sampling.group_size,
             )
         )
     return RolloutBatch(
@@ -251,9 +255,16 @@ def _register(swarm: Swarm, identity: Identity) -> None:
     """Publish a signed inference record for ``identity``, as a joining node does (docs/dht.md)."""
     record = NodeRecord(run_id=swarm.run_id, node_id=identity.node_id, role="inference", updated=time.time())
     stored = swarm.client.store(
-        nodes_key(swarm.run_id), seal(identity, record), get_dht_time() + 60, subkey=identity.node_id
+        nodes_key(swarm.run_id), seal(identity, record), get_dht_time() + NODE_TTL_S, subkey=identity.node_id
     )
     assert stored
+    deadline = time.time() + 30
+    while time.time() < deadline:  # visible in the DHT before the trainer is asked to look it up
+        found = swarm.client.get(nodes_key(swarm.run_id), latest=True)
+        if found is not None and identity.node_id in found.value:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the record never became readable from the DHT")
 
 
 def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> None:
