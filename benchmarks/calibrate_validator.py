@@ -43,14 +43,17 @@ MEASURE = VerifySpec(
 """Thresholds that reject nothing: the validator only measures."""
 
 
-def load(model: str) -> tuple[Any, Any]:
+def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
+    """The model and tokenizer. SmolLM2's weights are the bf16 checkpoint; ``compute`` fp32 upcasts them
+    (exactly) so producer and validator compute in fp32, bf16 computes in bf16."""
     if model == "tiny":
         run = RunConfig()
         tok = build_tokenizer(run.model)
         return build_model(run.model, tok), tok
     from intellect_node.hf import load_causal_lm
 
-    return load_causal_lm("smollm2")
+    m, tok = load_causal_lm("smollm2")
+    return (m.float() if compute == "fp32" else m), tok
 
 
 def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 4) -> RunSpec:
@@ -71,18 +74,23 @@ def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 
     )
 
 
-def perturb_layer(model: Any, rel: float, layer: int | None = None, seed: int = 0) -> Any:
-    """A copy with every weight matrix of one decoder layer multiplied elementwise by (1 + rel * N(0, 1))."""
+def perturb_layer(model: Any, rel: float, layer: int = -1, seed: int = 0, weights: torch.dtype | None = None) -> Any:
+    """A copy with every weight matrix of one decoder layer (default: the last) multiplied elementwise by
+    (1 + rel * N(0, 1)), computed in fp32 and rounded once to the checkpoint's dtype ``weights`` (a perturbed
+    checkpoint is still a checkpoint of that dtype)."""
     other = copy.deepcopy(model)
-    layers = other.model.layers
-    chosen = layers[len(layers) // 2 if layer is None else layer]
+    chosen = other.model.layers[layer]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in chosen.parameters():
             if p.dim() == 2:
-                noise = torch.randn(p.shape, generator=g).to(p.dtype)
-                p.mul_(1 + rel * noise)
+                new = p.float() * (1 + rel * torch.randn(p.shape, generator=g))
+                p.copy_(new.to(weights or p.dtype).to(p.dtype))
     return other
+
+
+def checkpoint_dtype(model: str) -> torch.dtype:
+    return torch.float32 if model == "tiny" else torch.bfloat16
 
 
 def rollouts(
@@ -147,11 +155,14 @@ def main() -> int:
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--batches", type=int, default=2, help="batches (4 tasks x 8 samples) per configuration")
     p.add_argument("--rel-noise", type=float, default=0.01, help="relative weight noise of the perturbed layer")
+    p.add_argument("--layer", type=int, default=15, help="which decoder layer to perturb (default 15, the middle)")
+    p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
+                   help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
     p.add_argument("--headroom", type=float, default=1.5)
     p.add_argument("--out", type=Path, help="write the [verify] section here")
     args = p.parse_args()
     torch.manual_seed(0)
-    model, tok = load(args.model)
+    model, tok = load(args.model, args.compute)
     spec = make_spec(args.model, MEASURE, seed=1_000_003)
     validator = Validator(spec, tok, model)
     node = "d" * 32
@@ -165,7 +176,11 @@ def main() -> int:
         for k, vals in s.items():
             honest.setdefault(k, []).extend(vals)
     dishonest = [
-        (f"layer weights x (1 + {args.rel_noise:g} N(0,1))", perturb_layer(model, args.rel_noise), {}),
+        (
+            f"layer {args.layer} x (1 + {args.rel_noise:g} N(0,1))",
+            perturb_layer(model, args.rel_noise, args.layer, weights=checkpoint_dtype(args.model)),
+            {},
+        ),
         ("greedy decoding", model, {"greedy": True}),
         ("temperature 0.7", model, {"draw_temperature": 0.7}),
     ]
@@ -173,7 +188,8 @@ def main() -> int:
         findings, g, v = rollouts(spec, producer, tok, validator, args.batches, 32, node, first_index=7000, **sampling)
         rows.append((name, stats(findings), g, v))
     chosen = choose(honest, args.headroom)
-    print(f"calibration on {args.model}: {len(honest['exp'])} honest rollouts; thresholds {chosen.model_dump()}")
+    print(f"calibration on {args.model} ({args.compute} compute): {len(honest['exp'])} honest rollouts; "
+          f"thresholds {chosen.model_dump()}")  # fmt: skip
     print(f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "
           f"{'gap max':>8} {'logp err':>9} {'rejected':>9}  gen s  val s")  # fmt: skip
     for name, s, g, v in rows:
@@ -187,7 +203,9 @@ def main() -> int:
     )
     print(section, end="")
     if args.out:
-        args.out.write_text(f"# from benchmarks/calibrate_validator.py --model {args.model}\n{section}")
+        args.out.write_text(
+            f"# from benchmarks/calibrate_validator.py --model {args.model} --compute {args.compute}\n{section}"
+        )
     honest_rejected = sum(rejects(s, chosen) for name, s, _, _ in rows if name.startswith("honest"))
     dishonest_n = sum(len(s["exp"]) for name, s, _, _ in rows if not name.startswith("honest"))
     caught = sum(rejects(s, chosen) for name, s, _, _ in rows if not name.startswith("honest"))

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate_validator import load, make_spec, perturb_layer  # noqa: E402
+from calibrate_validator import checkpoint_dtype, load, make_spec, perturb_layer  # noqa: E402
 
 from intellect_node.inference import generate_batch  # noqa: E402
 from intellect_node.validator import Gate, Validator  # noqa: E402
@@ -102,10 +102,14 @@ def main() -> int:
     p.add_argument("--honest-batches", type=int, nargs=3, default=[2, 4, 10], metavar=("BS1", "BS8", "BS32"),
                    help="batches of 32 rollouts generated at batch size 1, 8 and 32")  # fmt: skip
     p.add_argument("--attack-batches", type=int, default=2, help="batches of 32 rollouts per attack")
+    p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
+                   help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
+    p.add_argument("--layer", type=int, default=15, help="the decoder layer the perturbation attack changes")
     args = p.parse_args()
-    path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}.toml"
+    suffix = "" if args.model == "tiny" or args.compute == "fp32" else "-bf16"
+    path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
     verify = VerifySpec(**tomllib.loads(path.read_text())["verify"]) if path.exists() else VerifySpec()
-    model, tok = load(args.model)
+    model, tok = load(args.model, args.compute)
     spec = make_spec(args.model, verify, seed=20_261_130)
     vocab = int(model.config.vocab_size)
     validator = Validator(spec, tok, model)
@@ -139,9 +143,10 @@ def main() -> int:
         run(f"honest, batch size {bs}", [batch(max_rows=bs) for _ in range(count)], t, True)
     k = args.attack_batches
     t = time.perf_counter()
-    perturbed = perturb_layer(model, 0.01)
+    perturbed = perturb_layer(model, 0.01, args.layer, weights=checkpoint_dtype(args.model))
     w = next(workers)
-    run("one layer's weights x (1 + 0.01 N(0,1))", [batch(perturbed, who=w) for _ in range(k)], t, False)
+    name = f"layer {args.layer}'s weights x (1 + 0.01 N(0,1))"
+    run(name, [batch(perturbed, who=w) for _ in range(k)], t, False)
     del perturbed
     t = time.perf_counter()
     w, small = next(workers), other_model(model)
@@ -173,7 +178,8 @@ def main() -> int:
 
     honest = [r for r in rows if r[0].startswith("honest")]
     attacks = [r for r in rows if not r[0].startswith("honest")]
-    print(f"\nTOPLOC detection, {args.model} ({model.dtype}), thresholds {verify.model_dump()}")
+    print(f"\nTOPLOC detection, {args.model} (weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
+          f"thresholds from {path.name if path.exists() else 'the defaults'}: {verify.model_dump()}")  # fmt: skip
     print(f"{'rollouts':52} {'n':>5} {'flagged':>8}  {'seconds':>8}  reasons")
     for name, n, flagged, reasons, secs in rows:
         print(f"{name:52} {n:5d} {flagged:8d}  {secs:8.1f}  {dict(reasons)}")

@@ -52,12 +52,13 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args()
     try:
         import toploc as reference
     except ImportError:
         reference = None
-    model, tok = load(args.model)
+    model, tok = load(args.model, args.compute)
     pad = int(tok.pad_token_id)
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from intellect_kernels.grpo import group_advantages, grpo_loss
-from intellect_kernels.logprobs import token_logprobs
+from intellect_kernels.grpo import group_advantages, grpo_loss, lr_factor
+from intellect_kernels.logprobs import token_entropy, token_logprobs
 from intellect_node import __version__
 from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.dht import Membership
@@ -151,6 +151,11 @@ class Trainer:
         self._validators_at = -math.inf
         self._registry_lock = asyncio.Lock()
         self._registry_waiters = 0
+        self._rewards_seen: list[float] = []
+        self.reference: Any = None
+        """The reference policy of the KL term (version 0, frozen), when ``train.kl_coef`` > 0."""
+        if self.spec.train.kl_coef > 0:
+            self.reference = build_model(self.spec.model, self.tokenizer).eval().requires_grad_(False)
         self._store_lock = threading.Lock()
 
     # ---- peer boundary -------------------------------------------------------------------------------
@@ -369,10 +374,17 @@ class Trainer:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
             return
         self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
+        self.accepted_by_node[batch.node_id] += len(groups)
+        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
+        for g in groups:
+            self._rewards_seen.extend(g.rewards)
+        if self.spec.train.online_filter:  # all rewards equal: zero advantage, nothing to learn from
+            kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
+            self.metrics.inc("node_trainer_groups_filtered_total", len(groups) - len(kept),
+                             help="groups dropped by the online filter (all rewards equal)")  # fmt: skip
+            groups = kept
         self.queue.extend(groups)
         self.queued_by_node[batch.node_id] += len(groups)
-        self.accepted_by_node[batch.node_id] += len(groups)
-        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups queued")
         self.queue_changed.set()
 
     async def _verdicts(self, _request: web.Request) -> web.Response:
@@ -403,10 +415,22 @@ class Trainer:
         adv = group_advantages(rewards).flatten()
         ids, attn, mask, logp_old = pack_sequences(groups, int(self.tokenizer.pad_token_id))
         self.model.train()
+        t = self.spec.train
+        lr = t.lr * lr_factor(self.step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temp)
-        t = self.spec.train
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, delta=t.delta, eps=t.eps)
+        entropy = token_entropy(logits, temp)
+        logp_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                logp_ref = token_logprobs(ref_logits, ids[:, 1:], temp)
+        loss, stats = grpo_loss(
+            logp, logp_old, adv, mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
+            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
+        )  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
@@ -416,10 +440,15 @@ class Trainer:
             self.metrics.inc("node_trainer_steps_skipped_total", label="nonfinite_gradient")
             logger.error("skipped the optimizer step: gradient norm is %s", float(grad_norm))
         self.model.eval()
+        seen, self._rewards_seen = self._rewards_seen, []  # every rollout accepted since the last step
         return {
             "loss": stats.loss,
-            "reward_mean": float(rewards.mean()),
-            "accuracy": float((rewards == 1.0).float().mean()),
+            "reward_mean": sum(seen) / len(seen) if seen else float(rewards.mean()),
+            "accuracy": sum(r == 1.0 for r in seen) / len(seen) if seen else float((rewards == 1.0).float().mean()),
+            "batch_reward_mean": float(rewards.mean()),
+            "entropy": stats.entropy,
+            "kl": stats.kl,
+            "lr": lr,
             "clipped_fraction": stats.clipped_fraction,
             "grad_norm": float(grad_norm),
             "tokens": float(stats.tokens),

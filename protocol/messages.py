@@ -66,8 +66,21 @@ class TrainSpec(BaseModel):
     """Rollouts from weight versions older than ``step - async_level`` are never trained on."""
     delta: Annotated[float, Field(gt=1.0, le=100.0)] = 4.0
     eps: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    """Lower clip: the ratio is kept above 1 - eps."""
+    eps_high: Annotated[float, Field(gt=0.0, le=10.0)] = 0.2
+    """Upper clip: the ratio is kept below 1 + eps_high."""
+    entropy_coef: Annotated[float, Field(ge=0.0, le=1.0)] = 0.001
+    kl_coef: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    """Weight of the k3 KL estimate to the reference policy (the run's version 0); 0 turns it off."""
     max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear learning-rate warmup over this many steps ..."""
+    decay_steps: Annotated[int, Field(ge=0)] = 0
+    """... then cosine decay down to ``min_lr_ratio * lr`` at this step (0: constant after warmup)."""
+    min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    online_filter: bool = True
+    """Drop groups whose rewards are all equal (no advantage, no gradient) and wait for more rollouts."""
 
 
 class VerifySpec(BaseModel):

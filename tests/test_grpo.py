@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from intellect_kernels.grpo import group_advantages, grpo_loss
-from intellect_kernels.logprobs import token_logprobs
+from intellect_kernels.grpo import group_advantages, grpo_loss, lr_factor
+from intellect_kernels.logprobs import token_entropy, token_logprobs
 
 
 def test_group_advantages_by_hand() -> None:
@@ -92,3 +92,38 @@ def test_extreme_logprob_old_cannot_poison_the_gradient() -> None:
         loss.backward()
         assert torch.isfinite(loss) and logp.grad is not None and torch.isfinite(logp.grad).all()
         logp.grad = None
+
+
+def test_asymmetric_clip_entropy_bonus_and_k3_kl() -> None:
+    lp, old, mask = torch.tensor([[math.log(1.5)]]), torch.zeros(1, 1), torch.ones(1, 1)
+    # ratio 1.5, A = 1: clipped at 1 + eps_high
+    loss, _ = grpo_loss(lp, old, torch.tensor([1.0]), mask, eps=0.2, eps_high=0.28)
+    assert float(loss) == pytest.approx(-1.28, abs=1e-6)
+    # ratio 0.5, A = -1: the lower clip (1 - eps) bounds it
+    loss, _ = grpo_loss(torch.tensor([[math.log(0.5)]]), old, torch.tensor([-1.0]), mask, eps=0.2, eps_high=0.28)
+    assert float(loss) == pytest.approx(0.8, abs=1e-6)
+    # entropy bonus lowers the loss by coef * H; k3 at logp_ref = logp is 0 and positive elsewhere
+    h = torch.tensor([[2.0]])
+    base, _ = grpo_loss(old, old, torch.tensor([0.0]), mask)
+    bonus, stats = grpo_loss(old, old, torch.tensor([0.0]), mask, entropy=h, entropy_coef=0.01)
+    assert float(bonus) == pytest.approx(float(base) - 0.02) and stats.entropy == pytest.approx(2.0)
+    _, same = grpo_loss(old, old, torch.tensor([0.0]), mask, logp_ref=old, kl_coef=0.1)
+    assert same.kl == pytest.approx(0.0, abs=1e-7)
+    ref = torch.tensor([[math.log(0.5)]])
+    kl_loss, far = grpo_loss(old, old, torch.tensor([0.0]), mask, logp_ref=ref, kl_coef=0.1)
+    assert far.kl == pytest.approx(0.5 - math.log(0.5) - 1.0, rel=1e-5) and far.kl > 0
+    assert float(kl_loss) == pytest.approx(0.1 * far.kl, rel=1e-5)
+
+
+def test_token_entropy_matches_the_definition() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [10.0, -10.0, -10.0, -10.0]])
+    h = token_entropy(logits)
+    assert float(h[0]) == pytest.approx(math.log(4), rel=1e-6) and float(h[1]) < 1e-6
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine() -> None:
+    f = [lr_factor(s, warmup_steps=4, decay_steps=14, min_ratio=0.1) for s in range(20)]
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f[4] == pytest.approx(1.0) and f[9] == pytest.approx(0.55) and f[14] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False)) and f[19] == pytest.approx(0.1)
+    assert lr_factor(100, 0, 0, 0.1) == 1.0
