@@ -127,6 +127,10 @@ class ShardFetcher:
         self.banned = {n: t for n, t in self.banned.items() if t > now}
         return set(self.banned)
 
+    async def refresh_now(self) -> None:
+        """Re-plan the sources at once (the follower found a reason the current parent cannot serve)."""
+        await self._refresh(force=True)
+
     async def _refresh(self, force: bool = False) -> None:
         if self._find is None or (not force and time.monotonic() - self._refreshed < REFRESH_S):
             return

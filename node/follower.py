@@ -16,15 +16,17 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from intellect_node.dht import Membership
-from intellect_node.fetch import ShardFetcher
+from intellect_node.fetch import ShardFetcher, Source
 from intellect_node.metrics import Metrics
-from intellect_node.relay import CHILD_HEADER, CHILD_TTL_S, ShardServer
+from intellect_node.relay import CHILD_HEADER, CHILD_TTL_S, MAX_PATH, ShardServer
 from intellect_node.store import WeightStore
 from intellect_node.tree import Candidate, plan
-from intellect_protocol.messages import Manifest, RelayInfo
+from intellect_protocol.messages import Manifest, NodeRecord, RelayInfo
+from intellect_protocol.records import NODE_TTL_S
 
 logger = logging.getLogger(__name__)
 KEEPALIVE_S = CHILD_TTL_S / 3
+CYCLE_AVOID_S = 30.0
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
@@ -52,6 +54,11 @@ class WeightFollower:
         self.publish = publish
         self.depth = -1
         self.fetching = -1
+        self.path: list[str] = []
+        """Node ids from the origin down to this node, as the parent last told it."""
+        self._seen: dict[str, tuple[float, NodeRecord]] = {}
+        """The newest record read of every node, kept for a record's lifetime: one DHT read that misses a
+        node (timeouts under load return partial results) must not make this node drop a working parent."""
         self.fetcher: ShardFetcher | None = None
 
     def start(self, session: aiohttp.ClientSession) -> None:
@@ -75,7 +82,11 @@ class WeightFollower:
         )
 
     async def _find(self, exclude: set[str]) -> list[Candidate]:
-        records = await self.membership.get_nodes()
+        now = time.monotonic()
+        for nid, record in (await self.membership.get_nodes()).items():
+            self._seen[nid] = (now, record)
+        self._seen = {n: (t, r) for n, (t, r) in self._seen.items() if now - t < NODE_TTL_S}
+        records = {n: r for n, (_, r) in self._seen.items()}
         version = self.fetching
         parent, sources = plan(records, self.node_id, self.run_id, version, self.parent, exclude)
         if parent is not None and self.depth != parent.depth + 1:
@@ -103,25 +114,50 @@ class WeightFollower:
         await self.publish()
         return manifest
 
+    async def _leave_cycle(self, f: ShardFetcher, src: Source, path: list[str]) -> None:
+        """Our parent descends from us (both chose each other, or a longer loop): nothing can reach us through
+        it. Treat it as failed for a while and choose again."""
+        at = path.index(self.node_id)
+        logger.warning("cycle in the relay tree through %s: leaving parent %s", "->".join(p[:8] for p in path[at:]),
+                       src.node_id)  # fmt: skip
+        self.metrics.inc("node_relay_cycles_left_total", help="times this node found itself below its own child")
+        src.failed = max(src.failed, 2)
+        src.away_until = time.monotonic() + CYCLE_AVOID_S
+        self.path = []
+        await f.refresh_now()
+
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
         """Hold this node's slot at its parent between versions, so the tree stays as it is."""
         while True:
             await asyncio.sleep(KEEPALIVE_S)
-            f = self.fetcher
-            if f is None or f.parent is None or self.fetching >= 0 or f.parent not in f.sources:
-                continue
-            src = f.sources[f.parent]
-            try:
-                async with session.post(
-                    f"{src.url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
-                ) as resp:
-                    if resp.status == 503:  # the slot went to another node: choose again at the next version
-                        src.full, src.away_until = True, time.monotonic() + 2.0
-                    elif resp.status == 200:
-                        body = await resp.json(content_type=None)
-                        depth = body.get("depth") if isinstance(body, dict) else None
-                        if isinstance(depth, int) and 0 <= depth < 1024 and self.depth != depth + 1:
-                            self.depth = depth + 1  # the parent moved in the tree: so did we
-                            await self.publish()
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                src.failed += 1
+            await self.attach_once(session)
+
+    async def attach_once(self, session: aiohttp.ClientSession) -> None:
+        """One keep-alive: hold the slot, learn the parent's depth and path, leave a cycle."""
+        f = self.fetcher
+        if f is None or f.parent is None or self.fetching >= 0 or f.parent not in f.sources:
+            return
+        src = f.sources[f.parent]
+        try:
+            async with session.post(
+                f"{src.url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
+            ) as resp:
+                if resp.status == 503:  # the slot went to another node: choose again at the next version
+                    src.full, src.away_until = True, time.monotonic() + 2.0
+                    return
+                if resp.status != 200:
+                    return
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            src.failed += 1
+            return
+        depth = body.get("depth") if isinstance(body, dict) else None
+        path = body.get("path") if isinstance(body, dict) else None
+        if isinstance(path, list) and self.node_id in path:
+            await self._leave_cycle(f, src, path)
+            return
+        if isinstance(path, list) and all(isinstance(x, str) for x in path):
+            self.path = [*path[-MAX_PATH:], self.node_id]
+        if isinstance(depth, int) and 0 <= depth < 1024 and self.depth != depth + 1:
+            self.depth = depth + 1  # the parent moved in the tree: so did we
+            await self.publish()

@@ -33,6 +33,7 @@ VERIFIED_HEADER = "X-Intellect-Verified"
 STREAM_STALL_S = 15.0
 """A cut-through response whose upstream bytes stop arriving this long is cut short."""
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_PATH = 1024
 CHILD_TTL_S = 10.0
 """A child that has not asked for anything this long gives its slot back."""
 LONG_POLL_S = 10.0
@@ -77,6 +78,9 @@ class ShardServer:
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
         """This node's depth in the tree, told to children in each keep-alive so theirs stays right."""
+        self.path: Callable[[], list[str]] = lambda: []
+        """Node ids from the origin down to this node, told to children in each keep-alive: a child that finds
+        itself in its parent's path has closed a cycle (two nodes chose each other at once) and leaves."""
         self._children: dict[str, float] = {}
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self._rate = 0.0
@@ -120,7 +124,7 @@ class ShardServer:
         if not self._admit(child[:64]):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        return web.json_response({"depth": self.depth()})
+        return web.json_response({"depth": self.depth(), "path": self.path()[-MAX_PATH:]})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]

@@ -115,6 +115,7 @@ class Trainer:
         self.store = WeightStore(self.weights_root, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
+        self.origin.path = lambda: [self.run_id]
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)

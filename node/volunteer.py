@@ -153,6 +153,7 @@ class Volunteer(abc.ABC):
             if self.server is not None:
                 follower = self.follower
                 self.server.depth = lambda: follower.depth
+                self.server.path = lambda: follower.path
             await self.publish()
             await self.ready(spec)
             async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from intellect_node.fetch import Source
+from intellect_node.follower import WeightFollower
+from intellect_node.metrics import Metrics
+from intellect_node.relay import ShardServer
+from intellect_node.status import HttpServer
+from intellect_node.store import WeightStore
 from intellect_node.tree import plan
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
@@ -68,3 +79,56 @@ def test_excluded_and_dead_parents_are_replaced() -> None:
     del recs[b]
     parent, _ = plan(recs, "e" * 32, ORIGIN, 1, b)  # b's record expired: it is gone
     assert parent is not None and parent.node_id == a
+
+
+class _Records:
+    """The DHT as the follower sees it: a fixed set of signed-in records (the HTTP side below is real)."""
+
+    def __init__(self, records: dict[str, NodeRecord]) -> None:
+        self.records = records
+
+    async def get_nodes(self) -> dict[str, NodeRecord]:
+        return self.records
+
+
+def test_a_node_that_finds_itself_in_its_parents_path_leaves_the_cycle(tmp_path: Path) -> None:
+    """Two nodes that chose each other at once: the keep-alive reply carries the parent's path from the origin,
+    the child sees its own id in it, drops that parent and takes another (here the origin)."""
+    me, b = "e" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, float, list[str]]:
+        metrics = Metrics()
+        b_server = ShardServer(WeightStore(tmp_path / "b", ORIGIN), Metrics(), slots=2)
+        b_server.path = lambda: [ORIGIN, me, b]  # b believes it hangs below us
+        origin_server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=2)
+        origin_server.path = lambda: [ORIGIN]
+        http_b = HttpServer(Metrics(), lambda: {}, b_server.routes())
+        http_o = HttpServer(Metrics(), lambda: {}, origin_server.routes())
+        port_b, port_o = await http_b.start("127.0.0.1", 0), await http_o.start("127.0.0.1", 0)
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": f"http://127.0.0.1:{port_o}"}),
+            b: _rec(b, 2, 1, me).model_copy(update={"http_url": f"http://127.0.0.1:{port_b}"}),
+        }
+
+        async def publish() -> None:
+            return None
+
+        follower = WeightFollower(
+            me, ORIGIN, _Records(records), WeightStore(tmp_path / "me", ORIGIN), metrics, None, 2, None, publish,
+        )  # type: ignore[arg-type]  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower.start(session)
+                fetcher = follower.fetcher
+                assert fetcher is not None
+                fetcher._find = follower._find
+                fetcher.sources = {b: Source(b, f"http://127.0.0.1:{port_b}", 2, is_parent=True)}
+                fetcher.parent = b
+                await follower.attach_once(session)
+                return fetcher.parent, metrics.counter("node_relay_cycles_left_total"), follower.path
+        finally:
+            await http_b.close()
+            await http_o.close()
+
+    parent, cycles, path = asyncio.run(main())
+    assert parent == ORIGIN and cycles == 1 and path == []
