@@ -119,6 +119,8 @@ class ShardFetcher:
         self.parent: str | None = None
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
+        self.parent_changed = asyncio.Event()
+        """Set when the parent changes (the follower then checks the new parent's path for a cycle at once)."""
         self.strikes: dict[str, int] = {}
         """Per source: shards it passed through unverified that then failed verification."""
 
@@ -151,6 +153,7 @@ class ShardFetcher:
             if self.parent is not None:
                 self.metrics.inc("node_relay_reparents_total")
             self.parent = new_parent
+            self.parent_changed.set()
 
     def _pick(self, tried: set[str]) -> Source | None:
         now = time.monotonic()

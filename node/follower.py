@@ -27,6 +27,8 @@ from intellect_protocol.records import NODE_TTL_S
 logger = logging.getLogger(__name__)
 KEEPALIVE_S = CHILD_TTL_S / 3
 CYCLE_AVOID_S = 30.0
+FAST_ROUNDS = 6
+FAST_KEEPALIVE_S = 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
@@ -127,15 +129,32 @@ class WeightFollower:
         await f.refresh_now()
 
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
-        """Hold this node's slot at its parent between versions, so the tree stays as it is."""
+        """Hold this node's slot at its parent, so the tree stays as it is; right after a change of parent, ask
+        every half second for a few rounds: a cycle (two nodes that chose each other at once) shows in the
+        parent's path within three rounds, and is left before a version has to go through it."""
+        fast = 0
         while True:
-            await asyncio.sleep(KEEPALIVE_S)
+            f = self.fetcher
+            if f is not None and f.parent_changed.is_set():
+                f.parent_changed.clear()
+                fast = FAST_ROUNDS
+            if fast > 0:
+                fast -= 1
+                await asyncio.sleep(FAST_KEEPALIVE_S)
+            elif f is not None:
+                try:
+                    await asyncio.wait_for(f.parent_changed.wait(), KEEPALIVE_S)
+                    continue
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(KEEPALIVE_S)
             await self.attach_once(session)
 
     async def attach_once(self, session: aiohttp.ClientSession) -> None:
         """One keep-alive: hold the slot, learn the parent's depth and path, leave a cycle."""
         f = self.fetcher
-        if f is None or f.parent is None or self.fetching >= 0 or f.parent not in f.sources:
+        if f is None or f.parent is None or f.parent not in f.sources:
             return
         src = f.sources[f.parent]
         try:
