@@ -157,18 +157,23 @@ class WeightFollower:
         if f is None or f.parent is None or f.parent not in f.sources:
             return
         src = f.sources[f.parent]
+        body: object = None
         try:
             async with session.post(
                 f"{src.url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
             ) as resp:
-                if resp.status == 503:  # the slot went to another node: choose again at the next version
-                    src.full, src.away_until = True, time.monotonic() + 2.0
-                    return
-                if resp.status != 200:
-                    return
-                body = await resp.json(content_type=None)
+                refused = resp.status == 503
+                if not refused and resp.status == 200:
+                    body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             src.failed += 1
+            return
+        if refused:  # the slot went to another node: choose again now, not when the next version is out
+            logger.info("parent %s has no slot for us: choosing again", src.node_id)
+            src.full, src.away_until = True, time.monotonic() + 2.0
+            await f.refresh_now()
+            return
+        if resp.status != 200:
             return
         depth = body.get("depth") if isinstance(body, dict) else None
         path = body.get("path") if isinstance(body, dict) else None
