@@ -13,6 +13,7 @@ cover the prefill and then every ``decode_batch`` decode steps.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,7 +119,7 @@ def sample_groups(
     capture = HiddenCapture(model) if proofs is not None else None
     prefill_hidden: torch.Tensor | None = None
     decode_hidden: list[torch.Tensor] = []
-    with capture or _null():
+    with capture or contextlib.nullcontext():
         out = model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )  # fmt: skip
@@ -204,11 +205,3 @@ def _proofs(
         out.append(built[at : at + n])
         at += n
     return out
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

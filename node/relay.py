@@ -177,12 +177,8 @@ class ShardServer:
                     chunk = f.read(min(_CHUNK, growing.size - pos))
                     if not chunk:
                         break
-                    if self._bucket is not None:
-                        await self._bucket.take(len(chunk))
-                    await resp.write(chunk)
+                    await self._write(resp, chunk, child)
                     pos += len(chunk)
-                    if child is not None:
-                        self._children[child[:64]] = time.monotonic()
                     continue
                 if growing.state == "failed":
                     break
@@ -201,6 +197,14 @@ class ShardServer:
         await resp.write_eof()
         self.metrics.inc("node_relay_shards_served_total")
         return resp
+
+    async def _write(self, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
+        """One chunk of a response, within the upload limit; the child's slot counts as in use."""
+        if self._bucket is not None:
+            await self._bucket.take(len(chunk))
+        await resp.write(chunk)
+        if child is not None:
+            self._children[child[:64]] = time.monotonic()
 
     async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
         size = path.stat().st_size
@@ -231,12 +235,8 @@ class ShardServer:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
                 if not chunk:
                     break
-                if self._bucket is not None:
-                    await self._bucket.take(len(chunk))
-                await resp.write(chunk)
+                await self._write(resp, chunk, child)
                 sent += len(chunk)
-                if child is not None:
-                    self._children[child[:64]] = time.monotonic()
         await resp.write_eof()
         elapsed = time.monotonic() - started
         if sent >= _CHUNK and elapsed > 0:

@@ -45,7 +45,6 @@ from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope, open_signed, seal
 from intellect_protocol.identity import node_id_of
 from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply, Verdict
-from intellect_protocol.tasks import assigned_task
 
 logger = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 1.0
@@ -206,13 +205,10 @@ class Trainer:
 
     def _check_contents(self, batch: RolloutBatch) -> list[Group]:
         """Shape (node/validator.py), assignment, and the rewards recomputed here."""
-        spec = self.spec
         self.validator.check_shape(batch)
         groups = []
         for g in batch.groups:
-            task = assigned_task(
-                spec.seed, batch.node_id, batch.version, batch.batch_index, g.slot, spec.task.max_operand
-            )
+            task = self.validator.task(batch, g.slot)
             if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
             eos = int(self.tokenizer.eos_token_id)

@@ -222,6 +222,26 @@ async def _relay(root: Path, metrics: Metrics) -> AsyncIterator[tuple[str, Weigh
         await http.close()
 
 
+async def _through_relay(
+    tmp_path: Path,
+    upstream: list[Candidate],
+    relay: str,
+    relay_store: WeightStore,
+    relay_metrics: Metrics,
+    child_metrics: Metrics,
+    session: aiohttp.ClientSession,
+) -> WeightStore:
+    """The relay fetches version 1 from ``upstream`` while a child fetches it from the relay only."""
+
+    async def find_upstream(exclude: set[str]) -> list[Candidate]:
+        return [c for c in upstream if c.node_id not in exclude]
+
+    relaying = asyncio.create_task(ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream))
+    child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
+    await relaying
+    return child
+
+
 def test_a_relay_passes_a_shard_on_while_it_is_still_arriving(tmp_path: Path) -> None:
     """Cut-through: the child's copy of the shard starts before the relay has it all (one 800 kB shard, the
     origin's upload capped at 400 kB/s), and the child still verifies it against the signed manifest."""
@@ -235,16 +255,7 @@ def test_a_relay_passes_a_shard_on_while_it_is_still_arriving(tmp_path: Path) ->
             aiohttp.ClientSession() as session,
         ):
             upstream = [Candidate("a" * 32, origin, 0, True)]
-
-            async def find_upstream(exclude: set[str]) -> list[Candidate]:
-                return upstream
-
-            relaying = asyncio.create_task(
-                ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream)
-            )
-            child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
-            await relaying
-            return child
+            return await _through_relay(tmp_path, upstream, relay, relay_store, relay_metrics, child_metrics, session)
 
     child = asyncio.run(main())
     manifest = child.manifest(1)
@@ -273,16 +284,7 @@ def test_unverified_bad_bytes_cost_a_relay_a_strike_not_a_ban(tmp_path: Path) ->
             aiohttp.ClientSession() as session,
         ):
             upstream = [Candidate("b" * 32, bad, 0, True), Candidate("a" * 32, good, 0, False)]
-
-            async def find_upstream(exclude: set[str]) -> list[Candidate]:
-                return [c for c in upstream if c.node_id not in exclude]
-
-            relaying = asyncio.create_task(
-                ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream)
-            )
-            child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
-            await relaying
-            return child
+            return await _through_relay(tmp_path, upstream, relay, relay_store, relay_metrics, child_metrics, session)
 
     child = asyncio.run(main())
     assert child.complete_versions() == [1]
