@@ -41,6 +41,10 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:
         m = self.model
+        if m.kind == "hf":
+            if not m.name:
+                raise ValueError("model.kind = 'hf' needs model.name: a local folder, a hub id, or 'smollm2'")
+            return self
         if self.verify.topk > m.hidden_size:
             raise ValueError(f"verify.topk={self.verify.topk} exceeds model.hidden_size={m.hidden_size}: a proof "
                              "over one decode step needs that many values; lower verify.topk")  # fmt: skip
@@ -138,6 +142,6 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
     for item in overrides:
         _set_dotted(tree, *parse_override(item))
     _reject_unknown(tree, RunConfig)
-    if "model" in tree and "vocab" not in tree["model"]:
+    if "model" in tree and "vocab" not in tree["model"] and tree["model"].get("kind", "tiny-llama") == "tiny-llama":
         tree["model"]["vocab"] = default_model().vocab
     return RunConfig.model_validate(tree)

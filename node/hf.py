@@ -68,13 +68,33 @@ def smollm2_folder(cache: Path | None = None) -> Path:
     return folder
 
 
-def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
-    """(model, tokenizer) of any Hugging Face causal LM by folder or hub id; ``smollm2`` means the packaged one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def resolve(name_or_path: str) -> str:
+    """``smollm2`` means the packaged SmolLM2-135M-Instruct; anything else is a folder or a hub id."""
+    return str(smollm2_folder()) if name_or_path in ("smollm2", "smollm2-135m") else name_or_path
 
-    path = str(smollm2_folder()) if name_or_path in ("smollm2", "smollm2-135m") else name_or_path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+
+def load_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve(name_or_path))
+    except OSError as e:
+        raise OSError(f"cannot load the tokenizer of {name_or_path!r}: give a local folder, or a hub id on a machine "
+                      f"that can reach the hub ({e})") from e  # fmt: skip
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return tokenizer
+
+
+def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
+    """(model, tokenizer) of any Hugging Face causal LM by folder or hub id; ``smollm2`` means the packaged one."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a volunteer's terminal shows our progress, not a loader's
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
+    except OSError as e:
+        raise OSError(f"cannot load the model {name_or_path!r}: give a local folder, or a hub id on a machine "
+                      f"that can reach the hub ({e})") from e  # fmt: skip
+    return model.eval(), load_tokenizer(name_or_path)

@@ -1,8 +1,9 @@
-"""The policy model and its tokenizer, built from the run spec (no hub downloads).
+"""The policy model and its tokenizer, built from the run spec.
 
 ``tiny-llama``: a Llama built from the spec's config, with a character-level tokenizer whose vocabulary is the
-spec's ``vocab`` (specials first: ``<pad>``, ``<bos>``, ``<eos>``). Trainer and workers build the same
-architecture; the weights come from the signed checkpoint.
+spec's ``vocab`` (specials first: ``<pad>``, ``<bos>``, ``<eos>``). ``hf``: a Hugging Face causal LM by folder,
+hub id or ``smollm2`` (node/hf.py), loaded in the spec's compute dtype. Trainer and workers build the same
+architecture; the weights they use come from the signed checkpoint.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from intellect_protocol.messages import ModelSpec
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
+
+def build_tokenizer(spec: ModelSpec) -> Any:
+    if spec.kind == "hf":
+        from intellect_node.hf import load_tokenizer
+
+        return load_tokenizer(spec.name)
     vocab = {token: i for i, token in enumerate(spec.vocab)}
     if len(vocab) != len(spec.vocab):
         raise ValueError("the model vocabulary repeats a token")
@@ -29,8 +36,14 @@ def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
-def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    """A freshly initialized model (seeded by ``spec.init_seed``, so every node builds the same version 0)."""
+def build_model(spec: ModelSpec, tokenizer: Any, dtype: torch.dtype | None = None) -> Any:
+    """The policy in ``dtype`` (default: the spec's compute dtype). ``tiny-llama`` is freshly initialized
+    (seeded by ``spec.init_seed``, so every node builds the same version 0); ``hf`` holds the pretrained weights."""
+    dtype = dtype or DTYPES[spec.compute_dtype]
+    if spec.kind == "hf":
+        from intellect_node.hf import load_causal_lm
+
+        return load_causal_lm(spec.name, dtype=dtype)[0].requires_grad_(True)
     config = LlamaConfig(
         vocab_size=len(spec.vocab),
         hidden_size=spec.hidden_size,
@@ -47,11 +60,12 @@ def build_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaFor
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
         model = LlamaForCausalLM(config)
-    return model.eval()
+    return torch.nn.Module.to(model, dtype).eval()
 
 
-def state_dict_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, tied weights stored once (safetensors refuses shared storage)."""
+def state_dict_for_export(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors (cast to ``dtype`` if given), tied weights stored once (safetensors refuses shared
+    storage)."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     for name, tensor in model.state_dict().items():
@@ -59,7 +73,7 @@ def state_dict_for_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if ptr in seen:
             continue
         seen[ptr] = name
-        out[name] = tensor.detach().to("cpu").contiguous().clone()
+        out[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous().clone()
     return out
 
 
@@ -71,6 +85,12 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, Any]) -> None:
         raise ValueError(f"checkpoint does not fit the model: missing={missing[:5]} unexpected={unexpected[:5]}")
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
-    """Token ids of a prompt as every node must produce them: BOS, then the text."""
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt as every node must produce them: the text as a user turn of the tokenizer's chat
+    template, ending with the assistant's turn opened (instruct models); BOS then the text otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
     return [int(tokenizer.bos_token_id)] + list(tokenizer.encode(text, add_special_tokens=False))

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from intellect_kernels.grpo import group_advantages, grpo_loss, lr_factor
-from intellect_kernels.logprobs import token_entropy, token_logprobs
+from intellect_kernels.grpo import group_advantages, lr_factor
 from intellect_node import __version__
 from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.dht import Membership
+from intellect_node.engine import Packed, PolicyEngine
 from intellect_node.keys import load_or_create
 from intellect_node.metrics import Metrics
-from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights, state_dict_for_export
+from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights
 from intellect_node.relay import ShardServer
 from intellect_node.runtime import announce
 from intellect_node.status import HttpServer
@@ -93,7 +93,7 @@ def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 class Trainer:
-    def __init__(self, node: NodeConfig, run: RunConfig) -> None:
+    def __init__(self, node: NodeConfig, run: RunConfig, engine: PolicyEngine | None = None) -> None:
         self.cfg = node
         self.identity = load_or_create(node.data_dir / "node.key")
         self.run_id = self.identity.node_id
@@ -118,9 +118,11 @@ class Trainer:
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
-        self.model = build_model(self.spec.model, self.tokenizer)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.spec.train.lr, weight_decay=self.spec.train.weight_decay
+        reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
+        if self.spec.train.kl_coef > 0:
+            reference = build_model(self.spec.model, self.tokenizer, torch.float32)
+        self.engine = engine or PolicyEngine(
+            self.spec, build_model(self.spec.model, self.tokenizer, torch.float32), reference
         )
         self.step = 0
         """Completed training steps; the newest published weight version equals it."""
@@ -152,10 +154,6 @@ class Trainer:
         self._registry_lock = asyncio.Lock()
         self._registry_waiters = 0
         self._rewards_seen: list[float] = []
-        self.reference: Any = None
-        """The reference policy of the KL term (version 0, frozen), when ``train.kl_coef`` > 0."""
-        if self.spec.train.kl_coef > 0:
-            self.reference = build_model(self.spec.model, self.tokenizer).eval().requires_grad_(False)
         self._store_lock = threading.Lock()
 
     # ---- peer boundary -------------------------------------------------------------------------------
@@ -407,48 +405,21 @@ class Trainer:
         return batch
 
     def _train_step(self, groups: list[Group]) -> dict[str, float]:
-        temp = self.spec.sampling.temperature
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        adv = group_advantages(rewards).flatten()
         ids, attn, mask, logp_old = pack_sequences(groups, int(self.tokenizer.pad_token_id))
-        self.model.train()
         t = self.spec.train
         lr = t.lr * lr_factor(self.step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = token_logprobs(logits, ids[:, 1:], temp)
-        entropy = token_entropy(logits, temp)
-        logp_ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                logp_ref = token_logprobs(ref_logits, ids[:, 1:], temp)
-        loss, stats = grpo_loss(
-            logp, logp_old, adv, mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
-            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
-        )  # fmt: skip
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:  # never publish weights a bad batch turned into NaN
-            self.metrics.inc("node_trainer_steps_skipped_total", label="nonfinite_gradient")
-            logger.error("skipped the optimizer step: gradient norm is %s", float(grad_norm))
-        self.model.eval()
+        skipped = self.engine.skipped
+        stats = self.engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
+        if self.engine.skipped > skipped:  # never publish weights a bad batch turned into NaN
+            self.metrics.inc("node_trainer_steps_skipped_total", self.engine.skipped - skipped,
+                             label="nonfinite_gradient", help="optimizer steps skipped")  # fmt: skip
         seen, self._rewards_seen = self._rewards_seen, []  # every rollout accepted since the last step
         return {
-            "loss": stats.loss,
+            **stats,
             "reward_mean": sum(seen) / len(seen) if seen else float(rewards.mean()),
             "accuracy": sum(r == 1.0 for r in seen) / len(seen) if seen else float((rewards == 1.0).float().mean()),
             "batch_reward_mean": float(rewards.mean()),
-            "entropy": stats.entropy,
-            "kl": stats.kl,
-            "lr": lr,
-            "clipped_fraction": stats.clipped_fraction,
-            "grad_norm": float(grad_norm),
-            "tokens": float(stats.tokens),
         }
 
     def _publish(self, version: int) -> None:
@@ -457,7 +428,7 @@ class Trainer:
             self.identity,
             self.run_id,
             version,
-            state_dict_for_export(self.model),
+            self.engine.export_state(),
             self.cfg.shard_bytes,
         )
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1

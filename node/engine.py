@@ -1,0 +1,135 @@
+"""The trainable policy: fp32 master weights, the optimizer, the reference model, and one GRPO step.
+
+The trainer (node/trainer.py) owns the network, the queue and validation; this owns the numbers. A rollout step
+takes a packed batch (rows of ``prompt + completion``, the completion mask, the sampler's log-probs and the
+group advantages) and runs ``train.optimizer_steps`` optimizer steps on consecutive minibatches of it. With
+``train.recompute_logp_old`` the trainer's own log-probs, taken before the first update, replace the sampler's
+as logp_old. A non-finite gradient skips that optimizer step: weights that turned into NaN are never published.
+
+``PolicyEngine`` runs in one process. node/fsdp.py shards it over several (torchrun, FSDP2) behind the same
+methods, so the trainer does not know which one it drives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from intellect_kernels.grpo import grpo_loss
+from intellect_kernels.logprobs import token_entropy, token_logprobs
+from intellect_node.model import DTYPES, state_dict_for_export
+from intellect_protocol.messages import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Packed:
+    """Right-padded rows; position ``t`` of ``mask``/``logp_old`` scores token ``t + 1`` of ``ids``."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    logp_old: torch.Tensor
+    advantages: torch.Tensor
+
+    def rows(self, part: slice) -> Packed:
+        return Packed(self.ids[part], self.attention[part], self.mask[part], self.logp_old[part], self.advantages[part])
+
+
+class PolicyEngine:
+    def __init__(self, spec: RunSpec, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
+        self.spec = spec
+        self.model = model.float()  # master weights stay fp32 whatever is published or computed in
+        self.reference = reference.eval().requires_grad_(False) if reference is not None else None
+        t = spec.train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.skipped = 0
+
+    def _autocast(self) -> Any:
+        if self.spec.train.compute_dtype == "bfloat16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logp(self, model: torch.nn.Module, b: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            logits = model(input_ids=b.ids, attention_mask=b.attention).logits[:, :-1].float()
+        temp = self.spec.sampling.temperature
+        return token_logprobs(logits, b.ids[:, 1:], temp), token_entropy(logits, temp)
+
+    def step(self, batch: Packed, lr: float) -> dict[str, float]:
+        t = self.spec.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        logp_gap = 0.0
+        if t.recompute_logp_old:
+            with torch.no_grad():
+                mine = self._logp(self.model, batch)[0]
+            tokens = batch.mask.sum().clamp(min=1.0)
+            logp_gap = float(((mine - batch.logp_old).abs() * batch.mask).sum() / tokens)
+            batch = Packed(batch.ids, batch.attention, batch.mask, mine, batch.advantages)
+        rows = batch.ids.shape[0]
+        parts = min(t.optimizer_steps, rows)
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        self.model.train()
+        totals: dict[str, float] = {}
+        try:
+            for i in range(parts):
+                part = self._minibatch(batch.rows(slice(bounds[i], bounds[i + 1])))
+                for key, value in part.items():
+                    totals[key] = totals.get(key, 0.0) + value
+        finally:
+            self.model.eval()
+        stats = {k: v / parts for k, v in totals.items()}
+        stats["tokens"] = totals.get("tokens", 0.0)
+        stats["logp_old_gap"] = logp_gap
+        stats["lr"] = lr
+        return stats
+
+    def _minibatch(self, b: Packed) -> dict[str, float]:
+        t = self.spec.train
+        logp, entropy = self._logp(self.model, b)
+        logp_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                logp_ref = self._logp(self.reference, b)[0]
+        loss, stats = grpo_loss(
+            logp, b.logp_old, b.advantages, b.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
+            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
+        )  # fmt: skip
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+            logger.error("skipped an optimizer step: gradient norm is %s", float(grad_norm))
+        return {
+            "loss": stats.loss,
+            "entropy": stats.entropy,
+            "kl": stats.kl,
+            "clipped_fraction": stats.clipped_fraction,
+            "grad_norm": float(grad_norm),
+            "tokens": float(stats.tokens),
+        }
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, in the run's published dtype."""
+        return state_dict_for_export(self.model, DTYPES[self.spec.model.dtype])
+
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed trainer needs to continue bit-for-bit: fp32 weights and the optimizer."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "skipped": self.skipped}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped = int(state.get("skipped", 0))
+
+    def close(self) -> None:
+        """Nothing to release in one process (node/fsdp.py stops its other ranks here)."""
