@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,8 +93,19 @@ def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torc
     return ids, attn, mask, logp_old
 
 
+EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
+
+
+def local_engine(spec: RunSpec, tokenizer: Any) -> PolicyEngine:
+    """The policy in this process (node/fsdp.py makes a sharded one under torchrun)."""
+    reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
+    if spec.train.kl_coef > 0:
+        reference = build_model(spec.model, tokenizer, torch.float32)
+    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32), reference)
+
+
 class Trainer:
-    def __init__(self, node: NodeConfig, run: RunConfig, engine: PolicyEngine | None = None) -> None:
+    def __init__(self, node: NodeConfig, run: RunConfig, make_engine: EngineFactory | None = None) -> None:
         self.cfg = node
         self.identity = load_or_create(node.data_dir / "node.key")
         self.run_id = self.identity.node_id
@@ -118,12 +130,7 @@ class Trainer:
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
-        reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
-        if self.spec.train.kl_coef > 0:
-            reference = build_model(self.spec.model, self.tokenizer, torch.float32)
-        self.engine = engine or PolicyEngine(
-            self.spec, build_model(self.spec.model, self.tokenizer, torch.float32), reference
-        )
+        self.engine = (make_engine or local_engine)(self.spec, self.tokenizer)
         self.step = 0
         """Completed training steps; the newest published weight version equals it."""
         self.queue: list[Group] = []
