@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     _node_args(boot)
     _run_args(boot)
     boot.add_argument("--max-steps", type=int, help="stop training after this many steps (keeps serving)")
+    boot.add_argument("--checkpoint-every", type=int, default=1,
+                      help="checkpoint every N steps (default 1; 0: never). Rerunning bootstrap with the same "
+                           "--data-dir resumes from the newest checkpoint")  # fmt: skip
+    boot.add_argument("--fresh", action="store_true", help="discard this key's checkpoints and start the run over")
+    boot.add_argument("--peers", action="append", default=[], metavar="MULTIADDR",
+                      help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
+                           "peers it saved in its checkpoint)")  # fmt: skip
     boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
     boot.add_argument("--validator", action="append", default=[], metavar="NODE_ID",
                       help="take verdicts from this validator (repeatable); else the trainer validates")  # fmt: skip
@@ -123,7 +130,13 @@ def _main(args: argparse.Namespace) -> None:
     if args.command == "bootstrap":
         run = load_run_config(args.config, args.overrides)
         node = NodeConfig(
-            **fields, max_steps=args.max_steps, shard_bytes=int(args.shard_mb * 2**20), validators=args.validator
+            **fields,
+            max_steps=args.max_steps,
+            shard_bytes=int(args.shard_mb * 2**20),
+            validators=args.validator,
+            checkpoint_every=args.checkpoint_every,
+            fresh=args.fresh,
+            peers=args.peers,
         )
         from intellect_node.trainer import Trainer
 

@@ -82,6 +82,11 @@ class NodeConfig(BaseModel):
     """torch threads for generation or training."""
     max_steps: Annotated[int, Field(ge=0)] | None = None
     """Trainer: stop training after this many steps (the node keeps serving until stopped)."""
+    checkpoint_every: Annotated[int, Field(ge=0)] = 1
+    """Trainer: checkpoint every this many steps (0: never). A restarted trainer resumes from its newest one;
+    with N > 1 a crash loses up to N - 1 steps of training (version numbers still never repeat)."""
+    fresh: bool = False
+    """Trainer: delete this run key's checkpoints and weights and start the run over."""
     shard_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Trainer: the largest safetensors shard it writes."""
     join_timeout_s: Annotated[float, Field(gt=0)] = 60.0

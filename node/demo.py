@@ -88,7 +88,15 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     try:
         trainer = NodeProcess(
             "trainer",
-            ["bootstrap", "--data-dir", str(workdir / "trainer"), "--max-steps", str(args.steps), *config_args],
+            [
+                "bootstrap",
+                "--data-dir",
+                str(workdir / "trainer"),
+                "--fresh",
+                "--max-steps",
+                str(args.steps),
+                *config_args,
+            ],
             logs,
         )
         nodes.append(trainer)

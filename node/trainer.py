@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import hashlib
 import logging
 import math
@@ -29,6 +30,7 @@ from aiohttp import web
 
 from intellect_kernels.grpo import group_advantages, lr_factor
 from intellect_node import __version__
+from intellect_node.checkpoint import CheckpointDir
 from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.dht import Membership
 from intellect_node.engine import Packed, PolicyEngine
@@ -70,6 +72,15 @@ class Group:
     completions: list[list[int]]
     logprobs: list[list[float]]
     rewards: list[float]
+    batch_index: int = -1
+    slot: int = -1
+
+    @property
+    def key(self) -> BatchKey:
+        return (self.node_id, self.version, self.batch_index)
+
+
+BatchKey = tuple[str, int, int]
 
 
 def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,7 +133,21 @@ class Trainer:
         )
         self.metrics = Metrics()
         self.weights_root = node.data_dir / "weights" / self.run_id
-        shutil.rmtree(self.weights_root, ignore_errors=True)  # a bootstrap starts the run's history afresh
+        ckpt_root = node.data_dir / "checkpoints" / self.run_id
+        if node.fresh:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        self.ckpt = CheckpointDir(ckpt_root)
+        self.resumed: dict[str, Any] | None = self.ckpt.latest() if node.checkpoint_every else None
+        if self.resumed is not None:
+            saved = RunSpec.model_validate_json(self.resumed["spec"])
+            if saved.model_copy(update={"created": 0.0}) != self.spec.model_copy(update={"created": 0.0}):
+                raise SystemExit(
+                    f"{ckpt_root} holds run {self.run_id} at step {self.resumed['step']}, started with another run "
+                    "config; give the same --config/--set to resume it, or --fresh to start the run over"
+                )
+            self.spec = saved
+        else:
+            shutil.rmtree(self.weights_root, ignore_errors=True)  # a new run starts its weight history afresh
         self.store = WeightStore(self.weights_root, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
@@ -132,7 +157,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or local_engine)(self.spec, self.tokenizer)
         self.step = 0
-        """Completed training steps; the newest published weight version equals it."""
+        """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
+        self.published = -1
+        """The newest version written, signed and announced."""
         self.queue: list[Group] = []
         self.queue_changed = asyncio.Event()
         self.gate = Gate(self.spec.train.async_level)
@@ -161,6 +188,14 @@ class Trainer:
         self._registry_lock = asyncio.Lock()
         self._registry_waiters = 0
         self._rewards_seen: list[float] = []
+        self.envelopes: dict[BatchKey, bytes] = {}
+        """Admitted batches that may still have groups to train: what a checkpoint keeps for a resume."""
+        self.validating: set[BatchKey] = set()
+        self._counted: set[BatchKey] = set()
+        self._persisting: asyncio.Task[None] | None = None
+        self.resume_info: dict[str, int] | None = None
+        if self.resumed is not None:
+            self._restore(self.resumed)
         self._store_lock = threading.Lock()
 
     # ---- peer boundary -------------------------------------------------------------------------------
@@ -218,7 +253,8 @@ class Trainer:
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
             eos = int(self.tokenizer.eos_token_id)
             rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos) for c in g.completions]
-            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards))
+            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
+                                batch.batch_index, g.slot))  # fmt: skip
         return groups
 
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
@@ -238,7 +274,7 @@ class Trainer:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
-            self.gate.check(batch, self.step)
+            self.gate.check(batch, self.step, newest=self.published)
             queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
             if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
                 raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
@@ -246,6 +282,10 @@ class Trainer:
         except Rejected as e:
             return self.reject(e, peer, node_id)
         self.gate.admit(batch)
+        key = (node_id, batch.version, batch.batch_index)
+        self.envelopes[key] = data
+        self.validating.add(key)
+        self.ckpt.append(data)  # durable before the reply: an accepted batch survives a crash of the trainer
         self.pending.put_nowait((batch, groups, data))
         self.pending_by_node[node_id] += len(groups)
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
@@ -327,6 +367,7 @@ class Trainer:
                 logger.exception("validation of node=%s version=%d batch=%d failed; batch dropped",
                                  batch.node_id, batch.version, batch.batch_index)  # fmt: skip
             finally:
+                self.validating.discard((batch.node_id, batch.version, batch.batch_index))
                 self.pending_by_node[batch.node_id] -= len(groups)
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
@@ -378,8 +419,12 @@ class Trainer:
         self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
         self.accepted_by_node[batch.node_id] += len(groups)
         self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
-        for g in groups:
-            self._rewards_seen.extend(g.rewards)
+        key = (batch.node_id, batch.version, batch.batch_index)
+        if key in self._counted:  # replayed after a resume: its rewards are already in the curve
+            self._counted.discard(key)
+        else:
+            for g in groups:
+                self._rewards_seen.extend(g.rewards)
         if self.spec.train.online_filter:  # all rewards equal: zero advantage, nothing to learn from
             kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
             self.metrics.inc("node_trainer_groups_filtered_total", len(groups) - len(kept),
@@ -429,18 +474,107 @@ class Trainer:
             "batch_reward_mean": float(rewards.mean()),
         }
 
-    def _publish(self, version: int) -> None:
-        write_checkpoint(
-            self.weights_root,
-            self.identity,
-            self.run_id,
-            version,
-            self.engine.export_state(),
-            self.cfg.shard_bytes,
-        )
+    def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes)
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
         with self._store_lock:
             self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+
+    def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """The weights to publish and (when a checkpoint is due) a private copy of the engine's state, taken
+        between steps so that the next step can run while they are written."""
+        return self.engine.export_state(), copy.deepcopy(self.engine.state()) if checkpoint else None
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """Everything but the engine, on the event loop (consistent with the queue and the spool rotation)."""
+        due: dict[BatchKey, list[int] | None] = {key: None for key in self.validating}
+        for g in self.queue:
+            slots = due.setdefault(g.key, [])
+            if slots is not None:
+                slots.append(g.slot)
+        self.envelopes = {k: v for k, v in self.envelopes.items() if k in due}
+        peers = [r.p2p_maddrs[0] for r in self.registry.values() if r.p2p_maddrs and r.node_id != self.run_id]
+        return {
+            "spec": self.spec.model_dump_json(),
+            "step": self.step,
+            "history": list(self.history),
+            "banned": dict(self.banned),
+            "gate": dict(self.gate.next_index),
+            "idle_s": self.idle_s,
+            "rewards_seen": list(self._rewards_seen),
+            "peers": peers[:8],
+            "batches": {k: self.envelopes[k] for k in due if k in self.envelopes},
+            "due": due,
+        }
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.engine.load_state(saved["engine"])
+        self.step = int(saved["step"])
+        self.history = list(saved["history"])
+        self.banned = dict(saved["banned"])
+        self.gate.next_index = dict(saved["gate"])
+        self.idle_s = float(saved["idle_s"])
+        self._rewards_seen = list(saved["rewards_seen"])
+        self._saved_peers: list[str] = list(saved["peers"])
+        logger.info("resuming run %s from its checkpoint at step %d", self.run_id, self.step)
+
+    def _replay(self, saved: dict[str, Any] | None) -> None:
+        """Batches accepted before a restart go through validation again: those of the checkpoint (only their
+        groups still due) and every one spooled since. What went stale meanwhile is counted and logged."""
+        todo: list[tuple[bytes, list[int] | None]] = []
+        if saved is not None:
+            todo += [(env, saved["due"].get(key)) for key, env in saved["batches"].items()]
+        todo += [(env, None) for env in self.ckpt.spooled_since(self.step)]
+        seen: set[BatchKey] = set()
+        replayed = stale = 0
+        for data, slots in todo:
+            try:
+                signer, body = open_envelope(data, RolloutBatch)
+                batch = decode_body(signer, body, RolloutBatch).message
+                groups = self._check_contents(batch)
+            except Rejected as e:  # it passed these checks once: only a changed task set can fail them
+                logger.warning("could not replay a spooled batch: %s", e)
+                continue
+            key = (batch.node_id, batch.version, batch.batch_index)
+            if key in seen or batch.node_id in self.banned:
+                continue
+            seen.add(key)
+            if slots is not None:
+                groups = [g for g in groups if g.slot in slots]
+                self._counted.add(key)
+            if batch.version < self._fresh_floor():
+                stale += len(groups)
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                continue
+            self.gate.next_index[(batch.node_id, batch.version)] = max(
+                self.gate.next_index.get((batch.node_id, batch.version), 0), batch.batch_index + 1
+            )
+            self.envelopes[key] = data
+            self.validating.add(key)
+            self.ckpt.append(data)
+            self.pending.put_nowait((batch, groups, data))
+            self.pending_by_node[batch.node_id] += len(groups)
+            replayed += len(groups)
+        if saved is not None or todo:
+            self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale}
+            logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)
+
+    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
+        """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
+        if meta is not None:
+            started = time.monotonic()
+            await asyncio.to_thread(self.ckpt.write, version, meta)
+            self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
+            self.metrics.set("node_trainer_checkpoint_step", version)
+        await asyncio.to_thread(self._publish, version, tensors)
+        self.published = version
+        self.metrics.set("node_trainer_weight_version", version)
+        try:
+            await self.membership.publish_record(self.record())
+        except (TimeoutError, OSError) as e:  # the periodic republish will try again
+            logger.warning("could not announce version %d in the DHT: %r", version, e)
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -449,7 +583,7 @@ class Trainer:
             role="trainer",
             p2p_maddrs=self.maddrs[:8],
             http_url=self.status_url,
-            weight_version=self.step,
+            weight_version=max(self.published, 0),
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=RelayInfo(
@@ -463,38 +597,52 @@ class Trainer:
 
     async def train_forever(self) -> None:
         max_steps = self.cfg.max_steps
+        every = self.cfg.checkpoint_every
         while max_steps is None or self.step < max_steps:
             waited = time.monotonic()
             while (groups := self._take_batch()) is None:
                 self.queue_changed.clear()
                 await self.queue_changed.wait()
-            self.idle_s += time.monotonic() - waited
+            idle = time.monotonic() - waited
+            self.idle_s += idle
             started = time.monotonic()
             stats = await asyncio.to_thread(self._train_step, groups)
             versions = [g.version for g in groups]
-            await asyncio.to_thread(self._publish, self.step + 1)
+            due = bool(every) and (self.step + 1) % every == 0
+            tensors, engine_state = await asyncio.to_thread(self._snapshot, due)
             self.step += 1
             stats.update(
                 step=self.step,
                 seconds=time.monotonic() - started,
+                idle_s=idle,
+                time=time.time(),
                 staleness_max=float(self.step - 1 - min(versions)),
                 staleness_mean=float(sum(self.step - 1 - v for v in versions) / len(versions)),
             )
             self.history.append(stats)
+            meta = None
+            if engine_state is not None:
+                meta = {**self._checkpoint_meta(), "engine": engine_state}
+                self.ckpt.start_spool(self.step)
+            previous = self._persisting
+            if previous is not None:  # versions go out in order; the step above did not wait for this
+                await previous
+            self._persisting = asyncio.create_task(self._persist(self.step, tensors, meta))
             self.metrics.inc("node_trainer_steps_total")
-            self.metrics.set("node_trainer_weight_version", self.step)
+            self.metrics.set("node_trainer_step", self.step)
             self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
-            self.metrics.set("node_trainer_idle_seconds", self.idle_s)
-            try:
-                await self.membership.publish_record(self.record())
-            except (TimeoutError, OSError) as e:  # the periodic republish will try again
-                logger.warning("could not announce version %d in the DHT: %r", self.step, e)
+            self.metrics.set("node_trainer_idle_seconds", self.idle_s, help="time the trainer waited for rollouts")
+            self.metrics.set("node_trainer_staleness_max", stats["staleness_max"],
+                             help="steps from a trained rollout's policy to its step (last step's max)")  # fmt: skip
+            self.metrics.set("node_trainer_staleness_mean", stats["staleness_mean"])
             logger.info(
-                "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f",
+                "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f idle=%.2f",
                 self.step, stats["reward_mean"], stats["accuracy"], stats["loss"],
-                stats["staleness_max"], len(groups), stats["seconds"],
+                stats["staleness_max"], len(groups), stats["seconds"], idle,
             )  # fmt: skip
             print(f"STEP {self.step} reward_mean={stats['reward_mean']:.3f}", flush=True)
+        if self._persisting is not None:
+            await self._persisting
         logger.info("reached max_steps=%s; still serving weights and status until stopped", max_steps)
         await asyncio.Event().wait()
 
@@ -504,7 +652,7 @@ class Trainer:
             "node_id": self.identity.node_id,
             "run_id": self.run_id,
             "step": self.step,
-            "weight_version": self.step,
+            "weight_version": self.published,
             "max_steps": self.cfg.max_steps,
             "queue_groups": len(self.queue),
             "idle_s": round(self.idle_s, 3),
@@ -516,19 +664,51 @@ class Trainer:
             "banned": self.banned,
             "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
             "pending_validation": self.pending.qsize(),
+            "resumed": self.resume_info,
             "history": self.history,
         }
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
+    async def _publish_current(self) -> None:
+        """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
+        was published before the restart). Versions a previous life published beyond the checkpoint (possible
+        with checkpoint_every > 1) keep their numbers: training continues from the checkpoint as the next one."""
+        newest = max(self.store.complete_versions(), default=-1)
+        if newest > self.step:
+            lost = newest - self.step
+            logger.warning("versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
+                           "training are lost and the next version is %d", self.step + 1, newest, self.step, lost,
+                           newest + 1)  # fmt: skip
+            self.step = newest
+            self.published = newest
+            return
+        if newest < self.step:
+            await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
+        self.published = self.step
+
+    async def _join_dht(self) -> list[str]:
+        """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
+        peers = self.cfg.peers or getattr(self, "_saved_peers", [])
+        if not self.cfg.peers and peers:
+            try:
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers)
+            except SystemExit as e:
+                logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
+                               "alone: nodes reconnect when given this trainer's new address", e)  # fmt: skip
+        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [])
+
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
-        await asyncio.to_thread(self._publish, 0)
+        await self._publish_current()
+        self.ckpt.start_spool(self.step)
+        self._replay(self.resumed)
+        self.resumed = None  # the engine state in it is no longer needed
         server: RolloutServer | None = None
         try:
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.status_url = f"http://{self.cfg.host}:{port}"
-            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
+            self.maddrs = await self._join_dht()
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()
@@ -556,3 +736,5 @@ class Trainer:
                 await server.close()
             await self.http.close()
             await self.membership.close()
+            self.ckpt.close()
+            self.engine.close()

@@ -110,10 +110,16 @@ class RolloutServer:
 async def request(
     p2p: P2P, peer_id: str, protocol: str, data: bytes, limit: int, timeout: float = IO_TIMEOUT_S
 ) -> bytes:
-    """Send one frame to ``peer_id`` on ``protocol``; returns the reply frame (at most ``limit`` bytes)."""
-    _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), IO_TIMEOUT_S
-    )
+    """Send one frame to ``peer_id`` on ``protocol``; returns the reply frame (at most ``limit`` bytes).
+
+    A peer that cannot be reached (gone, restarted at another address) raises ConnectionError, like any socket:
+    the daemon's own error types never reach the caller's loop."""
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), IO_TIMEOUT_S
+        )
+    except (P2PDaemonError, P2PHandlerError) as e:  # ControlFailure (dial failed) is a P2PDaemonError
+        raise ConnectionError(f"cannot reach peer {peer_id}: {e}") from e
     try:
         await asyncio.wait_for(_write_frame(writer, data), IO_TIMEOUT_S)
         return await asyncio.wait_for(_read_frame(reader, limit), timeout)

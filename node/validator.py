@@ -123,9 +123,11 @@ class Gate:
     def floor(self, step: int) -> int:
         return step - self.async_level
 
-    def check(self, batch: RolloutBatch, step: int) -> None:
-        if batch.version > step:
-            raise Rejected("future_version", f"version {batch.version} > published {step}")
+    def check(self, batch: RolloutBatch, step: int, newest: int | None = None) -> None:
+        """``step``: the trainer's step (the window's top); ``newest``: the newest published version, if lower."""
+        newest = step if newest is None else min(step, newest)
+        if batch.version > newest:
+            raise Rejected("future_version", f"version {batch.version} > published {newest}")
         if batch.version < self.floor(step):
             raise Rejected("stale_version", f"version {batch.version} < step {step} - async_level")
         expected = self.next_index.get((batch.node_id, batch.version), 0)
