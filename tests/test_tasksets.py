@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import socket
 import threading
@@ -287,3 +288,17 @@ def test_spec_bounds() -> None:
         TaskSpec(min_pass_rate=0.8, max_pass_rate=0.2)
     with pytest.raises(ValueError, match="lower held_out"):
         TaskSpec(family="addition", digits=1)
+
+
+def test_math_check_that_hangs_counts_as_wrong_and_the_helper_recovers() -> None:
+    start = time.monotonic()
+    assert not verify_math("1", "\\boxed{9^{9^{9^{9}}}}")  # a power too big to evaluate
+    assert time.monotonic() - start < 30
+    assert verify_math("2", "\\boxed{2}")
+
+
+def test_hf_source_without_datasets_says_how_to_fix() -> None:
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("datasets is installed: loading would reach the network")
+    with pytest.raises(RuntimeError, match="pip install datasets"):
+        load_task_source(TaskSpec(family="dataset", source="hf:PrimeIntellect/INTELLECT-2-RL-Dataset"))
