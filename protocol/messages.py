@@ -55,11 +55,66 @@ class ModelSpec(BaseModel):
 
 
 class TaskSpec(BaseModel):
+    """The run's task set and reward; ``intellect_node.tasks`` builds the tasks and scores completions from it.
+
+    ``arithmetic``: ``a+b=`` for the tiny character-level model (``intellect_protocol.tasks``). ``addition``:
+    "What is 63 + 11? Reply with just the number." with ``digits``-digit operands, for pretrained chat models.
+    ``dataset``: rows of a file or Hugging Face dataset in INTELLECT-2's shape (``prompt``, ``task_type``,
+    ``verification_info``, an optional pass-rate column). Every node must build the same task set, so a local
+    file should be pinned with ``source_sha256``. Every field has a default, so older configs stay valid.
+    """
+
     model_config = ConfigDict(extra="ignore", frozen=True)
-    family: Literal["arithmetic"] = "arithmetic"
+    family: Literal["arithmetic", "addition", "dataset"] = "arithmetic"
     max_operand: Annotated[int, Field(ge=1, le=10**6)] = 9
+    """``arithmetic`` only: operands in ``[0, max_operand]``."""
     tasks_per_batch: Annotated[int, Field(ge=1, le=256)] = 4
     """Prompts in one inference batch; each gets a group of ``SamplingSpec.group_size`` completions."""
+    digits: Annotated[int, Field(ge=1, le=18)] = 2
+    """``addition`` only: operands in ``[10**(digits-1), 10**digits - 1]``."""
+    source: Annotated[str, Field(max_length=1024)] = ""
+    """``dataset`` only: a local ``.jsonl`` / ``.parquet`` path, or ``hf:owner/name`` (needs ``datasets``)."""
+    source_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
+    """When set, the source must hash to this (a local file: its bytes, ``sha256sum``; ``hf:``: its rows)."""
+    split: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-\[\]:%+]+$")] = "train"
+    """``hf:`` sources only: the split to load."""
+    held_out: Annotated[int, Field(ge=0, le=100_000)] = 200
+    """Tasks never assigned for training, kept for evaluation (``addition`` and ``dataset``; ``arithmetic``,
+    the tiny demo, trains on its whole table and ignores this)."""
+    min_pass_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    max_pass_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    """Offline difficulty filter: rows whose ``pass_rate_field`` lies outside ``[min, max]`` are never used; rows
+    without it are kept only when the range is the full ``[0, 1]``."""
+    pass_rate_field: Annotated[str, Field(min_length=1, max_length=128)] = "solve_rate_qwen_r1_distill_7b"
+    length_reward: Literal["none", "exact", "max", "clip"] = "none"
+    """Target-length shaping (L1 / LCPO): each task gets a target from ``target_tokens``, written into its
+    prompt; see ``intellect_node.tasks.length_shaped`` for the formulas."""
+    target_tokens: Annotated[list[Annotated[int, Field(ge=1, le=131072)]], Field(max_length=64)] = []
+    length_coef: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0003
+    """Reward per token of distance to the target (L1's alpha)."""
+    code_timeout_s: Annotated[float, Field(gt=0.0, le=60.0)] = 5.0
+    """Code tasks: wall-clock limit of one test case (the CPU limit is the same, rounded up)."""
+    code_memory_mb: Annotated[int, Field(ge=64, le=65536)] = 1024
+    """Code tasks: address-space limit of the program under test."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TaskSpec:
+        if self.min_pass_rate > self.max_pass_rate:
+            raise ValueError(f"min_pass_rate {self.min_pass_rate} > max_pass_rate {self.max_pass_rate}")
+        if self.family == "dataset" and not self.source:
+            raise ValueError("family 'dataset' needs a source: a .jsonl / .parquet path or hf:owner/name")
+        if self.length_reward != "none" and not self.target_tokens:
+            raise ValueError(f"length_reward '{self.length_reward}' needs target_tokens, e.g. [1000, 2000, 4000]")
+        if self.family == "arithmetic" and self.length_reward != "none":
+            raise ValueError("family 'arithmetic' (a character-level prompt) cannot carry a target length")
+        if self.family == "addition":
+            problems = (9 * 10 ** (self.digits - 1)) ** 2
+            if self.held_out > problems // 2:
+                raise ValueError(
+                    f"held_out {self.held_out} is more than half of the {problems} {self.digits}-digit additions: "
+                    "lower held_out or raise digits"
+                )
+        return self
 
 
 class SamplingSpec(BaseModel):
