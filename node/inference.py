@@ -20,13 +20,14 @@ import torch
 
 from intellect_node.generate import ProofSettings, sample_groups
 from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights
+from intellect_node.tasks import task_source
 from intellect_node.transport import submit
 from intellect_node.validator import task_reward
 from intellect_node.volunteer import POLL_S, Volunteer
 from intellect_node.weights import load_checkpoint
 from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
-from intellect_protocol.tasks import assigned_task, sampling_seed
+from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ def generate_batch(
     ``max_rows`` caps the rows of one generation call (the tokens do not depend on it: every row has its own
     seed). ``sampling`` reaches sample_groups (tests and benchmarks use it to play dishonest workers)."""
     n = spec.task.tasks_per_batch
-    tasks = [assigned_task(spec.seed, node_id, version, index, s, spec.task.max_operand) for s in range(n)]
+    source = task_source(spec.task)
+    tasks = [source.assigned(spec.seed, node_id, version, index, s) for s in range(n)]
     prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
     group_size = spec.sampling.group_size
     rows = [
@@ -178,7 +180,7 @@ def generate_batch(
                 completions=[c.tokens for c in group],
                 logprobs=[c.logprobs for c in group],
                 proofs=[c.proofs for c in group],
-                rewards=[task_reward(tokenizer, tasks[s], c.tokens, c.terminated) for c in group],
+                rewards=[task_reward(tokenizer, tasks[s], c.tokens, c.terminated, spec.task) for c in group],
             )
             for s, group in enumerate(groups)
         ],

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -102,6 +103,19 @@ class TaskSource:
             prompt=f"{task.prompt} Think for {bound}{target} tokens before giving a response.",
             target_tokens=target,
         )
+
+
+_SOURCES: dict[str, TaskSource] = {}
+_SOURCES_LOCK = threading.Lock()
+
+
+def task_source(spec: TaskSpec) -> TaskSource:
+    """``load_task_source``, once per distinct spec in this process (a dataset is read and hashed once)."""
+    key = spec.model_dump_json()
+    with _SOURCES_LOCK:
+        if key not in _SOURCES:
+            _SOURCES[key] = load_task_source(spec)
+        return _SOURCES[key]
 
 
 def load_task_source(spec: TaskSpec) -> TaskSource:

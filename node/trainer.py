@@ -252,7 +252,7 @@ class Trainer:
             if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
             eos = int(self.tokenizer.eos_token_id)
-            rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos) for c in g.completions]
+            rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task) for c in g.completions]
             groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
                                 batch.batch_index, g.slot))  # fmt: skip
         return groups
@@ -278,7 +278,7 @@ class Trainer:
             queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
             if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
                 raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
-            groups = self._check_contents(batch)
+            groups = await asyncio.to_thread(self._check_contents, batch)  # code rewards run programs
         except Rejected as e:
             return self.reject(e, peer, node_id)
         self.gate.admit(batch)
