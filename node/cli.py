@@ -71,8 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
-    demo.add_argument("--steps", type=int, default=100, help="training steps to run (default 100)")
-    demo.add_argument("--inference-nodes", type=int, default=2, help="inference processes (default 2)")
+    demo.add_argument("--tiny", action="store_true",
+                      help="the tiny model learning one-digit addition from scratch (half a minute) instead of "
+                           "SmolLM2-135M-Instruct learning two-digit addition (about 10 minutes)")  # fmt: skip
+    demo.add_argument("--minutes", type=float, default=7.0, help="training time of a pretrained model (default 7)")
+    demo.add_argument("--eval-problems", type=int, default=100,
+                      help="held-out problems scored before and after (default 100)")  # fmt: skip
+    demo.add_argument("--steps", type=int, help="training steps to run (default: 100 for --tiny, else no limit)")
+    demo.add_argument("--inference-nodes", type=int,
+                      help="inference processes (default: 2 for --tiny, else 1: a 2-core machine is full)")  # fmt: skip
     demo.add_argument("--workdir", type=Path, help="where nodes keep keys, weights and logs (default: a temp dir)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     return parser
@@ -109,6 +116,10 @@ def _main(args: argparse.Namespace) -> None:
     if args.command == "demo":
         from intellect_node.demo import run_demo
 
+        if args.config is None and not args.tiny:
+            from intellect_node.demo import SMOLLM2_CONFIG
+
+            args.config = SMOLLM2_CONFIG
         run_config = load_run_config(args.config, args.overrides)  # validate before starting anything
         sys.exit(run_demo(args, run_config))
 

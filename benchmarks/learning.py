@@ -1,0 +1,265 @@
+"""Learning: SmolLM2-135M-Instruct on two-digit addition through the real swarm, on this CPU.
+
+Three runs with the same task, settings (node/configs/smollm2-addition.toml: 8 prompts x 8 samples per step,
+temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast) and wall-clock budget:
+
+- ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
+  validation, no networking; it samples from a bf16 copy of the weights).
+- ``async2``: the swarm. A trainer (``bootstrap``) and an inference node (``join``) as processes on loopback, one
+  core each: signed checkpoints through the relay, TOPLOC proofs and seeded sampling on every rollout (fp32
+  compute), every batch validated by the trainer before it trains, async level 2.
+- ``sync``: the same swarm with async level 0 (each step waits for rollouts of the newest version).
+
+The clock of a swarm run starts when its trainer process is launched (start-up included); the colocated run's
+when its loop starts. Every ``--eval-every`` minutes the policy of that moment is kept (a hard link of the
+newest published version; the colocated loop saves its weights) and, after all runs (so evaluation does not
+compete with training), each is scored on the same 200 held-out problems (never assigned for training), greedy,
+with the run's own answer extraction (the last integer of the reply must equal the sum). The PNG plots mean
+training reward and held-out accuracy against wall-clock minutes.
+
+Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from intellect_kernels.grpo import group_advantages  # noqa: E402
+from intellect_node.config import RunConfig, load_run_config  # noqa: E402
+from intellect_node.engine import Packed, PolicyEngine  # noqa: E402
+from intellect_node.evaluate import accuracy, load_folder, newest_version  # noqa: E402
+from intellect_node.generate import sample_groups  # noqa: E402
+from intellect_node.launch import NodeProcess  # noqa: E402
+from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
+from intellect_node.plot import Curve, plot  # noqa: E402
+from intellect_node.tasks import task_source  # noqa: E402
+from intellect_node.trainer import Group, pack_sequences  # noqa: E402
+from intellect_node.validator import task_reward  # noqa: E402
+from intellect_protocol.messages import RunSpec  # noqa: E402
+from intellect_protocol.tasks import sampling_seed  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-addition.toml"
+COLOCATED_NODE = "0" * 32
+
+
+def spec_of(run: RunConfig) -> RunSpec:
+    return RunSpec(
+        run_id="f" * 32, created=0.0, seed=run.seed, model=run.model, task=run.task,
+        sampling=run.sampling, train=run.train, verify=run.verify,
+    )  # fmt: skip
+
+
+def save_weights(engine: PolicyEngine, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(engine.export_state(), str(folder / "model.safetensors"))
+
+
+def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> tuple[Curve, list[Any]]:
+    """generate -> score -> update in one process; snapshots of the weights at each ``every`` mark."""
+    torch.set_num_threads(threads)
+    tok = build_tokenizer(spec.model)
+    engine = PolicyEngine(spec, build_model(spec.model, tok, torch.float32))
+    sampler = build_model(spec.model, tok, torch.bfloat16)
+    source = task_source(spec.task)
+    eos, pad = int(tok.eos_token_id), int(tok.pad_token_id)
+    s, t = spec.sampling, spec.train
+    curve = Curve("colocated")
+    snapshots: list[tuple[float, Path]] = []
+    save_weights(engine, out / "colocated" / "t0000")
+    snapshots.append((0.0, out / "colocated" / "t0000"))
+    started = time.monotonic()
+    next_mark, step, last_done = every, 0, 0.0
+    while True:
+        load_weights(sampler, engine.export_state())
+        tasks = [source.assigned(spec.seed, COLOCATED_NODE, step, 0, slot) for slot in range(t.batch_groups)]
+        prompts = [encode_prompt(tok, task.prompt) for task in tasks]
+        seeds = [sampling_seed(spec.seed, COLOCATED_NODE, step, 0, g, j) for g in range(len(tasks))
+                 for j in range(s.group_size)]  # fmt: skip
+        groups = sample_groups(sampler, prompts, s.group_size, s.max_new_tokens, s.temperature, eos, pad, seeds)
+        batch = [
+            Group(COLOCATED_NODE, step, p, [c.tokens for c in g], [c.logprobs for c in g],
+                  [task_reward(tok, task, c.tokens, c.terminated, spec.task) for c in g])
+            for p, g, task in zip(prompts, groups, tasks, strict=True)
+        ]  # fmt: skip
+        rewards = torch.tensor([g.rewards for g in batch])
+        ids, attn, mask, logp_old = pack_sequences(batch, pad)
+        engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), t.lr)
+        now = time.monotonic() - started
+        if now > seconds:  # this step ended after the budget: the run's result is the step before it
+            break
+        step += 1
+        last_done = now
+        curve.rewards.append((now, float(rewards.mean())))
+        print(f"  colocated step {step} t={now:.0f}s reward={float(rewards.mean()):.3f}", flush=True)
+        if now >= next_mark:
+            folder = out / "colocated" / f"t{int(next_mark):04d}"
+            save_weights(engine, folder)
+            snapshots.append((next_mark, folder))
+            next_mark += every
+    if not snapshots or snapshots[-1][0] < seconds:
+        folder = out / "colocated" / "final"
+        save_weights(engine, folder)  # the weights after the last step that ended within the budget
+        snapshots.append((seconds, folder))
+    print(f"  colocated: {step} steps, last at {last_done:.0f}s", flush=True)
+    return curve, snapshots
+
+
+def _status(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/status", timeout=30) as resp:
+        data: dict[str, Any] = json.load(resp)
+        return data
+
+
+def _keep(weights_root: Path, dest: Path) -> Path | None:
+    """Hard-link the newest published version (the trainer prunes old ones; the links survive)."""
+    if not weights_root.exists():
+        return None
+    newest = newest_version(weights_root)
+    if newest is None:
+        return None
+    try:
+        shutil.copytree(newest, dest, copy_function=os.link)
+    except (FileNotFoundError, shutil.Error):  # pruned while being linked: take the next one
+        shutil.rmtree(dest, ignore_errors=True)
+        return _keep(weights_root, dest)
+    return dest
+
+
+def swarm(label: str, async_level: int, seconds: float, every: float, out: Path) -> tuple[Curve, list[Any], dict]:
+    root = out / label
+    logs = root / "logs"
+    nodes: list[NodeProcess] = []
+    launched_wall = time.time()
+    started = time.monotonic()
+    try:
+        trainer = NodeProcess(
+            f"{label}-trainer",
+            ["bootstrap", "--config", str(CONFIG), "--data-dir", str(root / "trainer"), "--fresh", "--threads", "1",
+             "--checkpoint-every", "0", "--set", f"train.async_level={async_level}"],
+            logs,
+        )  # fmt: skip
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=600)
+        worker = NodeProcess(
+            f"{label}-inference",
+            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(root / "inference"), "--threads", "1"],
+            logs,
+        )  # fmt: skip
+        nodes.append(worker)
+        worker_ready = worker.wait_ready(timeout=600)
+        weights_root = root / "trainer" / "weights" / ready["run_id"]
+        snapshots: list[tuple[float, Path]] = []
+        marks = [m * every for m in range(1, int(seconds // every) + 1)]
+        if not marks or marks[-1] < seconds:
+            marks.append(seconds)
+        for mark in marks:
+            time.sleep(max(0.0, mark - (time.monotonic() - started)))
+            kept = _keep(weights_root, root / "snapshots" / f"t{int(mark):04d}")
+            if kept is not None:
+                snapshots.append((mark, kept))
+            status = _status(ready["status_url"])
+            print(f"  {label} t={mark:.0f}s step={status['step']}", flush=True)
+        status = _status(ready["status_url"])
+        worker_status = _status(worker_ready["status_url"])
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+    curve = Curve(label)
+    for h in status["history"]:
+        if h.get("time", 0) - launched_wall <= seconds:
+            curve.rewards.append((h["time"] - launched_wall, h["reward_mean"]))
+    info = {"steps": status["step"], "worker": worker_status, "trainer": status}
+    return curve, snapshots, info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
+    parser.add_argument("--runs", default="colocated,async2,sync")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated loop and evaluation")
+    parser.add_argument("--eval-problems", type=int, default=200)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="intellect-learning-"))
+    out.mkdir(parents=True, exist_ok=True)
+    run = load_run_config(CONFIG)
+    spec = spec_of(run)
+    seconds, every = args.minutes * 60, args.eval_every * 60
+    runs = args.runs.split(",")
+    print(f"learning: {runs}, {args.minutes:g} min each, results in {out}", flush=True)
+
+    kept: dict[str, list[tuple[float, Path]]] = {}
+    curves: dict[str, Curve] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    for name in runs:
+        print(f"run {name}", flush=True)
+        if name == "colocated":
+            curves[name], kept[name] = colocated(spec, seconds, every, out, args.threads)
+            infos[name] = {"steps": len(curves[name].rewards)}
+        else:
+            level = {"async2": 2, "sync": 0}[name]
+            curves[name], kept[name], infos[name] = swarm(name, level, seconds, every, out)
+
+    # evaluation, after every run, on the same held-out problems
+    torch.set_num_threads(args.threads)
+    tok = build_tokenizer(spec.model)
+    model = build_model(spec.model, tok)
+    held_out = task_source(spec.task).held_out_tasks()[: args.eval_problems]
+    started = time.monotonic()
+    before = accuracy(spec, model, tok, held_out)
+    print(f"held-out accuracy before training: {before:.3f} ({len(held_out)} problems, "
+          f"{time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
+    for name in runs:
+        curves[name].accuracy.append((0.0, before))
+        for mark, folder in kept[name]:
+            if mark == 0.0:
+                continue
+            load_folder(model, folder)
+            acc = accuracy(spec, model, tok, held_out)
+            curves[name].accuracy.append((mark, acc))
+            print(f"  {name} t={mark / 60:.1f}min accuracy={acc:.3f}", flush=True)
+    png = plot(list(curves.values()), out / "learning.png",
+               f"SmolLM2-135M-Instruct, two-digit addition, {args.minutes:g} min per run (2-core CPU)")  # fmt: skip
+    (out / "learning.json").write_text(json.dumps(
+        {n: {"rewards": c.rewards, "accuracy": c.accuracy, "steps": infos[n]["steps"]} for n, c in curves.items()}
+    ))  # fmt: skip
+
+    def final(name: str) -> float:
+        return curves[name].accuracy[-1][1] if name in curves else float("nan")
+
+    print()
+    print(f"{'run':<11}{'steps':>7}{'reward first 5':>16}{'reward last 5':>15}{'acc before':>12}"
+          + "".join(f"{f'@{m / 60:g}min':>9}" for m, _ in kept[runs[0]] if m) + f"{'gain':>8}")  # fmt: skip
+    for name in runs:
+        c = curves[name]
+        first = sum(r for _, r in c.rewards[:5]) / max(1, len(c.rewards[:5]))
+        last = sum(r for _, r in c.rewards[-5:]) / max(1, len(c.rewards[-5:]))
+        accs = "".join(f"{a:>9.3f}" for m, a in c.accuracy if m)
+        print(f"{name:<11}{infos[name]['steps']:>7}{first:>16.3f}{last:>15.3f}{before:>12.3f}{accs}"
+              f"{final(name) - before:>+8.3f}")  # fmt: skip
+    print(f"plot: {png}")
+    print(
+        f"learning model=smollm2-135m task=addition-2digit acc_before={before:.3f} acc_after={final('async2'):.3f} "
+        f"colocated_acc_after={final('colocated'):.3f} async2_acc_after={final('async2'):.3f} "
+        f"sync_acc_after={final('sync'):.3f} minutes={args.minutes:g}"
+    )
+
+
+if __name__ == "__main__":
+    main()
