@@ -335,9 +335,12 @@ def follow_rank0() -> None:
     Ctrl-C is left to rank 0, which stops the followers in order; a rank 0 that dies ends this with an error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     size = torch.zeros(1, dtype=torch.long, device=device())
-    dist.broadcast(size, src=0)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
-    dist.broadcast(payload, src=0)
+    try:
+        dist.broadcast(size, src=0)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device())
+        dist.broadcast(payload, src=0)
+    except RuntimeError as e:
+        raise RankLost(f"rank 0 stopped before sending the run spec (see its log); this rank exits. Cause: {e}") from e
     spec = RunSpec.model_validate_json(bytes(payload.cpu().tolist()))
     engine = _build(spec, build_tokenizer(spec.model))
     logger.info("following rank 0 run_id=%s rank=%d", spec.run_id, engine.rank)
