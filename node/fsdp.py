@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -98,8 +99,15 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Placement:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group once every rank is done with it (a dead peer is skipped)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        logger.info("a rank left before the final barrier: %s", e)
+    gc.collect()  # sharded modules hold the group through their device mesh: free them first
+    dist.destroy_process_group()
 
 
 def _shard(model: torch.nn.Module) -> None:

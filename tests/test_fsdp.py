@@ -110,7 +110,7 @@ def test_sharded_engine_matches_single_process(tmp_path: Path) -> None:
     done = _launch(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
          str(tmp_path)],
-        {**os.environ, "OMP_NUM_THREADS": "1"},
+        {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},  # gloo on CPU, like the reference
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-5000:]
@@ -168,7 +168,7 @@ def test_follower_exits_when_rank0_dies() -> None:
     """Without torchrun's agent (which would kill the follower itself) the follower must notice on its own."""
     port = _free_port()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1", "TEST_DIR": str(Path(__file__).parent)}  # fmt: skip
+            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TEST_DIR": str(Path(__file__).parent)}  # fmt: skip
     follower_code = "from intellect_node import fsdp\nfsdp.init(timeout_s=60)\nfsdp.follow_rank0()\n"
     procs = []
     try:
