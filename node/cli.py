@@ -10,8 +10,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from intellect_node import __version__
+
+if TYPE_CHECKING:
+    from intellect_node.config import NodeConfig, RunConfig
 
 ROLES_AVAILABLE = ("inference", "relay", "validator")
 
@@ -149,9 +153,7 @@ def _main(args: argparse.Namespace) -> None:
             fresh=args.fresh,
             peers=args.peers,
         )
-        from intellect_node.trainer import Trainer
-
-        run_until_signalled(Trainer(node, run).run())
+        _bootstrap(node, run)
     elif args.command == "join":
         node = NodeConfig(
             **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay
@@ -168,6 +170,39 @@ def _main(args: argparse.Namespace) -> None:
             from intellect_node.inference import InferenceNode
 
             run_until_signalled(InferenceNode(node).run())
+
+
+def _bootstrap(node: NodeConfig, run: RunConfig) -> None:
+    """One process, or under torchrun (WORLD_SIZE > 1) the policy sharded over every rank with FSDP2: rank 0 runs
+    the trainer (the only rank with ports and a DHT peer), the others follow it (node/fsdp.py)."""
+    from intellect_node.fsdp import distributed_env
+    from intellect_node.runtime import run_until_signalled
+    from intellect_node.trainer import Trainer
+
+    placement = distributed_env()
+    if placement is None:
+        run_until_signalled(Trainer(node, run).run())
+        return
+    from intellect_node import fsdp
+
+    fsdp.init()
+    try:
+        if placement.rank == 0:
+            trainer = Trainer(node, run, fsdp.sharded_engine)
+            try:
+                run_until_signalled(trainer.run())
+            finally:
+                trainer.engine.close()
+        else:
+            import torch
+
+            torch.set_num_threads(node.threads)
+            try:
+                fsdp.follow_rank0()
+            except fsdp.RankLost as e:
+                sys.exit(f"intellect-node (rank {placement.rank}): {e}")
+    finally:
+        fsdp.shutdown()
 
 
 if __name__ == "__main__":
