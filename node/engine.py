@@ -52,14 +52,22 @@ class PolicyEngine:
 
     def _autocast(self) -> Any:
         if self.spec.train.compute_dtype == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _logp(self, model: torch.nn.Module, b: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[rows, width - 1]``, computed only from the first column any completion
+        scores on (the LM head and the softmaxes over a 49k vocabulary at prompt positions were half the step);
+        columns before it are zero, where the mask is zero too."""
+        scored = b.mask.any(dim=0).nonzero()
+        first = int(scored[0]) if len(scored) else b.mask.shape[1] - 1
+        keep = b.ids.shape[1] - first
         with self._autocast():
-            logits = model(input_ids=b.ids, attention_mask=b.attention).logits[:, :-1].float()
+            logits = model(input_ids=b.ids, attention_mask=b.attention, logits_to_keep=keep).logits[:, :-1].float()
         temp = self.spec.sampling.temperature
-        return token_logprobs(logits, b.ids[:, 1:], temp), token_entropy(logits, temp)
+        pad = (first, 0)
+        logp = token_logprobs(logits, b.ids[:, first + 1 :], temp)
+        return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(token_entropy(logits, temp), pad)
 
     def step(self, batch: Packed, lr: float) -> dict[str, float]:
         t = self.spec.train

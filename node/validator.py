@@ -252,9 +252,13 @@ class Validator:
             ids[i, width - len(x) :] = torch.tensor(x)
             mask[i, width - len(x) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = max(len(r[3]) for r in rows) + 1  # left-padded: every completion's scores lie in the last columns
         with HiddenCapture(self.model) as capture:
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
+            ).logits
             hidden = capture.take()
+        cut = width - keep  # column 0 of ``logits`` is column ``cut`` of the sequence
         # One batched TOPLOC verification and one batched re-derivation for all rows
         chunks: list[torch.Tensor] = []
         claimed: list[bytes] = []
@@ -275,7 +279,7 @@ class Validator:
             spans.append((len(chunks), len(chunks) + len(mine)))
             chunks += mine
             claimed += proofs
-            step_logits.append(logits[i, off + p - 1 : off + p - 1 + n])
+            step_logits.append(logits[i, off + p - 1 - cut : off + p - 1 + n - cut])
             keys += [sampling_seed(s.seed, batch.node_id, batch.version, batch.batch_index, slot, j)] * n
             steps += range(n)
             tokens += completion
