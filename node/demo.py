@@ -144,6 +144,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     pretrained = run.model.kind == "hf"
     steps = args.steps or (None if pretrained else 100)
     inference_nodes = args.inference_nodes or (1 if pretrained else 2)
+    trainer_threads = ["--threads", "2"] if pretrained else []  # validation and training are 3/4 of the work
     threads = ["--threads", "1"] if pretrained else []
     budget = args.minutes * 60 if pretrained else None
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))
@@ -171,7 +172,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
                 "--checkpoint-every",
                 "0",
                 *(["--max-steps", str(steps)] if steps else []),
-                *threads,
+                *trainer_threads,
                 *config_args,
             ],
             logs,

@@ -21,7 +21,9 @@ trainer's (node/trainer.py); this module is the part that needs the model.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +150,7 @@ class Gate:
 
 
 class Validator:
-    def __init__(self, spec: RunSpec, tokenizer: Any, model: Any) -> None:
+    def __init__(self, spec: RunSpec, tokenizer: Any, model: Any, secret: bytes | None = None) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.model = model
@@ -156,6 +158,8 @@ class Validator:
         self.pad = int(tokenizer.pad_token_id)
         self.vocab = int(model.config.vocab_size)
         self.source = task_source(spec.task)
+        self.secret = secret if secret is not None else os.urandom(32)
+        """Keys the spot-check choice (``verify.check_fraction``); never leaves this process."""
 
     def task(self, batch: RolloutBatch, slot: int) -> Task:
         return self.source.assigned(self.spec.seed, batch.node_id, batch.version, batch.batch_index, slot)
@@ -237,11 +241,25 @@ class Validator:
             for j, c in enumerate(g.completions)
         ]
         finding.completions = len(rows)
-        for start in range(0, len(rows), ROWS_PER_PREFILL):  # bounded memory
-            self._check_rows(batch, rows[start : start + ROWS_PER_PREFILL], start, finding)
+        chosen = self.spot_check(batch, len(rows))
+        for start in range(0, len(chosen), ROWS_PER_PREFILL):  # bounded memory
+            part = chosen[start : start + ROWS_PER_PREFILL]
+            self._check_rows(batch, [rows[i] for i in part], part, finding)
         return finding
 
-    def _check_rows(self, batch: RolloutBatch, rows: list[Any], first: int, finding: Finding) -> None:
+    def spot_check(self, batch: RolloutBatch, n: int) -> list[int]:
+        """The completions the model checks: all of them, or with ``verify.check_fraction`` < 1 a share chosen by a
+        keyed hash the worker cannot predict (this validator's secret). A worker that cheats on a few rows is
+        caught with that probability per batch, and one catch bans it for the run with all its queued work."""
+        fraction = self.spec.verify.check_fraction
+        if fraction >= 1.0:
+            return list(range(n))
+        k = max(1, math.ceil(fraction * n))
+        tag = f"{batch.node_id}/{batch.version}/{batch.batch_index}/".encode()
+        order = sorted(range(n), key=lambda i: hmac.new(self.secret, tag + str(i).encode(), "sha256").digest())
+        return sorted(order[:k])
+
+    def _check_rows(self, batch: RolloutBatch, rows: list[Any], index: list[int], finding: Finding) -> None:
         v = self.spec.verify
         s = self.spec
         seqs = [prompt + completion for _, _, prompt, completion, _, _ in rows]
@@ -316,11 +334,11 @@ class Validator:
                 for r in mine_results
             ):
                 finding.row_fail(
-                    first + i, where, "toploc", f"hidden states do not match the proofs (worst {tuple(worst)})"
+                    index[i], where, "toploc", f"hidden states do not match the proofs (worst {tuple(worst)})"
                 )
             elif misses > allowed or max_gap > v.max_sampling_gap:
                 finding.row_fail(
-                    first + i,
+                    index[i],
                     where,
                     "sampling",
                     f"{misses} of {len(completion)} tokens not re-derived, largest gap {max_gap:.3f} "
@@ -328,6 +346,6 @@ class Validator:
                 )
             elif row_lp_err > v.max_logprob_error:
                 finding.row_fail(
-                    first + i, where, "logprobs",
+                    index[i], where, "logprobs",
                     f"reported sampling log-probs off by up to {row_lp_err:.3f} (run allows {v.max_logprob_error:.3f})",
                 )  # fmt: skip

@@ -180,6 +180,11 @@ class VerifySpec(BaseModel):
     """Largest |reported - recomputed| sampling log-prob of a token (they become GRPO's logp_old)."""
     ban: bool = True
     """Ban a node for the rest of the run once one of its rollouts is caught cheating."""
+    check_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Share of each batch's completions whose proofs, sampling and log-probs are checked against the model (the
+    rest get the cheap checks only), chosen by a hash keyed with the validator's secret. Below 1 it trades model
+    time for detection: a worker cheating on ``m`` rows of a batch is caught with probability about
+    ``1 - (1 - check_fraction) ** m``, and once caught is banned for the run."""
 
 
 class RunSpec(WireModel):

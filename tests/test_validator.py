@@ -117,3 +117,25 @@ def test_proofs_of_other_rollouts_and_made_up_logprobs_are_caught() -> None:
     shaded = [[min(0.0, x + 0.5) for x in lp] for lp in g0.logprobs]
     assert VALIDATOR.check(_edit(batch, logprobs=shaded)).reason == "logprobs"
     assert encode_prompt(TOK, "1+1=")[0] == TOK.bos_token_id
+
+
+def test_spot_checks_choose_an_unpredictable_share_and_catch_a_cheat_on_a_chosen_row() -> None:
+    spec = _spec(2).model_copy(update={"verify": RUN.verify.model_copy(update={"check_fraction": 0.25})})
+    a = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"a" * 32)
+    b = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"b" * 32)
+    batch = generate_batch(spec, MODEL, TOK, NODE, 0, 0)
+    n = sum(len(g.completions) for g in batch.groups)
+    chosen = a.spot_check(batch, n)
+    assert len(chosen) == 2 == len(set(chosen)) and chosen == a.spot_check(batch, n)  # 25% of 8, stable per key
+    picks = {tuple(Validator(spec, TOK, MODEL, secret=bytes([i]) * 32).spot_check(batch, n)) for i in range(12)}
+    assert len(picks) > 3  # another key, another choice: a worker cannot know which rows are checked
+    finding = a.check(batch)
+    assert finding.ok and len(finding.rederived) == 2  # only the chosen rows cost model time
+    # one row sampled at another temperature: caught exactly by the validators whose draw includes it
+    cheat = generate_batch(spec, MODEL, TOK, NODE, 0, 0, draw_temperature=0.3)
+    rows = [c for g in batch.groups for c in g.completions]
+    bad = [c for g in cheat.groups for c in g.completions]
+    changed = {i for i in range(n) if rows[i] != bad[i]}
+    for validator in (a, b):
+        caught = validator.check(cheat).reason == "sampling"
+        assert caught == bool(changed & set(validator.spot_check(cheat, n)))
