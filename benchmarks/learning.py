@@ -5,8 +5,8 @@ temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 aut
 
 - ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
   validation, no networking; it samples from a bf16 copy of the weights).
-- ``async2``: the swarm. A trainer (``bootstrap``, 2 torch threads) and an inference node (``join``, 1 thread) as
-  processes on loopback sharing the 2 cores: signed checkpoints through the relay, TOPLOC proofs and seeded
+- ``async2``: the swarm. A trainer (``bootstrap``) and an inference node (``join``), one torch thread each (3
+  threads on 2 cores made each step 3x slower, measured), as processes on loopback: signed checkpoints through the relay, TOPLOC proofs and seeded
   sampling on every rollout (fp32 compute), every batch checked by the trainer before it trains (a quarter of
   each batch's completions against the model, all of them for task, reward and termination), async level 2.
 - ``sync``: the same swarm with async level 0 (each step waits for rollouts of the newest version).
@@ -149,7 +149,7 @@ def swarm(label: str, async_level: int, seconds: float, every: float, out: Path)
     try:
         trainer = NodeProcess(
             f"{label}-trainer",
-            ["bootstrap", "--config", str(CONFIG), "--data-dir", str(root / "trainer"), "--fresh", "--threads", "2",
+            ["bootstrap", "--config", str(CONFIG), "--data-dir", str(root / "trainer"), "--fresh", "--threads", "1",
              "--checkpoint-every", "0", "--set", f"train.async_level={async_level}"],
             logs,
         )  # fmt: skip

@@ -144,7 +144,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     pretrained = run.model.kind == "hf"
     steps = args.steps or (None if pretrained else 100)
     inference_nodes = args.inference_nodes or (1 if pretrained else 2)
-    trainer_threads = ["--threads", "2"] if pretrained else []  # validation and training are 3/4 of the work
+    trainer_threads = ["--threads", "1"] if pretrained else []  # one core each: oversubscribed, steps took 3x
     threads = ["--threads", "1"] if pretrained else []
     budget = args.minutes * 60 if pretrained else None
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))
