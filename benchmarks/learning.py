@@ -6,9 +6,10 @@ temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 aut
 - ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
   validation, no networking; it samples from a bf16 copy of the weights).
 - ``async2``: the swarm. A trainer (``bootstrap``) and an inference node (``join``), one torch thread each (3
-  threads on 2 cores made each step 3x slower, measured), as processes on loopback: signed checkpoints through the relay, TOPLOC proofs and seeded
-  sampling on every rollout (fp32 compute), every batch checked by the trainer before it trains (a quarter of
-  each batch's completions against the model, all of them for task, reward and termination), async level 2.
+  threads on 2 cores made each step 3x slower, measured), as processes on loopback: signed checkpoints through
+  the relay, TOPLOC proofs and seeded sampling on every rollout (fp32 compute), every batch checked by the
+  trainer before it trains (a quarter of each batch's completions against the model, all of them for task,
+  reward and termination), async level 2.
 - ``sync``: the same swarm with async level 0 (each step waits for rollouts of the newest version).
 
 The clock of a swarm run starts when its trainer process is launched (start-up included); the colocated run's
