@@ -19,6 +19,9 @@ compete with training), each is scored on the same 200 held-out problems (never 
 with the run's own answer extraction (the last integer of the reply must equal the sum). The PNG plots mean
 training reward and held-out accuracy against wall-clock minutes.
 
+Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
+a later invocation with the same ``--out`` reuses finished runs (``--fresh`` redoes them) and evaluates all.
+
 Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync] [--out DIR]
 """
 
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -189,8 +193,24 @@ def swarm(label: str, async_level: int, seconds: float, every: float, out: Path)
     return curve, snapshots, info
 
 
+def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> None:
+    """One run, in this (child) process; its curve and kept policies go to ``<out>/<name>/result.json``."""
+    if name == "colocated":
+        curve, kept = colocated(spec, seconds, every, out, threads)
+        steps = len(curve.rewards)
+    else:
+        curve, kept, info = swarm(name, {"async2": 2, "sync": 0}[name], seconds, every, out)
+        steps = info["steps"]
+    (out / name).mkdir(parents=True, exist_ok=True)
+    (out / name / "result.json").write_text(json.dumps(
+        {"rewards": curve.rewards, "kept": [(m, str(p)) for m, p in kept], "steps": steps}
+    ))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh", action="store_true", help="redo runs that already have a result.json in --out")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
     parser.add_argument("--runs", default="colocated,async2,sync")
@@ -203,6 +223,9 @@ def main() -> None:
     run = load_run_config(CONFIG)
     spec = spec_of(run)
     seconds, every = args.minutes * 60, args.eval_every * 60
+    if args.run_one:
+        run_one(args.run_one, spec, seconds, every, out, args.threads)
+        return
     runs = args.runs.split(",")
     print(f"learning: {runs}, {args.minutes:g} min each, results in {out}", flush=True)
 
@@ -210,13 +233,18 @@ def main() -> None:
     curves: dict[str, Curve] = {}
     infos: dict[str, dict[str, Any]] = {}
     for name in runs:
-        print(f"run {name}", flush=True)
-        if name == "colocated":
-            curves[name], kept[name] = colocated(spec, seconds, every, out, args.threads)
-            infos[name] = {"steps": len(curves[name].rewards)}
+        result = out / name / "result.json"
+        if result.exists() and not args.fresh:
+            print(f"run {name}: reusing {result}", flush=True)
         else:
-            level = {"async2": 2, "sync": 0}[name]
-            curves[name], kept[name], infos[name] = swarm(name, level, seconds, every, out)
+            print(f"run {name}", flush=True)
+            argv = [sys.executable, __file__, "--run-one", name, "--out", str(out), "--minutes", str(args.minutes),
+                    "--eval-every", str(args.eval_every), "--threads", str(args.threads)]  # fmt: skip
+            subprocess.run(argv, check=True)
+        data = json.loads(result.read_text())
+        curves[name] = Curve(name, rewards=[tuple(r) for r in data["rewards"]])
+        kept[name] = [(m, Path(p)) for m, p in data["kept"]]
+        infos[name] = {"steps": data["steps"]}
 
     # evaluation, after every run, on the same held-out problems
     torch.set_num_threads(args.threads)

@@ -99,32 +99,41 @@ class PolicyEngine:
         return stats
 
     def _minibatch(self, b: Packed) -> dict[str, float]:
+        """One optimizer step on ``b``: gradients accumulated over ``train.micro_rows`` rows at a time, each
+        micro-batch's token-mean loss weighted by its share of the minibatch's tokens (so the gradient is the
+        token mean over the whole minibatch, as in one pass)."""
         t = self.spec.train
-        logp, entropy = self._logp(self.model, b)
-        logp_ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                logp_ref = self._logp(self.reference, b)[0]
-        loss, stats = grpo_loss(
-            logp, b.logp_old, b.advantages, b.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
-            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
-        )  # fmt: skip
+        rows = b.ids.shape[0]
+        micro = t.micro_rows or rows
+        total = float(b.mask.sum().clamp(min=1.0))
+        acc = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clipped_fraction": 0.0, "tokens": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for start in range(0, rows, micro):
+            m = b.rows(slice(start, start + micro))
+            weight = float(m.mask.sum()) / total
+            if weight == 0.0:
+                continue
+            logp, entropy = self._logp(self.model, m)
+            logp_ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    logp_ref = self._logp(self.reference, m)[0]
+            loss, stats = grpo_loss(
+                logp, m.logp_old, m.advantages, m.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
+                entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
+            )  # fmt: skip
+            (loss * weight).backward()
+            for key, value in (("loss", stats.loss), ("entropy", stats.entropy), ("kl", stats.kl),
+                               ("clipped_fraction", stats.clipped_fraction)):  # fmt: skip
+                acc[key] += value * weight
+            acc["tokens"] += stats.tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         else:
             self.skipped += 1
             logger.error("skipped an optimizer step: gradient norm is %s", float(grad_norm))
-        return {
-            "loss": stats.loss,
-            "entropy": stats.entropy,
-            "kl": stats.kl,
-            "clipped_fraction": stats.clipped_fraction,
-            "grad_norm": float(grad_norm),
-            "tokens": float(stats.tokens),
-        }
+        return {**acc, "grad_norm": float(grad_norm)}
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The weights to publish, in the run's published dtype."""

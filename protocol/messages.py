@@ -155,6 +155,9 @@ class TrainSpec(BaseModel):
     (the ratio then starts at exactly 1 whatever the sampler's numerics; the sampler's are still checked)."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Training forward/backward: bfloat16 runs under autocast over the fp32 master weights."""
+    micro_rows: Annotated[int, Field(ge=0, le=65536)] = 0
+    """Rows per forward/backward, gradients accumulated (0: a whole minibatch at once). Bounds the trainer's
+    memory; the step is the same up to float rounding."""
 
 
 class VerifySpec(BaseModel):

@@ -75,3 +75,18 @@ def test_published_weights_are_bf16_while_the_master_stays_fp32() -> None:
     exported = engine.export_state()
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+
+
+def test_gradient_accumulation_over_micro_batches_gives_the_same_step() -> None:
+    whole = PolicyEngine(_spec(lr=1e-2), build_model(RUN.model, TOK))
+    micro = PolicyEngine(_spec(lr=1e-2, micro_rows=3), build_model(RUN.model, TOK))
+    for engine in (whole, micro):  # SGD: the weights move by the gradient itself (Adam's first step is its sign)
+        engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=1e-2)
+    batch = _batch(whole.model)
+    a, b = whole.step(batch, lr=1e-2), micro.step(batch, lr=1e-2)
+    assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens"] == b["tokens"]
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.allclose(tensor, micro.model.state_dict()[name], atol=1e-6), name
+    assert any(
+        not torch.equal(t, build_model(RUN.model, TOK).state_dict()[n]) for n, t in whole.model.state_dict().items()
+    )
