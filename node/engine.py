@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from intellect_kernels.grpo import grpo_loss
+from intellect_kernels.grpo import LossStats, grpo_loss
 from intellect_kernels.logprobs import token_entropy, token_logprobs
 from intellect_node.model import DTYPES, state_dict_for_export
 from intellect_protocol.messages import RunSpec
@@ -98,6 +98,19 @@ class PolicyEngine:
         stats["lr"] = lr
         return stats
 
+    def _loss(self, b: Packed) -> tuple[torch.Tensor, LossStats]:
+        """The GRPO loss of ``b`` (token mean over its rows) under the current policy."""
+        t = self.spec.train
+        logp, entropy = self._logp(self.model, b)
+        logp_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                logp_ref = self._logp(self.reference, b)[0]
+        return grpo_loss(
+            logp, b.logp_old, b.advantages, b.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
+            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
+        )  # fmt: skip
+
     def _minibatch(self, b: Packed) -> dict[str, float]:
         """One optimizer step on ``b``: gradients accumulated over ``train.micro_rows`` rows at a time, each
         micro-batch's token-mean loss weighted by its share of the minibatch's tokens (so the gradient is the
@@ -113,15 +126,7 @@ class PolicyEngine:
             weight = float(m.mask.sum()) / total
             if weight == 0.0:
                 continue
-            logp, entropy = self._logp(self.model, m)
-            logp_ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    logp_ref = self._logp(self.reference, m)[0]
-            loss, stats = grpo_loss(
-                logp, m.logp_old, m.advantages, m.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
-                entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
-            )  # fmt: skip
+            loss, stats = self._loss(m)
             (loss * weight).backward()
             for key, value in (("loss", stats.loss), ("entropy", stats.entropy), ("kl", stats.kl),
                                ("clipped_fraction", stats.clipped_fraction)):  # fmt: skip

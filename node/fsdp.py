@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-from intellect_kernels.grpo import grpo_loss
 from intellect_node.engine import Packed, PolicyEngine
 from intellect_node.model import DTYPES, build_model, build_tokenizer
 from intellect_protocol.messages import RunSpec
@@ -269,15 +268,7 @@ class ShardedEngine(PolicyEngine):
             mine = Packed(one.ids, one.attention, torch.zeros_like(one.mask), one.logp_old, one.advantages)
         local_tokens = float(mine.mask.sum())
         total_tokens = float(b.mask.sum())  # every rank holds the whole minibatch: no collective needed
-        logp, entropy = self._logp(self.model, mine)
-        logp_ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                logp_ref = self._logp(self.reference, mine)[0]
-        loss, stats = grpo_loss(
-            logp, mine.logp_old, mine.advantages, mine.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
-            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
-        )  # fmt: skip
+        loss, stats = self._loss(mine)
         weight = local_tokens / max(total_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         (loss * (weight * self.world)).backward()  # FSDP divides the summed gradients by the world size
