@@ -43,28 +43,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from intellect_kernels.grpo import group_advantages  # noqa: E402
-from intellect_node.config import RunConfig, load_run_config  # noqa: E402
-from intellect_node.engine import Packed, PolicyEngine  # noqa: E402
+from intellect_node.config import load_run_config  # noqa: E402
+from intellect_node.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402  # noqa: E402
 from intellect_node.evaluate import accuracy, load_folder, newest_version  # noqa: E402
 from intellect_node.generate import sample_groups  # noqa: E402
 from intellect_node.launch import NodeProcess  # noqa: E402
 from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
 from intellect_node.plot import Curve, plot  # noqa: E402
 from intellect_node.tasks import task_source  # noqa: E402
-from intellect_node.trainer import Group, pack_sequences  # noqa: E402
 from intellect_node.validator import task_reward  # noqa: E402
 from intellect_protocol.messages import RunSpec  # noqa: E402
 from intellect_protocol.tasks import sampling_seed  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-addition.toml"
 COLOCATED_NODE = "0" * 32
-
-
-def spec_of(run: RunConfig) -> RunSpec:
-    return RunSpec(
-        run_id="f" * 32, created=0.0, seed=run.seed, model=run.model, task=run.task,
-        sampling=run.sampling, train=run.train, verify=run.verify,
-    )  # fmt: skip
 
 
 def save_weights(engine: PolicyEngine, folder: Path) -> None:
@@ -221,7 +213,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="intellect-learning-"))
     out.mkdir(parents=True, exist_ok=True)
     run = load_run_config(CONFIG)
-    spec = spec_of(run)
+    spec = run.spec("f" * 32)
     seconds, every = args.minutes * 60, args.eval_every * 60
     if args.run_one:
         run_one(args.run_one, spec, seconds, every, out, args.threads)

@@ -49,7 +49,7 @@ class CheckpointDir:
         for step in reversed(self.steps()):
             path = self.root / f"step-{step:08d}.pt"
             try:
-                return dict(torch.load(path, map_location="cpu", weights_only=False))
+                return dict(torch.load(path, map_location="cpu", weights_only=True))
             except Exception as e:  # a torn file cannot exist (rename), but a disk can fail
                 logger.warning("checkpoint %s is unreadable (%r); trying an older one", path, e)
         return None

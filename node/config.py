@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import ModelSpec, SamplingSpec, TaskSpec, TrainSpec, VerifySpec
+from intellect_protocol.messages import ModelSpec, RunSpec, SamplingSpec, TaskSpec, TrainSpec, VerifySpec
 from intellect_protocol.tasks import ARITHMETIC_ALPHABET
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -37,6 +37,11 @@ class RunConfig(BaseModel):
     train: TrainSpec = TrainSpec()
     verify: VerifySpec = VerifySpec()
     """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
+
+    def spec(self, run_id: str, created: float = 0.0) -> RunSpec:
+        """The signed-to-be RunSpec of this run under ``run_id`` (the trainer's key; any id for local use)."""
+        return RunSpec(run_id=run_id, name=self.name, created=created, seed=self.seed, model=self.model,
+                       task=self.task, sampling=self.sampling, train=self.train, verify=self.verify)  # fmt: skip
 
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:

@@ -85,11 +85,9 @@ class Evaluator:
 
         from intellect_node.model import build_model, build_tokenizer
         from intellect_node.tasks import task_source
-        from intellect_protocol.messages import RunSpec
 
         torch.set_num_threads(2)
-        self.spec = RunSpec(run_id="f" * 32, created=0.0, seed=run.seed, model=run.model, task=run.task,
-                            sampling=run.sampling, train=run.train, verify=run.verify)  # fmt: skip
+        self.spec = run.spec("f" * 32)
         self.tokenizer = build_tokenizer(run.model)
         self.model = build_model(run.model, self.tokenizer)
         self.tasks = task_source(run.task).held_out_tasks()[:problems]

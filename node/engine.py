@@ -41,6 +41,46 @@ class Packed:
         return Packed(self.ids[part], self.attention[part], self.mask[part], self.logp_old[part], self.advantages[part])
 
 
+@dataclass
+class Group:
+    node_id: str
+    version: int
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+    batch_index: int = -1
+    slot: int = -1
+
+    @property
+    def key(self) -> BatchKey:
+        return (self.node_id, self.version, self.batch_index)
+
+
+BatchKey = tuple[str, int, int]
+
+
+def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + completion`` rows, in group order.
+
+    Returns ``ids``, ``attention`` (``[rows, width]``), and ``mask``, ``logp_old`` (``[rows, width - 1]``), where
+    position ``t`` scores token ``t + 1``: the mask covers exactly the completion tokens.
+    """
+    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs, strict=True)]
+    width = max(len(p) + len(c) for p, c, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask = torch.zeros((len(rows), width - 1))
+    logp_old = torch.zeros((len(rows), width - 1))
+    for i, (prompt, completion, lp) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.tensor(prompt + completion)
+        attn[i, :n] = 1
+        mask[i, len(prompt) - 1 : n - 1] = 1
+        logp_old[i, len(prompt) - 1 : n - 1] = torch.tensor(lp)
+    return ids, attn, mask, logp_old
+
+
 class PolicyEngine:
     def __init__(self, spec: RunSpec, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
         self.spec = spec

@@ -22,7 +22,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from intellect_node import __version__
 from intellect_node.checkpoint import CheckpointDir
 from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.dht import Membership
-from intellect_node.engine import Packed, PolicyEngine
+from intellect_node.engine import BatchKey, Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.keys import load_or_create
 from intellect_node.metrics import Metrics
 from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights
@@ -64,46 +63,6 @@ VALIDATOR_REFRESH_S = 5.0
 VALIDATE_TIMEOUT_S = 120.0
 
 
-@dataclass
-class Group:
-    node_id: str
-    version: int
-    prompt_ids: list[int]
-    completions: list[list[int]]
-    logprobs: list[list[float]]
-    rewards: list[float]
-    batch_index: int = -1
-    slot: int = -1
-
-    @property
-    def key(self) -> BatchKey:
-        return (self.node_id, self.version, self.batch_index)
-
-
-BatchKey = tuple[str, int, int]
-
-
-def pack_sequences(groups: list[Group], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt + completion`` rows, in group order.
-
-    Returns ``ids``, ``attention`` (``[rows, width]``), and ``mask``, ``logp_old`` (``[rows, width - 1]``), where
-    position ``t`` scores token ``t + 1``: the mask covers exactly the completion tokens.
-    """
-    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completions, g.logprobs, strict=True)]
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros((len(rows), width - 1))
-    logp_old = torch.zeros((len(rows), width - 1))
-    for i, (prompt, completion, lp) in enumerate(rows):
-        n = len(prompt) + len(completion)
-        ids[i, :n] = torch.tensor(prompt + completion)
-        attn[i, :n] = 1
-        mask[i, len(prompt) - 1 : n - 1] = 1
-        logp_old[i, len(prompt) - 1 : n - 1] = torch.tensor(lp)
-    return ids, attn, mask, logp_old
-
-
 EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
 
 
@@ -120,17 +79,7 @@ class Trainer:
         self.cfg = node
         self.identity = load_or_create(node.data_dir / "node.key")
         self.run_id = self.identity.node_id
-        self.spec = RunSpec(
-            run_id=self.run_id,
-            name=run.name,
-            created=time.time(),
-            seed=run.seed,
-            model=run.model,
-            task=run.task,
-            sampling=run.sampling,
-            train=run.train,
-            verify=run.verify,
-        )
+        self.spec = run.spec(self.run_id, created=time.time())
         self.metrics = Metrics()
         self.weights_root = node.data_dir / "weights" / self.run_id
         ckpt_root = node.data_dir / "checkpoints" / self.run_id

@@ -8,9 +8,8 @@ import torch
 from intellect_kernels.grpo import group_advantages
 from intellect_kernels.logprobs import token_logprobs
 from intellect_node.config import RunConfig
-from intellect_node.engine import Packed, PolicyEngine
+from intellect_node.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.model import build_model, build_tokenizer, encode_prompt
-from intellect_node.trainer import Group, pack_sequences
 from intellect_protocol.messages import RunSpec
 
 RUN = RunConfig()

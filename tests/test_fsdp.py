@@ -20,9 +20,8 @@ import torch
 
 from intellect_kernels.grpo import group_advantages
 from intellect_node.config import RunConfig
-from intellect_node.engine import Packed, PolicyEngine
+from intellect_node.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.model import build_model, build_tokenizer
-from intellect_node.trainer import Group, pack_sequences
 from intellect_protocol.messages import RunSpec
 
 LRS = (1e-3, 5e-4)

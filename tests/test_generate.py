@@ -6,9 +6,9 @@ import torch
 
 from intellect_kernels.logprobs import token_logprobs
 from intellect_node.config import RunConfig
+from intellect_node.engine import Group, pack_sequences
 from intellect_node.generate import sample_groups
 from intellect_node.model import build_model, build_tokenizer, encode_prompt
-from intellect_node.trainer import Group, pack_sequences
 
 RUN = RunConfig()
 TOK = build_tokenizer(RUN.model)
