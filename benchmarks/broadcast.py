@@ -55,7 +55,7 @@ def _last_reparent(log: Path) -> float:
     """Unix time of the node's last parent change, from its log (0 if none)."""
     last = 0.0
     for line in log.read_text(errors="replace").splitlines():
-        if " parent=" in line and "intellect_node.fetch" in line:
+        if " parent=" in line and "intellect_node.follower" in line:
             last = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
     return last
 

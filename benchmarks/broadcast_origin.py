@@ -40,6 +40,7 @@ async def main(args: argparse.Namespace) -> None:
     store = WeightStore(Path(args.data_dir) / run_id, run_id)
     limit = args.upload_limit_mbps * 1e6 / 8 if args.upload_limit_mbps else None
     origin = ShardServer(store, metrics, args.slots, limit)
+    origin.path = lambda: [run_id]  # the root of every path in the tree
     http = HttpServer(metrics, lambda: {"role": "origin", "versions": store.complete_versions()}, origin.routes())
     port = await http.start(args.host, 0)
     url = f"http://{args.host}:{port}"

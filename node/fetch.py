@@ -70,7 +70,7 @@ class Source:
 
 
 SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
-"""Given node ids to avoid, the current plan (parent first): see tree.plan."""
+"""Given node ids seen failing, the sources to use, the parent first: see follower.WeightFollower._find."""
 
 
 class Progress:
@@ -119,8 +119,6 @@ class ShardFetcher:
         self.parent: str | None = None
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
-        self.parent_changed = asyncio.Event()
-        """Set when the parent changes (the follower then checks the new parent's path for a cycle at once)."""
         self.strikes: dict[str, int] = {}
         """Per source: shards it passed through unverified that then failed verification."""
 
@@ -147,13 +145,7 @@ class ShardFetcher:
             src.url, src.depth, src.is_parent = c.url, c.depth, c.is_parent
             fresh[c.node_id] = src
         self.sources = fresh
-        new_parent = plan[0].node_id if plan and plan[0].is_parent else None
-        if new_parent != self.parent:
-            logger.info("parent=%s depth=%s (was %s)", new_parent, plan[0].depth + 1 if plan else "?", self.parent)
-            if self.parent is not None:
-                self.metrics.inc("node_relay_reparents_total")
-            self.parent = new_parent
-            self.parent_changed.set()
+        self.parent = plan[0].node_id if plan and plan[0].is_parent else None
 
     def _pick(self, tried: set[str]) -> Source | None:
         now = time.monotonic()

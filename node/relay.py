@@ -1,18 +1,23 @@
 """The shard server: every node that holds weights serves them, verified shard by verified shard.
 
 ``GET /weights/<version>/manifest.msgpack`` and ``GET /weights/<version>/<shard>`` (Range and HEAD supported).
-A shard of a version still arriving is served the moment it is verified: a request for it waits (long poll)
-instead of failing, so each level of the relay tree adds about one shard's transfer time. Downstream nodes name
-themselves in ``X-Intellect-Node``; each takes one of the node's upload slots and keeps it while it fetches or
-sends a keep-alive (``POST /relay/attach``) at least every ``CHILD_TTL_S``, so the tree holds between versions; a
-node without a free slot answers 503, which sends the child to another parent. Anonymous clients (curl, a
-mirror) are served without a slot. An optional upload limit (a token bucket over all responses) lets a
-volunteer cap what the node sends.
+A shard of a version still arriving is served the moment its bytes arrive (cut-through) to the node's children:
+their requests wait (long poll) instead of failing, so each level of the relay tree adds about a round trip.
+
+Children: a downstream node attaches with ``POST /relay/attach`` (naming itself in ``X-Intellect-Node``), which
+takes one of this node's upload slots and answers with this node's path from the origin; the child keeps the
+slot with the same request at least every ``CHILD_TTL_S`` and gives it back with ``DELETE /relay/attach``. A node
+takes a new child only while it is itself connected to the origin (its path is known) and never one of its own
+ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with its children, the
+places to look for one further down. Other nodes (alternates) are served only what this node already has, at
+once and while a slot is free, and anonymous clients (curl, a mirror) always. An optional upload limit (a token
+bucket over all responses) lets a volunteer cap what the node sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -86,7 +91,11 @@ class ShardServer:
         self._rate = 0.0
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/weights/{version}/{name}", self._get), web.post("/relay/attach", self._attach)]
+        return [
+            web.get("/weights/{version}/{name}", self._get),
+            web.post("/relay/attach", self._attach),
+            web.delete("/relay/attach", self._detach),
+        ]
 
     def _active_children(self) -> dict[str, float]:
         now = time.monotonic()
@@ -117,14 +126,33 @@ class ShardServer:
         return False
 
     async def _attach(self, request: web.Request) -> web.Response:
-        """A child's keep-alive: hold (or take) a slot without fetching anything."""
-        child = request.headers.get(CHILD_HEADER)
+        """Take (or keep) a slot as a child: answers this node's depth and path from the origin."""
+        child = request.headers.get(CHILD_HEADER, "")[:64]
         if not child:
             raise web.HTTPBadRequest(text=f"send {CHILD_HEADER}: <node id>")
-        if not self._admit(child[:64]):
+        path = self.path()
+        if child in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
+            if self._children.pop(child, None) is not None and self.on_change is not None:
+                self.on_change()
+            self.metrics.inc("node_relay_requests_refused_total", label="ancestor")
+            raise web.HTTPConflict(text="you are above this node in the tree: attaching here would close a cycle")
+        if not path and child not in self._active_children():
+            self.metrics.inc("node_relay_requests_refused_total", label="not_rooted")
+            raise web.HTTPConflict(text="this node is not connected to the origin yet")
+        if not self._admit(child):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
-            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        return web.json_response({"depth": self.depth(), "path": self.path()[-MAX_PATH:]})
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"children": self.children()}), content_type="application/json",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        return web.json_response({"depth": self.depth(), "path": path[-MAX_PATH:]})
+
+    async def _detach(self, request: web.Request) -> web.Response:
+        """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``)."""
+        child = request.headers.get(CHILD_HEADER, "")[:64]
+        if self._children.pop(child, None) is not None and self.on_change is not None:
+            self.on_change()
+        return web.Response(status=204)
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]
@@ -139,11 +167,19 @@ class ShardServer:
                 raise web.HTTPNotFound()
             return web.Response(body=data, content_type="application/octet-stream")
         child = request.headers.get(CHILD_HEADER)
-        if child is not None and not self._admit(child[:64]):
-            logger.debug("refused child=%s: no free slot (children %s)", child[:8], [c[:8] for c in self._children])
-            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
-            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
+        child = child[:64] if child is not None else None
+        if child is not None and child in self._active_children():
+            self._children[child] = time.monotonic()
+            found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
+        elif child is not None:
+            # not our child: an alternate source for it, served only what is here and while a slot is free (its
+            # request never holds a slot, or a real child could not attach)
+            if len(self._active_children()) >= self.slots:
+                self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+                raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+            found = self.store.shard_file(version, name) or self.store.growing(version, name)
+        else:
+            found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
         if found is None:
             raise web.HTTPNotFound()
         if isinstance(found, Growing):
@@ -203,8 +239,8 @@ class ShardServer:
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         await resp.write(chunk)
-        if child is not None:
-            self._children[child[:64]] = time.monotonic()
+        if child is not None and child in self._children:
+            self._children[child] = time.monotonic()
 
     async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
         size = path.stat().st_size

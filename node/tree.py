@@ -1,9 +1,10 @@
-"""Choosing where to fetch weights from: the self-organizing relay tree, as a pure function of DHT records.
+"""Where to look for a parent and for alternate sources in the self-organizing relay tree, from DHT records.
 
-A node keeps its parent while the parent is alive (a stable tree). Otherwise it takes the relay with a free
-upload slot and the lowest depth, faster relays first, that holds or is receiving the version, and is not one
-of its own descendants; the origin (the trainer) only as the last resort. Its depth is its parent's plus one.
-Besides the parent it keeps a few alternates, so a dead, slow or lying parent costs only a switch.
+Records lag behind the tree, so they only order the places to ask: the parent itself is chosen by attaching
+(follower.WeightFollower), and a node takes a child only while it is connected to the origin and never one of
+its own ancestors (relay.ShardServer), which keeps the tree free of cycles. Parents to try: relays with a free
+upload slot, lowest depth first and faster first at equal depth, that are not (as far as the records tell) this
+node's descendants; the origin (the trainer) last. Alternates: nodes that hold the whole version already.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ class Candidate:
     is_parent: bool
 
 
-def _serves(record: NodeRecord, version: int) -> bool:
-    """Holds ``version``, is receiving it, or holds the one before (it follows the run and is about to):
-    a child may attach at once, and its requests wait at the parent until the version starts arriving."""
-    relay = record.relay
-    return relay is not None and (
-        version in relay.versions or relay.fetching == version or record.weight_version >= version - 1
-    )
-
-
 def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> bool:
     seen: set[str] = set()
     while node not in seen:
@@ -46,57 +38,64 @@ def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> 
     return True  # a cycle in what others claim: treat as unusable
 
 
-def plan(
+def _usable(records: dict[str, NodeRecord], me: str, exclude: set[str] | frozenset[str]) -> list[NodeRecord]:
+    return [
+        r
+        for nid, r in records.items()
+        if nid != me and nid not in exclude and r.relay is not None and r.http_url and r.relay.depth < MAX_DEPTH
+    ]
+
+
+def _cand(r: NodeRecord, is_parent: bool = False) -> Candidate:
+    assert r.relay is not None and r.http_url is not None
+    return Candidate(r.node_id, r.http_url, r.relay.depth, is_parent)
+
+
+def _order(r: NodeRecord) -> tuple[int, float]:
+    assert r.relay is not None
+    return r.relay.depth, -r.relay.upload_bps
+
+
+def parents(
+    records: dict[str, NodeRecord], me: str, origin: str, exclude: set[str] | frozenset[str] = frozenset()
+) -> list[Candidate]:
+    """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin last."""
+    relays = [
+        r
+        for r in _usable(records, me, exclude)
+        if r.node_id != origin and r.relay is not None and r.relay.slots_free > 0
+        and not _descends_from(records, r.node_id, me)
+    ]  # fmt: skip
+    relays.sort(key=_order)
+    out = [_cand(r) for r in relays]
+    if origin in records and origin not in exclude and records[origin].http_url and records[origin].relay:
+        out.append(_cand(records[origin]))
+    return out
+
+
+def below(records: dict[str, NodeRecord], children: list[str], tried: set[str]) -> list[Candidate]:
+    """The children a full node named in its refusal, as candidates (the free slots are further down)."""
+    out = []
+    for nid in children:
+        r = records.get(nid)
+        if nid not in tried and r is not None and r.relay is not None and r.http_url:
+            out.append(_cand(r))
+    return out
+
+
+def holders(
     records: dict[str, NodeRecord],
     me: str,
     origin: str,
     version: int,
-    parent: str | None,
-    exclude: set[str] = frozenset(),  # type: ignore[assignment]
-    alternates: int = 2,
-) -> tuple[Candidate | None, list[Candidate]]:
-    """The parent to use for ``version`` and the sources to try, best first (the parent first).
-
-    The current parent is kept unless this node saw it fail (``exclude``: banned, unreachable, out of slots) or
-    its depth shows a cycle (in a cycle depths grow with every republish until they pass ``MAX_DEPTH``); what
-    other records claim about its ancestry
-    lags behind a re-shaping tree and is not reason enough to leave it. A new parent is never a descendant.
-    """
-    usable: dict[str, NodeRecord] = {}
-    for nid, r in records.items():
-        if nid == me or nid in exclude or r.relay is None or not r.http_url or r.relay.depth >= MAX_DEPTH:
-            continue
-        if nid not in (origin, parent) and _descends_from(records, nid, me):
-            continue
-        usable[nid] = r
-
-    def cand(r: NodeRecord, is_parent: bool) -> Candidate:
-        assert r.relay is not None and r.http_url is not None
-        return Candidate(r.node_id, r.http_url, r.relay.depth, is_parent)
-
-    chosen: NodeRecord | None = None
-    if parent is not None and parent in usable and (parent == origin or usable[parent].relay is not None):
-        chosen = usable[parent]
-    if chosen is None:
-        relays = [
-            r
-            for nid, r in usable.items()
-            if nid != origin and _serves(r, version) and r.relay is not None and r.relay.slots_free > 0
-        ]
-        relays.sort(key=lambda r: (r.relay.depth if r.relay else 0, -(r.relay.upload_bps if r.relay else 0.0)))
-        if relays:
-            chosen = relays[0]
-        elif origin in usable:
-            chosen = usable[origin]
-    others = [
+    exclude: set[str] | frozenset[str] = frozenset(),
+    count: int = 2,
+) -> list[Candidate]:
+    """Alternate sources for ``version``: nodes (not the origin) that hold all of it, by depth, then speed."""
+    found = [
         r
-        for nid, r in usable.items()
-        if chosen is not None and nid not in (chosen.node_id, origin) and _serves(r, version)
-        and r.relay is not None and r.relay.slots_free > 0
-    ]  # fmt: skip
-    others.sort(key=lambda r: (r.relay.depth if r.relay else 0, -(r.relay.upload_bps if r.relay else 0.0)))
-    sources = [cand(chosen, True)] if chosen is not None else []
-    sources += [cand(r, False) for r in others[:alternates]]
-    if origin in usable and (chosen is None or chosen.node_id != origin):
-        sources.append(cand(usable[origin], False))
-    return (sources[0] if chosen is not None else None), sources
+        for r in _usable(records, me, exclude)
+        if r.node_id != origin and r.relay is not None and version in r.relay.versions and r.relay.slots_free > 0
+    ]
+    found.sort(key=_order)
+    return [_cand(r) for r in found[:count]]

@@ -166,7 +166,8 @@ def test_a_relay_serving_corrupted_bytes_is_banned_and_the_download_completes(tm
 
 
 def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
-    """A peer announces itself as a relay (a valid record of its own) and serves a forged version 0."""
+    """A peer announces itself as a relay (a valid record of its own), takes the newcomer as its child and serves
+    it a forged version 0."""
     with cluster(tmp_path) as c:
         ready = c.start_origin(slots=2, mbps=200)
         forger = Identity.generate()
@@ -174,8 +175,12 @@ def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
         write_checkpoint(forged_root, forger, ready["run_id"], 0, {"w": __import__("torch").zeros(4)}, 1 << 20)
 
         async def serve_and_announce() -> None:
+            async def attach(request: web.Request) -> web.Response:  # it plays the relay: takes every child
+                return web.json_response({"depth": 1, "path": [ready["run_id"], forger.node_id]})
+
             app = web.Application()
             app.router.add_static("/weights/", forged_root)
+            app.router.add_post("/relay/attach", attach)
             runner = web.AppRunner(app)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -1,4 +1,4 @@
-"""Parent choice in the relay tree, from DHT records alone."""
+"""Parent choice in the relay tree: the order DHT records give, and attaching to real shard servers (loopback)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ from pathlib import Path
 
 import aiohttp
 
-from intellect_node.fetch import Source
 from intellect_node.follower import WeightFollower
 from intellect_node.metrics import Metrics
 from intellect_node.relay import ShardServer
 from intellect_node.status import HttpServer
 from intellect_node.store import WeightStore
-from intellect_node.tree import plan
+from intellect_node.tree import holders, parents
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
 ORIGIN = "0" * 32
@@ -33,56 +32,29 @@ def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
     return {r.node_id: r for r in recs}
 
 
-def test_origin_is_the_last_resort() -> None:
-    a = "a" * 32
-    parent, sources = plan(_records(_rec(ORIGIN, 0, 2), _rec(a, 1, 1, ORIGIN)), "e" * 32, ORIGIN, 1, None)
-    assert parent is not None and parent.node_id == a and parent.is_parent
-    assert [s.node_id for s in sources] == [a, ORIGIN]
-    parent, _ = plan(_records(_rec(ORIGIN, 0, 2), _rec(a, 1, 0, ORIGIN)), "e" * 32, ORIGIN, 1, None)
-    assert parent is not None and parent.node_id == ORIGIN  # the only relay has no free slot
+def test_relays_by_depth_then_speed_and_the_origin_last() -> None:
+    a, b, c, full = "a" * 32, "b" * 32, "c" * 32, "f" * 32
+    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6),
+                    _rec(c, 1, 1, ORIGIN, bps=9e6), _rec(full, 1, 0, ORIGIN))  # fmt: skip
+    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN)] == [c, b, a, ORIGIN]
+    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN, exclude={c, ORIGIN})] == [b, a]
 
 
-def test_lowest_depth_then_fastest() -> None:
+def test_never_a_descendant_by_the_records() -> None:
+    me, child, grandchild, other = "e" * 32, "c" * 32, "d" * 32, "a" * 32
+    recs = _records(_rec(ORIGIN, 0, 0), _rec(child, 1, 2, me), _rec(grandchild, 2, 2, child), _rec(other, 3, 1, ORIGIN))
+    assert [x.node_id for x in parents(recs, me, ORIGIN)] == [other, ORIGIN]
+
+
+def test_alternates_hold_the_whole_version() -> None:
     a, b, c = "a" * 32, "b" * 32, "c" * 32
-    recs = _records(
-        _rec(ORIGIN, 0, 0), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6), _rec(c, 1, 1, ORIGIN, bps=9e6)
-    )
-    parent, sources = plan(recs, "e" * 32, ORIGIN, 1, None)
-    assert parent is not None and parent.node_id == c and parent.depth == 1
-    assert [s.node_id for s in sources] == [c, b, a, ORIGIN]
-
-
-def test_a_relay_following_the_run_counts_and_one_left_behind_does_not() -> None:
-    a, b, c = "a" * 32, "b" * 32, "c" * 32
-    recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(1,)),
-                    _rec(b, 2, 1, ORIGIN, versions=(2,)), _rec(c, 3, 1, ORIGIN, versions=(1,), fetching=3))  # fmt: skip
-    parent, sources = plan(recs, "e" * 32, ORIGIN, 3, None)
-    assert parent is not None and parent.node_id == b  # holds 2: about to fetch 3
-    assert a not in {s.node_id for s in sources} and c in {s.node_id for s in sources}
-
-
-def test_keeps_a_live_parent_and_never_picks_a_descendant() -> None:
-    me, a, child, grandchild = "e" * 32, "a" * 32, "c" * 32, "d" * 32
-    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 1, 0, ORIGIN), _rec(child, 2, 2, me), _rec(grandchild, 3, 2, child))
-    parent, _ = plan(recs, me, ORIGIN, 1, a)
-    assert parent is not None and parent.node_id == a  # full, but we hold one of its slots already
-    parent, sources = plan(recs, me, ORIGIN, 1, None)
-    assert parent is not None and parent.node_id == ORIGIN
-    assert child not in {s.node_id for s in sources} and grandchild not in {s.node_id for s in sources}
-
-
-def test_excluded_and_dead_parents_are_replaced() -> None:
-    a, b = "a" * 32, "b" * 32
-    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 1, 1, ORIGIN), _rec(b, 1, 1, ORIGIN))
-    parent, _ = plan(recs, "e" * 32, ORIGIN, 1, a, exclude={a})
-    assert parent is not None and parent.node_id == b
-    del recs[b]
-    parent, _ = plan(recs, "e" * 32, ORIGIN, 1, b)  # b's record expired: it is gone
-    assert parent is not None and parent.node_id == a
+    recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(2, 3)),
+                    _rec(b, 2, 1, a, versions=(2,), fetching=3), _rec(c, 2, 0, a, versions=(3,)))  # fmt: skip
+    assert [x.node_id for x in holders(recs, "e" * 32, ORIGIN, 3)] == [a]  # b is still receiving, c is full
 
 
 class _Records:
-    """The DHT as the follower sees it: a fixed set of signed-in records (the HTTP side below is real)."""
+    """The DHT as the follower sees it: a fixed set of records (the HTTP side below is real)."""
 
     def __init__(self, records: dict[str, NodeRecord]) -> None:
         self.records = records
@@ -91,44 +63,103 @@ class _Records:
         return self.records
 
 
-def test_a_node_that_finds_itself_in_its_parents_path_leaves_the_cycle(tmp_path: Path) -> None:
-    """Two nodes that chose each other at once: the keep-alive reply carries the parent's path from the origin,
-    the child sees its own id in it, drops that parent and takes another (here the origin)."""
-    me, b = "e" * 32, "b" * 32
+async def _serve(tmp_path: Path, name: str, slots: int, path: list[str]) -> tuple[ShardServer, HttpServer, str]:
+    server = ShardServer(WeightStore(tmp_path / name, ORIGIN), Metrics(), slots=slots)
+    server.path = lambda: path
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    port = await http.start("127.0.0.1", 0)
+    return server, http, f"http://127.0.0.1:{port}"
 
-    async def main() -> tuple[str | None, float, list[str]]:
-        metrics = Metrics()
-        b_server = ShardServer(WeightStore(tmp_path / "b", ORIGIN), Metrics(), slots=2)
-        b_server.path = lambda: [ORIGIN, me, b]  # b believes it hangs below us
-        origin_server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=2)
-        origin_server.path = lambda: [ORIGIN]
-        http_b = HttpServer(Metrics(), lambda: {}, b_server.routes())
-        http_o = HttpServer(Metrics(), lambda: {}, origin_server.routes())
-        port_b, port_o = await http_b.start("127.0.0.1", 0), await http_o.start("127.0.0.1", 0)
-        records = {
-            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": f"http://127.0.0.1:{port_o}"}),
-            b: _rec(b, 2, 1, me).model_copy(update={"http_url": f"http://127.0.0.1:{port_b}"}),
-        }
 
-        async def publish() -> None:
-            return None
+def _follower(tmp_path: Path, me: str, records: dict[str, NodeRecord], metrics: Metrics) -> WeightFollower:
+    async def publish() -> None:
+        return None
 
-        follower = WeightFollower(
-            me, ORIGIN, _Records(records), WeightStore(tmp_path / "me", ORIGIN), metrics, None, 2, None, publish,
-        )  # type: ignore[arg-type]  # fmt: skip
+    return WeightFollower(
+        me, ORIGIN, _Records(records), WeightStore(tmp_path / me[:4], ORIGIN), metrics, None, 2, None, publish,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> None:
+    """The records are stale (they show the origin and its child with free slots); attaching finds the truth:
+    the origin is full and names its child, the child is full and names the grandchild, which takes us."""
+    me, a, b = "e" * 32, "a" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, int, list[str], list[str]]:
+        origin, http_o, url_o = await _serve(tmp_path, "o", 1, [ORIGIN])
+        sa, http_a, url_a = await _serve(tmp_path, "a", 1, [ORIGIN, a])
+        sb, http_b, url_b = await _serve(tmp_path, "b", 1, [ORIGIN, a, b])
         try:
             async with aiohttp.ClientSession() as session:
+                for url, child in ((url_o, a), (url_a, b)):  # the tree as it is: origin -> a -> b
+                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": child}) as r:
+                        assert r.status == 200
+                records = {
+                    ORIGIN: _rec(ORIGIN, 0, 1).model_copy(update={"http_url": url_o}),
+                    a: _rec(a, 1, 1, ORIGIN).model_copy(update={"http_url": url_a}),
+                    b: _rec(b, 2, 1, a).model_copy(update={"http_url": url_b}),
+                }
+                follower = _follower(tmp_path, me, records, Metrics())
                 follower.start(session)
-                fetcher = follower.fetcher
-                assert fetcher is not None
-                fetcher._find = follower._find
-                fetcher.sources = {b: Source(b, f"http://127.0.0.1:{port_b}", 2, is_parent=True)}
-                fetcher.parent = b
+                await follower._choose(await follower._records(), set())
+                return follower.parent, follower.depth, follower.path, sb.children()
+        finally:
+            for h in (http_o, http_a, http_b):
+                await h.close()
+
+    parent, depth, path, b_children = asyncio.run(main())
+    assert parent == "b" * 32 and depth == 3 and path == [ORIGIN, "a" * 32, "b" * 32, me]
+    assert b_children == [me]
+
+
+def test_a_node_takes_no_child_above_it_nor_any_while_cut_off(tmp_path: Path) -> None:
+    me, a = "e" * 32, "a" * 32
+
+    async def main() -> list[int]:
+        _, http_a, url_a = await _serve(tmp_path, "a", 2, [ORIGIN, me, a])  # a hangs below us
+        _, http_c, url_c = await _serve(tmp_path, "c", 2, [])  # lost its parent, not yet reattached
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for url in (url_a, url_c):
+                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": me}) as r:
+                        statuses.append(r.status)
+        finally:
+            await http_a.close()
+            await http_c.close()
+        return statuses
+
+    assert asyncio.run(main()) == [409, 409]
+
+
+def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
+    """Two nodes that re-parented below each other at once: at the next keep-alive the parent sees its child in
+    its own path from the origin and refuses it; the child leaves (its slot there is given back) and attaches to
+    another node (here the origin)."""
+    me, b = "e" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, float, list[str], list[str]]:
+        metrics = Metrics()
+        b_server, http_b, url_b = await _serve(tmp_path, "b", 2, [ORIGIN])
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            b: _rec(b, 1, 1, ORIGIN).model_copy(update={"http_url": url_b}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, metrics)
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == b
+                b_server.path = lambda: [ORIGIN, me, b]  # meanwhile b re-parented below us
                 await follower.attach_once(session)
-                return fetcher.parent, metrics.counter("node_relay_cycles_left_total"), follower.path
+                await asyncio.sleep(0.2)  # the slot at b is given back in the background
+                return follower.parent, metrics.counter("node_relay_reparents_total"), follower.path, \
+                    b_server.children()
         finally:
             await http_b.close()
             await http_o.close()
 
-    parent, cycles, path = asyncio.run(main())
-    assert parent == ORIGIN and cycles == 1 and path == []
+    parent, reparents, path, b_children = asyncio.run(main())
+    assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
