@@ -74,6 +74,7 @@ async def main(args: argparse.Namespace) -> None:
             tensors = {f"t{i:04d}": torch.rand(per, generator=g) for i in range(n)}
             version += 1
             await asyncio.to_thread(write_checkpoint, store.root, identity, run_id, version, tensors, per * 4)
+            store.added()  # as the trainer does: relays below learn of it through the tree
             await membership.publish_record(record())
             print(f"PUBLISHED at={started:.6f} ready_at={time.time():.6f}", flush=True)
     finally:

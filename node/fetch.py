@@ -34,6 +34,10 @@ _CHUNK = 1 << 20
 _PIECE = 64 * 1024
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
 REFRESH_S = 1.0
+REPLAN_S = 5.0
+"""While shards flow, the sources are planned again this often (new holders of the version, a moved parent)."""
+PROBE_EVERY = 8
+"""One pick in this many may go to an alternate not yet measured, so a faster source than the parent is found."""
 MANIFEST_WAIT_S = 6.0
 STALL_S = 30.0
 """No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
@@ -119,6 +123,7 @@ class ShardFetcher:
         self.parent: str | None = None
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
+        self._picks = 0
         self.strikes: dict[str, int] = {}
         """Per source: shards it passed through unverified that then failed verification."""
 
@@ -153,10 +158,14 @@ class ShardFetcher:
         if not usable:
             return None
         fresh = [s for s in usable if s.node_id not in tried] or usable
+        self._picks += 1
         if any(s.is_parent for s in fresh):
-            # an alternate never measured does not win over a usable parent on an assumed rate: its assumed
-            # 12-100 MB/s beat a measured 25 Mbit/s parent, and in a 16-node benchmark run a relay parked all its
-            # workers on alternates that did not hold the shards yet (10 s long polls, 404) for 32 s in total
+            # an alternate never measured does not win over a usable parent on an assumed rate (in a 16-node
+            # benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets one pick
+            # in PROBE_EVERY, so a parent slower than an alternate is found out (the follower then moves)
+            untried = [s for s in fresh if not s.is_parent and s.bps == 0 and s.failed == 0 and not s.full]
+            if untried and self._picks % PROBE_EVERY == 0:
+                return untried[0]
             fresh = [s for s in fresh if s.is_parent or s.bps > 0]
         return max(fresh, key=Source.score)
 
@@ -205,6 +214,9 @@ class ShardFetcher:
                     raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
                 if time.monotonic() - last_progress > self.stall_s:
                     raise Rejected("stalled", f"no shard of version {version} arrived in {self.stall_s:.0f}s")
+                if time.monotonic() - self._refreshed > REPLAN_S:
+                    await self._refresh()
+                    continue  # another worker may have taken the last shard meanwhile
                 index, shard = heapq.heappop(pending)
                 attempted = tried.setdefault(shard.name, set())
                 src = self._pick(attempted)

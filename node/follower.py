@@ -19,11 +19,14 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from intellect_node.dht import Membership
-from intellect_node.fetch import ShardFetcher
+from intellect_node.fetch import ShardFetcher, read_limited
 from intellect_node.metrics import Metrics
-from intellect_node.relay import CHILD_HEADER, MAX_PATH, ShardServer
+from intellect_node.relay import CHILD_HEADER, LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
 from intellect_node.store import WeightStore
 from intellect_node.tree import Candidate, below, holders, parents
+from intellect_node.weights import verify_manifest
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
 
@@ -36,6 +39,11 @@ UNREACHABLE_AVOID_S = 10.0
 UNROOTED_GRACE_S = 5.0
 """How long a parent may be cut off from the origin (re-parenting itself) before its child looks elsewhere."""
 MAX_ATTACH_TRIES = 24
+RECORDS_MAX_AGE_S = 5.0
+"""With a parent, sources are planned from records read up to this long ago (alternates only need to be roughly
+right); without one, from a fresh read."""
+SLOW_FACTOR = 2.0
+SLOW_MIN_SHARDS = 3
 FAST_ROUNDS = 6
 FAST_KEEPALIVE_S = 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -76,12 +84,17 @@ class WeightFollower:
         self._parent_was: str | None = None
         self._unrooted_since: float | None = None
         self._unreachable = 0
+        self._read_at = -1e9
         self._avoid: dict[str, float] = {}
         """Nodes not to ask for a slot before the time given (we just left them)."""
         self._choosing = asyncio.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
         self.changed = asyncio.Event()
         """Set when the parent changes (keep_attached then checks the new parent's path at once)."""
+        self.announced = -1
+        """The newest version the parent has told us of (its manifest carries the run key's signature)."""
+        self.news = asyncio.Event()
+        """Set when ``announced`` grows."""
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
@@ -104,8 +117,13 @@ class WeightFollower:
             fetching=self.fetching,
         )
 
-    async def _records(self) -> dict[str, NodeRecord]:
+    async def _records(self, max_age: float = 0.0) -> dict[str, NodeRecord]:
+        """Every node's newest record; from the last read if it is at most ``max_age`` seconds old (a DHT read
+        takes a few hundred milliseconds on a busy machine, and a fetch should not wait for one at each level)."""
         now = time.monotonic()
+        if now - self._read_at <= max_age:
+            return {n: r for n, (_, r) in self._seen.items()}
+        self._read_at = now
         try:
             fresh = await self.membership.get_nodes()
         except (TimeoutError, OSError) as e:  # plan with what was read before; the next call reads again
@@ -125,9 +143,9 @@ class WeightFollower:
     async def _find(self, exclude: set[str]) -> list[Candidate]:
         """The fetcher's sources (see fetch.SourceFinder): the parent first (chosen now if there is none, or if
         the fetcher saw it fail), then up to two nodes that hold the whole version, the origin last."""
-        records = await self._records()
         if self._parent is not None and self._parent.node_id in exclude:
             await self._drop_parent("it failed to serve", avoid_s=REFUSED_AVOID_S)
+        records = await self._records(max_age=RECORDS_MAX_AGE_S if self._parent is not None else 0.0)
         if self._parent is None:
             await self._choose(records, exclude)
         sources = [self._parent] if self._parent is not None else []
@@ -241,7 +259,7 @@ class WeightFollower:
             if manifest is not None:
                 return manifest
         self.fetching = version
-        await self.publish()
+        self._publish_soon()  # in the background: a DHT store must not delay the first request
         try:
             manifest = await self.fetcher.fetch(version, self._find)
         finally:
@@ -249,8 +267,42 @@ class WeightFollower:
         self.store.prune(self.keep, self.max_bytes)
         self.metrics.inc("node_weights_versions_received_total")
         self.metrics.set("node_weights_versions_held", len(self.store.complete_versions()))
-        await self.publish()
+        self._publish_soon()
+        await self._leave_slow_parent()
         return manifest
+
+    def _faster_holder(self) -> Candidate | None:
+        """An alternate that delivered at least SLOW_FACTOR times the parent's rate, both over SLOW_MIN_SHARDS
+        shards or more in the last fetch (the origin excepted: it stays the last resort)."""
+        f, c = self.fetcher, self._parent
+        mine = f.sources.get(c.node_id) if f is not None and c is not None else None
+        if f is None or mine is None or mine.ok < SLOW_MIN_SHARDS or mine.bps <= 0:
+            return None
+        alts = [s for s in f.sources.values() if not s.is_parent and s.node_id != self.run_id
+                and s.ok >= SLOW_MIN_SHARDS and s.node_id not in f.banned]  # fmt: skip
+        best = max(alts, key=lambda s: s.bps, default=None)
+        if best is None or best.bps < SLOW_FACTOR * mine.bps:
+            return None
+        return Candidate(best.node_id, best.url, best.depth, True)
+
+    async def _leave_slow_parent(self) -> None:
+        """Move below a node that proved much faster than the parent, if it has a slot for us."""
+        c, old = self._faster_holder(), self._parent
+        if c is None or old is None or self.fetcher is None:
+            return
+        old_id, old_url = old.node_id, old.url
+        was, now = self.fetcher.sources[old_id].bps, self.fetcher.sources[c.node_id].bps
+        status, body = await self._post_attach(c.url)
+        if status != 200 or self._parent is not old:
+            if status == 200:
+                self._detach_soon(c.url)
+            return
+        self._parent_was = old_id
+        if self._adopt(c, body):
+            logger.info("left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old_id, was / 1e6, c.node_id,
+                        now / 1e6)  # fmt: skip
+            self.metrics.inc("node_relay_slow_parent_moves_total", help="moves from a parent much slower than another")
+            self._detach_soon(old_url)
 
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
         """Hold this node's slot at its parent, so the tree stays as it is between versions, and find a parent
@@ -331,3 +383,36 @@ class WeightFollower:
         await self._choose(await self._records(), set())
         if self.fetcher is not None:
             await self.fetcher.refresh_now()
+
+    async def watch_parent(self, session: aiohttp.ClientSession) -> None:
+        """Learn of new versions from the parent as they start arriving there (``GET /relay/next``, a long
+        poll), so news travels down the tree as fast as the data, not at each node's next look at the DHT. Only
+        a manifest signed by the run key counts: a parent cannot make us chase a version that does not exist."""
+        while True:
+            c = self._parent
+            if c is None:
+                try:
+                    await asyncio.wait_for(self.changed.wait(), KEEPALIVE_S)
+                except TimeoutError:
+                    pass
+                continue
+            after = max(self.announced, self.store.newest())
+            try:
+                async with session.get(
+                    f"{c.url}/relay/next", params={"after": str(after)}, headers={CHILD_HEADER: self.node_id},
+                    timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 5),
+                ) as resp:  # fmt: skip
+                    if resp.status == 204:
+                        continue
+                    if resp.status != 200:
+                        await asyncio.sleep(KEEPALIVE_S)  # an older node without /relay/next: the DHT will do
+                        continue
+                    version = int(resp.headers.get(VERSION_HEADER, "-1"))
+                    verify_manifest(await read_limited(resp, Channel.MANIFEST.value), self.run_id, version)
+            except (aiohttp.ClientError, TimeoutError, ValueError, Rejected) as e:
+                logger.debug("no news from parent %s: %r", c.node_id[:8], e)
+                await asyncio.sleep(KEEPALIVE_S)
+                continue
+            if version > self.announced:
+                self.announced = version
+                self.news.set()

@@ -33,6 +33,7 @@ from intellect_node.weights import MANIFEST_NAME
 logger = logging.getLogger(__name__)
 
 CHILD_HEADER = "X-Intellect-Node"
+VERSION_HEADER = "X-Intellect-Version"
 VERIFIED_HEADER = "X-Intellect-Verified"
 """'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
 STREAM_STALL_S = 15.0
@@ -95,6 +96,7 @@ class ShardServer:
             web.get("/weights/{version}/{name}", self._get),
             web.post("/relay/attach", self._attach),
             web.delete("/relay/attach", self._detach),
+            web.get("/relay/next", self._next),
         ]
 
     def _active_children(self) -> dict[str, float]:
@@ -153,6 +155,19 @@ class ShardServer:
         if self._children.pop(child, None) is not None and self.on_change is not None:
             self.on_change()
         return web.Response(status=204)
+
+    async def _next(self, request: web.Request) -> web.Response:
+        """``GET /relay/next?after=N``: the signed manifest of the newest version here once it is newer than N
+        (long poll, 204 after ``LONG_POLL_S``). Children learn of a new version from their parent as it starts
+        arriving, not at their next look at the DHT; the run key's signature makes the news trustworthy."""
+        after = request.query.get("after", "-1")
+        if not after.lstrip("-").isdigit() or len(after) > 11:
+            raise web.HTTPBadRequest(text="after=<version>")
+        newest = await self.store.wait_newer(int(after), LONG_POLL_S)
+        data = self.store.manifest_bytes(newest) if newest is not None else None
+        if newest is None or data is None:
+            return web.Response(status=204)
+        return web.Response(body=data, content_type="application/octet-stream", headers={VERSION_HEADER: str(newest)})
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]

@@ -17,7 +17,8 @@ from intellect_protocol.messages import Role, RunSpec
 
 logger = logging.getLogger(__name__)
 WATCH_S = 1.0
-"""How often a relay reads the trainer's record: relays are many, and each read is a DHT lookup."""
+"""How often a relay reads the trainer's record: relays are many, and each read is a DHT lookup. A relay with a
+parent usually hears of a new version from it first (follower.watch_parent)."""
 
 
 class RelayNode(Volunteer):
@@ -27,18 +28,27 @@ class RelayNode(Volunteer):
         assert self.follower is not None
         if self.server is None:
             raise SystemExit("a relay that does not relay has nothing to do: drop --no-relay")
+        f = self.follower
         while True:
-            trainer = await self.trainer()
-            if trainer is None or trainer.weight_version <= self.version:
-                await asyncio.sleep(WATCH_S)
+            f.news.clear()
+            target = f.announced if f.announced > self.version else -1  # news from the parent (signed manifest)
+            if target < 0:
+                trainer = await self.trainer()
+                if trainer is not None and trainer.weight_version > self.version:
+                    target = trainer.weight_version
+            if target < 0:
+                try:
+                    await asyncio.wait_for(f.news.wait(), WATCH_S)
+                except TimeoutError:
+                    pass
                 continue
             try:
-                await self.follower.sync(trainer.weight_version)
+                await f.sync(target)
                 logger.info(
                     "holding version=%d depth=%d parent=%s", self.version, self.follower.depth, self.follower.parent
                 )
                 print(f"HOLDING {self.version} at={time.time():.6f}", flush=True)
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
+                logger.warning("could not fetch version %d: %s", target, e)
                 await asyncio.sleep(POLL_S)

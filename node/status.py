@@ -30,7 +30,8 @@ class HttpServer:
         app.router.add_get("/status", self._status_handler)
         app.router.add_get("/metrics", self._metrics_handler)
         app.add_routes(self._routes)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # on close, requests still running (long polls, shard streams: receivers resume) get 2 s, not 60
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:

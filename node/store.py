@@ -92,11 +92,33 @@ class WeightStore:
             return self.partial(version) / name
         return None
 
+    def newest(self) -> int:
+        """The newest version held or arriving here (-1: none)."""
+        return max([*self.complete_versions(), *self._verified], default=-1)
+
+    def added(self) -> None:
+        """A complete version was written into the store directly (the origin): wake those waiting for it."""
+        self._begun.set()
+        self._begun = asyncio.Event()
+
+    async def wait_newer(self, after: int, timeout: float) -> int | None:
+        """The newest version held or arriving here once it is newer than ``after``; None after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (newest := self.newest()) <= after:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._begun.wait(), remaining)
+            except TimeoutError:
+                return None
+        return newest
+
     def _is_future(self, version: int) -> bool:
         """Newer than anything held or arriving here: it may still come. An older version this node skipped
         (nodes fetch only the newest) never will."""
-        newest = max([*self.complete_versions(), *self._verified], default=-1)
-        return version > newest
+        return version > self.newest()
 
     async def wait_begun(self, version: int, timeout: float) -> bool:
         """Wait until a version newer than anything held starts arriving here; True if it has."""

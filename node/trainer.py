@@ -519,6 +519,7 @@ class Trainer:
             self.metrics.set("node_trainer_checkpoint_step", version)
         await asyncio.to_thread(self._publish, version, tensors)
         self.published = version
+        self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
         self.metrics.set("node_trainer_weight_version", version)
         try:
             await self.membership.publish_record(self.record())

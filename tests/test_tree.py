@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import aiohttp
+import torch
 
+from intellect_node.fetch import Source
 from intellect_node.follower import WeightFollower
 from intellect_node.metrics import Metrics
 from intellect_node.relay import ShardServer
 from intellect_node.status import HttpServer
 from intellect_node.store import WeightStore
 from intellect_node.tree import holders, parents
+from intellect_node.weights import write_checkpoint
+from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
 ORIGIN = "0" * 32
@@ -163,3 +168,81 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
 
     parent, reparents, path, b_children = asyncio.run(main())
     assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
+
+
+def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
+    """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
+    signed by another key announces nothing."""
+    key, forger, me = Identity.generate(), Identity.generate(), "e" * 32
+    run = key.node_id
+
+    async def main() -> tuple[int, int]:
+        store = WeightStore(tmp_path / "o", run)
+        server = ShardServer(store, Metrics(), slots=2)
+        server.path = lambda: [run]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+
+        async def publish() -> None:
+            return None
+
+        records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
+        follower = WeightFollower(me, run, _Records(records), WeightStore(tmp_path / "me", run), Metrics(), None,
+                                  2, None, publish)  # type: ignore[arg-type]  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == run
+                watch = asyncio.create_task(follower.watch_parent(session))
+                try:
+                    await asyncio.sleep(0.3)  # the child's long poll is waiting at the parent
+                    write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
+                    store.added()
+                    await asyncio.sleep(1.5)
+                    after_forgery = follower.announced
+                    shutil.rmtree(store.folder(1))
+                    write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
+                    store.added()
+                    await asyncio.wait_for(follower.news.wait(), 5.0)
+                    return after_forgery, follower.announced
+                finally:
+                    watch.cancel()
+        finally:
+            await http.close()
+
+    assert asyncio.run(main()) == (-1, 1)
+
+
+def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> None:
+    """After a fetch in which an alternate delivered far faster than the parent, the node moves below the
+    alternate (if it has a slot) and gives its slot at the slow parent back."""
+    me, slow, fast = "e" * 32, "a" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, list[str], list[str], float]:
+        s_slow, http_s, url_s = await _serve(tmp_path, "s", 1, [ORIGIN, slow])
+        s_fast, http_f, url_f = await _serve(tmp_path, "f", 2, [ORIGIN, fast])
+        records = {slow: _rec(slow, 1, 1, ORIGIN).model_copy(update={"http_url": url_s})}
+        metrics = Metrics()
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, metrics)
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == slow and s_slow.children() == [me]
+                fetcher = follower.fetcher
+                assert fetcher is not None
+                fetcher.sources = {  # what the last fetch measured
+                    slow: Source(slow, url_s, 1, is_parent=True, bps=0.5e6, ok=5),
+                    fast: Source(fast, url_f, 1, bps=20e6, ok=4),
+                }
+                await follower._leave_slow_parent()
+                await asyncio.sleep(0.2)  # the slot at the slow parent is given back in the background
+                return follower.parent, s_slow.children(), s_fast.children(), \
+                    metrics.counter("node_relay_slow_parent_moves_total")
+        finally:
+            await http_s.close()
+            await http_f.close()
+
+    parent, slow_children, fast_children, moves = asyncio.run(main())
+    assert parent == fast and slow_children == [] and fast_children == [me] and moves == 1
