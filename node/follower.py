@@ -12,6 +12,7 @@ Everything this node holds, it serves (unless started with ``--no-relay``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,7 @@ from intellect_node.fetch import ShardFetcher, read_limited
 from intellect_node.metrics import Metrics
 from intellect_node.relay import CHILD_HEADER, LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
 from intellect_node.store import WeightStore
-from intellect_node.tree import Candidate, below, holders, parents
+from intellect_node.tree import MAX_DEPTH, Candidate, below, holders, parents
 from intellect_node.weights import verify_manifest
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
@@ -46,7 +47,10 @@ SLOW_FACTOR = 2.0
 SLOW_MIN_SHARDS = 3
 FAST_ROUNDS = 6
 FAST_KEEPALIVE_S = 0.5
-ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=5)
+ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
+CHOOSE_BUDGET_S = 10.0
+"""At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
+ATTACH_BODY_LIMIT = 64 * 1024
 
 
 class WeightFollower:
@@ -164,7 +168,8 @@ class WeightFollower:
                 return
             tried: set[str] = set()
             queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding())
-            while queue and len(tried) < MAX_ATTACH_TRIES:
+            deadline = time.monotonic() + CHOOSE_BUDGET_S
+            while queue and len(tried) < MAX_ATTACH_TRIES and time.monotonic() < deadline:
                 c = queue.pop(0)
                 if c.node_id in tried:
                     continue
@@ -172,6 +177,8 @@ class WeightFollower:
                 status, body = await self._post_attach(c.url)
                 if status == 200 and self._adopt(c, body):
                     return
+                if status is None:  # it may have given us the slot before our side timed out
+                    self._detach_soon(c.url)
                 if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
                     names = [x for x in body["children"][:64] if isinstance(x, str)]
                     queue[:0] = below(records, names, tried | exclude | {self.node_id})
@@ -180,7 +187,7 @@ class WeightFollower:
         """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
         path = body.get("path") if isinstance(body, dict) else None
         if not (isinstance(path, list) and path and all(isinstance(x, str) for x in path) and path[0] == self.run_id
-                and self.node_id not in path and len(path) <= MAX_PATH):  # fmt: skip
+                and self.node_id not in path and len(path) < MAX_DEPTH):  # fmt: skip
             self._detach_soon(c.url)
             return False
         was = self._parent_was
@@ -188,6 +195,7 @@ class WeightFollower:
         self.path = [*path, self.node_id]
         self.depth = len(path)
         self._unrooted_since = None
+        self._unreachable = 0
         logger.info("parent=%s depth=%d (was %s)", c.node_id, self.depth, was)
         if was is not None:
             self.metrics.inc("node_relay_reparents_total")
@@ -234,17 +242,18 @@ class WeightFollower:
         task.add_done_callback(self._tasks.discard)
 
     async def _post_attach(self, url: str) -> tuple[int | None, object]:
-        """POST /relay/attach: (status, JSON body), (None, None) when the node cannot be reached."""
+        """POST /relay/attach: (status, JSON body or None), (None, None) when the node cannot be reached. The
+        body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
         assert self.session is not None
         try:
             async with self.session.post(
                 f"{url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
             ) as resp:
                 body: object = None
-                if resp.status in (200, 503):
+                if resp.status in (200, 409, 503):
                     try:
-                        body = await resp.json(content_type=None)
-                    except ValueError:
+                        body = json.loads(await read_limited(resp, ATTACH_BODY_LIMIT))
+                    except (ValueError, RecursionError, Rejected):
                         body = None
                 return resp.status, body
         except (aiohttp.ClientError, TimeoutError):
@@ -323,12 +332,16 @@ class WeightFollower:
                     continue
                 except TimeoutError:
                     pass
-            if self._parent is None:
-                await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher else set())
-                if self._parent is not None and self.fetcher is not None:
-                    await self.fetcher.refresh_now()
-            else:
-                await self.attach_once(session)
+            try:
+                if self._parent is None:
+                    await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher else set())
+                    if self._parent is not None and self.fetcher is not None:
+                        await self.fetcher.refresh_now()
+                else:
+                    await self.attach_once(session)
+            except Exception:  # a bug here must not take the node down with it: logged, counted, tried again
+                self.metrics.inc("node_errors_total", label="keep_attached")
+                logger.exception("keeping the relay tree attachment failed; trying again")
 
     async def attach_once(self, session: aiohttp.ClientSession) -> None:
         """One keep-alive: hold the slot, learn the parent's depth and path, leave a cycle or a parent that
@@ -337,24 +350,26 @@ class WeightFollower:
         if c is None:
             return
         status, body = await self._post_attach(c.url)
-        if c is not self._parent:
-            return  # changed meanwhile
-        if status is None:
+        if c is not self._parent:  # changed meanwhile: do not keep a second slot there
+            if status == 200 and (self._parent is None or self._parent.node_id != c.node_id):
+                self._detach_soon(c.url)
+            return
+        path = body.get("path") if isinstance(body, dict) else None
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if status == 409 and reason == "ancestor":  # it found us in its own path: a cycle, as below
+            status, path = 200, [self.node_id]
+        elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
+            await self._drop_parent(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
+            await self._refetch()
+            return
+        if status != 200 or not isinstance(path, list) or not all(isinstance(x, str) for x in path):
+            # unreachable, or an answer that holds no slot for us: three in a row and we look elsewhere
             self._unreachable += 1
             if self._unreachable >= 3:
-                await self._drop_parent("unreachable", avoid_s=UNREACHABLE_AVOID_S)
+                await self._drop_parent(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
                 await self._refetch()
             return
         self._unreachable = 0
-        if status in (409, 503):  # the slot went to another node, or we are above it now: choose again
-            await self._drop_parent(f"it refused us ({status})", avoid_s=REFUSED_AVOID_S)
-            await self._refetch()
-            return
-        if status != 200:
-            return
-        path = body.get("path") if isinstance(body, dict) else None
-        if not isinstance(path, list) or not all(isinstance(x, str) for x in path):
-            return
         if self.node_id in path:  # our parent descends from us: nothing can reach us through it
             at = path.index(self.node_id)
             logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
@@ -376,11 +391,11 @@ class WeightFollower:
         if self.depth != len(path) or c.depth != len(path) - 1:
             self.depth = len(path)  # the parent moved in the tree: so did we
             self._parent = Candidate(c.node_id, c.url, len(path) - 1, True)
-            await self.publish()
+            self._publish_soon()
 
     async def _refetch(self) -> None:
         """After a change of parent: choose a new one now, and let a running fetch pick up the change."""
-        await self._choose(await self._records(), set())
+        await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher is not None else set())
         if self.fetcher is not None:
             await self.fetcher.refresh_now()
 
@@ -391,18 +406,19 @@ class WeightFollower:
         while True:
             c = self._parent
             if c is None:
-                try:
-                    await asyncio.wait_for(self.changed.wait(), KEEPALIVE_S)
-                except TimeoutError:
-                    pass
+                await asyncio.sleep(0.2)
                 continue
             after = max(self.announced, self.store.newest())
+            asked = time.monotonic()
+            version = -1
             try:
                 async with session.get(
                     f"{c.url}/relay/next", params={"after": str(after)}, headers={CHILD_HEADER: self.node_id},
                     timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 5),
                 ) as resp:  # fmt: skip
                     if resp.status == 204:
+                        if time.monotonic() - asked < LONG_POLL_S / 2:
+                            await asyncio.sleep(KEEPALIVE_S)  # it did not wait: do not ask again at once
                         continue
                     if resp.status != 200:
                         await asyncio.sleep(KEEPALIVE_S)  # an older node without /relay/next: the DHT will do
@@ -416,3 +432,5 @@ class WeightFollower:
             if version > self.announced:
                 self.announced = version
                 self.news.set()
+            else:  # news we had: the parent answers at once from now on; ask again when it can have changed
+                await asyncio.sleep(KEEPALIVE_S)

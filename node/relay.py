@@ -83,7 +83,7 @@ class ShardServer:
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
-        """This node's depth in the tree, told to children in each keep-alive so theirs stays right."""
+        """This node's depth in the tree (0: the origin), in each keep-alive answer; children go by the path."""
         self.path: Callable[[], list[str]] = lambda: []
         """Node ids from the origin down to this node, told to children in each keep-alive: a child that finds
         itself in its parent's path has closed a cycle (two nodes chose each other at once) and leaves."""
@@ -137,10 +137,16 @@ class ShardServer:
             if self._children.pop(child, None) is not None and self.on_change is not None:
                 self.on_change()
             self.metrics.inc("node_relay_requests_refused_total", label="ancestor")
-            raise web.HTTPConflict(text="you are above this node in the tree: attaching here would close a cycle")
+            raise web.HTTPConflict(
+                text=json.dumps({"reason": "ancestor", "error": "you are above this node: it would close a cycle"}),
+                content_type="application/json",
+            )  # fmt: skip
         if not path and child not in self._active_children():
             self.metrics.inc("node_relay_requests_refused_total", label="not_rooted")
-            raise web.HTTPConflict(text="this node is not connected to the origin yet")
+            raise web.HTTPConflict(
+                text=json.dumps({"reason": "not_rooted", "error": "this node is not connected to the origin yet"}),
+                content_type="application/json",
+            )  # fmt: skip
         if not self._admit(child):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(

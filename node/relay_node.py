@@ -29,9 +29,11 @@ class RelayNode(Volunteer):
         if self.server is None:
             raise SystemExit("a relay that does not relay has nothing to do: drop --no-relay")
         f = self.follower
+        failed_news = -1
         while True:
             f.news.clear()
-            target = f.announced if f.announced > self.version else -1  # news from the parent (signed manifest)
+            # news from the parent (a signed manifest), unless fetching that very version failed: then the DHT
+            target = f.announced if f.announced > max(self.version, failed_news) else -1
             if target < 0:
                 trainer = await self.trainer()
                 if trainer is not None and trainer.weight_version > self.version:
@@ -51,4 +53,6 @@ class RelayNode(Volunteer):
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
                 logger.warning("could not fetch version %d: %s", target, e)
+                if target == f.announced:
+                    failed_news = target
                 await asyncio.sleep(POLL_S)

@@ -78,7 +78,7 @@ def below(records: dict[str, NodeRecord], children: list[str], tried: set[str]) 
     out = []
     for nid in children:
         r = records.get(nid)
-        if nid not in tried and r is not None and r.relay is not None and r.http_url:
+        if nid not in tried and r is not None and r.relay is not None and r.http_url and r.relay.depth < MAX_DEPTH:
             out.append(_cand(r))
     return out
 

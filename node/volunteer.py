@@ -162,7 +162,8 @@ class Volunteer(abc.ABC):
                     tasks.create_task(self.membership.republish_forever(self.record))
                     tasks.create_task(self.publish_on_change())
                     tasks.create_task(self.follower.keep_attached(session))
-                    tasks.create_task(self.follower.watch_parent(session))
+                    if self.role == "relay":  # the others act on the trainer's record (see inference.py)
+                        tasks.create_task(self.follower.watch_parent(session))
                     tasks.create_task(self.work(spec, session))
         finally:
             await self.http.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from aiohttp import web
 
 from intellect_node.fetch import Source
 from intellect_node.follower import WeightFollower
@@ -246,3 +247,38 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
 
     parent, slow_children, fast_children, moves = asyncio.run(main())
     assert parent == fast and slow_children == [] and fast_children == [me] and moves == 1
+
+
+def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path) -> None:
+    """Deeply nested JSON (json.loads raises RecursionError) or an oversized body from a would-be parent neither
+    crashes the node nor makes it a parent: the node attaches to the origin instead."""
+    me, nasty, huge = "e" * 32, "c" * 32, "d" * 32
+
+    async def main() -> str | None:
+        async def nested(request: web.Request) -> web.Response:
+            return web.Response(text="[" * 20_000 + "]" * 20_000, content_type="application/json")
+
+        async def big(request: web.Request) -> web.Response:
+            return web.Response(text='{"path": ["' + "x" * 1_000_000 + '"]}', content_type="application/json")
+
+        http_n = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", nested)])
+        http_h = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", big)])
+        url_n = f"http://127.0.0.1:{await http_n.start('127.0.0.1', 0)}"
+        url_h = f"http://127.0.0.1:{await http_h.start('127.0.0.1', 0)}"
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            nasty: _rec(nasty, 1, 4, ORIGIN).model_copy(update={"http_url": url_n}),
+            huge: _rec(huge, 1, 4, ORIGIN).model_copy(update={"http_url": url_h}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                return follower.parent
+        finally:
+            for h in (http_n, http_h, http_o):
+                await h.close()
+
+    assert asyncio.run(main()) == ORIGIN
