@@ -120,7 +120,6 @@ class ShardFetcher:
         self.stall_s = stall_s
         self.banned: dict[str, float] = {}
         self.sources: dict[str, Source] = {}
-        self.parent: str | None = None
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
         self._picks = 0
@@ -150,7 +149,6 @@ class ShardFetcher:
             src.url, src.depth, src.is_parent = c.url, c.depth, c.is_parent
             fresh[c.node_id] = src
         self.sources = fresh
-        self.parent = plan[0].node_id if plan and plan[0].is_parent else None
 
     def _pick(self, tried: set[str]) -> Source | None:
         now = time.monotonic()

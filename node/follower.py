@@ -215,6 +215,21 @@ class WeightFollower:
         self._detach_soon(c.url)
         self._publish_soon()
 
+    async def _leave(self, why: str, avoid_s: float) -> None:
+        """Drop the parent (see keep_attached), choose a new one now, and let a running fetch pick it up."""
+        await self._drop_parent(why, avoid_s)
+        await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher is not None else set())
+        if self.fetcher is not None:
+            await self.fetcher.refresh_now()
+
+    def _background(self, work: Awaitable[object]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _detach_soon(self, url: str) -> None:
         """Give the slot back at once (best effort; it frees itself after the child TTL otherwise)."""
         if self.session is None:
@@ -229,17 +244,10 @@ class WeightFollower:
             except (aiohttp.ClientError, TimeoutError):
                 pass
 
-        task = asyncio.ensure_future(detach())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(detach())
 
     def _publish_soon(self) -> None:
-        async def publish() -> None:
-            await self.publish()
-
-        task = asyncio.ensure_future(publish())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background(self.publish())
 
     async def _post_attach(self, url: str) -> tuple[int | None, object]:
         """POST /relay/attach: (status, JSON body or None), (None, None) when the node cannot be reached. The
@@ -359,31 +367,27 @@ class WeightFollower:
         if status == 409 and reason == "ancestor":  # it found us in its own path: a cycle, as below
             status, path = 200, [self.node_id]
         elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
-            await self._drop_parent(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
-            await self._refetch()
+            await self._leave(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
             return
         if status != 200 or not isinstance(path, list) or not all(isinstance(x, str) for x in path):
             # unreachable, or an answer that holds no slot for us: three in a row and we look elsewhere
             self._unreachable += 1
             if self._unreachable >= 3:
-                await self._drop_parent(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
-                await self._refetch()
+                await self._leave(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
             return
         self._unreachable = 0
         if self.node_id in path:  # our parent descends from us: nothing can reach us through it
             at = path.index(self.node_id)
             logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
             self.metrics.inc("node_relay_cycles_left_total", help="times this node found itself below its own child")
-            await self._drop_parent("cycle", avoid_s=CYCLE_AVOID_S)
-            await self._refetch()
+            await self._leave("cycle", avoid_s=CYCLE_AVOID_S)
             return
         if not path or path[0] != self.run_id:  # the parent lost its way to the origin: it may find it again
             self.path = []
             now = time.monotonic()
             self._unrooted_since = self._unrooted_since or now
             if now - self._unrooted_since > UNROOTED_GRACE_S:
-                await self._drop_parent("not connected to the origin", avoid_s=REFUSED_AVOID_S)
-                await self._refetch()
+                await self._leave("not connected to the origin", avoid_s=REFUSED_AVOID_S)
             return
         self._unrooted_since = None
         self.path = [*path[-MAX_PATH:], self.node_id]
@@ -392,12 +396,6 @@ class WeightFollower:
             self.depth = len(path)  # the parent moved in the tree: so did we
             self._parent = Candidate(c.node_id, c.url, len(path) - 1, True)
             self._publish_soon()
-
-    async def _refetch(self) -> None:
-        """After a change of parent: choose a new one now, and let a running fetch pick up the change."""
-        await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher is not None else set())
-        if self.fetcher is not None:
-            await self.fetcher.refresh_now()
 
     async def watch_parent(self, session: aiohttp.ClientSession) -> None:
         """Learn of new versions from the parent as they start arriving there (``GET /relay/next``, a long
@@ -425,7 +423,12 @@ class WeightFollower:
                         continue
                     version = int(resp.headers.get(VERSION_HEADER, "-1"))
                     verify_manifest(await read_limited(resp, Channel.MANIFEST.value), self.run_id, version)
-            except (aiohttp.ClientError, TimeoutError, ValueError, Rejected) as e:
+            except Rejected as e:  # a parent that passes on a forged or broken manifest: counted, not believed
+                self.metrics.inc("node_relay_news_rejected_total", label=e.reason, help="version news not believed")
+                logger.warning("news from parent %s not believed: %s", c.node_id[:8], e)
+                await asyncio.sleep(KEEPALIVE_S)
+                continue
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 logger.debug("no news from parent %s: %r", c.node_id[:8], e)
                 await asyncio.sleep(KEEPALIVE_S)
                 continue

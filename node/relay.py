@@ -134,8 +134,7 @@ class ShardServer:
             raise web.HTTPBadRequest(text=f"send {CHILD_HEADER}: <node id>")
         path = self.path()
         if child in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
-            if self._children.pop(child, None) is not None and self.on_change is not None:
-                self.on_change()
+            self._release(child)
             self.metrics.inc("node_relay_requests_refused_total", label="ancestor")
             raise web.HTTPConflict(
                 text=json.dumps({"reason": "ancestor", "error": "you are above this node: it would close a cycle"}),
@@ -157,10 +156,12 @@ class ShardServer:
 
     async def _detach(self, request: web.Request) -> web.Response:
         """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``)."""
-        child = request.headers.get(CHILD_HEADER, "")[:64]
+        self._release(request.headers.get(CHILD_HEADER, "")[:64])
+        return web.Response(status=204)
+
+    def _release(self, child: str) -> None:
         if self._children.pop(child, None) is not None and self.on_change is not None:
             self.on_change()
-        return web.Response(status=204)
 
     async def _next(self, request: web.Request) -> web.Response:
         """``GET /relay/next?after=N``: the signed manifest of the newest version here once it is newer than N
@@ -189,18 +190,18 @@ class ShardServer:
             return web.Response(body=data, content_type="application/octet-stream")
         child = request.headers.get(CHILD_HEADER)
         child = child[:64] if child is not None else None
-        if child is not None and child in self._active_children():
+        attached = child is not None and child in self._active_children()
+        if child is not None and attached:
             self._children[child] = time.monotonic()
+        elif child is not None and len(self._active_children()) >= self.slots:
+            # another node's child, using us as an alternate: only while a slot is free, and its request never
+            # holds one (or a real child could not attach)
+            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+        if child is None or attached:
             found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
-        elif child is not None:
-            # not our child: an alternate source for it, served only what is here and while a slot is free (its
-            # request never holds a slot, or a real child could not attach)
-            if len(self._active_children()) >= self.slots:
-                self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
-                raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+        else:  # an alternate serves only what is here: no long poll
             found = self.store.shard_file(version, name) or self.store.growing(version, name)
-        else:
-            found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
         if found is None:
             raise web.HTTPNotFound()
         if isinstance(found, Growing):

@@ -97,7 +97,7 @@ class WeightStore:
         return max([*self.complete_versions(), *self._verified], default=-1)
 
     def added(self) -> None:
-        """A complete version was written into the store directly (the origin): wake those waiting for it."""
+        """A version began arriving, or was written into the store whole (the origin): wake those waiting."""
         self._begun.set()
         self._begun = asyncio.Event()
 
@@ -115,24 +115,9 @@ class WeightStore:
                 return None
         return newest
 
-    def _is_future(self, version: int) -> bool:
-        """Newer than anything held or arriving here: it may still come. An older version this node skipped
-        (nodes fetch only the newest) never will."""
-        return version > self.newest()
-
     async def wait_begun(self, version: int, timeout: float) -> bool:
-        """Wait until a version newer than anything held starts arriving here; True if it has."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._is_future(version):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._begun.wait(), remaining)
-            except TimeoutError:
-                return False
-        return True
+        """Wait until ``version`` (or a newer one) is held or arriving here; True if it is."""
+        return await self.wait_newer(version - 1, timeout) is not None
 
     def growing(self, version: int, name: str) -> Growing | None:
         return self._growing.get((version, name))
@@ -191,8 +176,7 @@ class WeightStore:
                 else:
                     path.unlink()
         self._verified[version] = verified
-        self._begun.set()
-        self._begun = asyncio.Event()
+        self.added()
         if verified:
             logger.info("resuming version=%d verified_shards=%d of %d", version, len(verified), len(manifest.shards))
         return manifest, [s for s in manifest.shards if s.name not in verified]
@@ -241,8 +225,7 @@ class WeightStore:
             leftover.unlink()
         partial.rename(self.folder(version))
         self._verified.pop(version, None)
-        self._begun.set()  # waiters re-check: a version they wait for may now be known to be skipped
-        self._begun = asyncio.Event()
+        self.added()  # waiters re-check: a version they wait for may now be known to be skipped
         for key in [k for k in self._arrived if k[0] == version]:
             self._arrived.pop(key).set()
         return self.folder(version)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -77,13 +78,26 @@ async def _serve(tmp_path: Path, name: str, slots: int, path: list[str]) -> tupl
     return server, http, f"http://127.0.0.1:{port}"
 
 
-def _follower(tmp_path: Path, me: str, records: dict[str, NodeRecord], metrics: Metrics) -> WeightFollower:
+def _follower(
+    tmp_path: Path, me: str, records: dict[str, NodeRecord], metrics: Metrics, run: str = ORIGIN
+) -> WeightFollower:
     async def publish() -> None:
         return None
 
     return WeightFollower(
-        me, ORIGIN, _Records(records), WeightStore(tmp_path / me[:4], ORIGIN), metrics, None, 2, None, publish,
+        me, run, _Records(records), WeightStore(tmp_path / me[:4], run), metrics, None, 2, None, publish,
     )  # type: ignore[arg-type]  # fmt: skip
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def _settled(follower: WeightFollower) -> None:
+    """Until the follower's background work (slots given back, records published) is done."""
+    while follower._tasks:
+        await asyncio.gather(*follower._tasks)
 
 
 def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> None:
@@ -160,7 +174,7 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
                 assert follower.parent == b
                 b_server.path = lambda: [ORIGIN, me, b]  # meanwhile b re-parented below us
                 await follower.attach_once(session)
-                await asyncio.sleep(0.2)  # the slot at b is given back in the background
+                await _settled(follower)  # the slot at b is given back in the background
                 return follower.parent, metrics.counter("node_relay_reparents_total"), follower.path, \
                     b_server.children()
         finally:
@@ -183,13 +197,9 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
         server.path = lambda: [run]
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
-
-        async def publish() -> None:
-            return None
-
         records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
-        follower = WeightFollower(me, run, _Records(records), WeightStore(tmp_path / "me", run), Metrics(), None,
-                                  2, None, publish)  # type: ignore[arg-type]  # fmt: skip
+        metrics = Metrics()
+        follower = _follower(tmp_path, me, records, metrics, run)
         try:
             async with aiohttp.ClientSession() as session:
                 follower.start(session)
@@ -197,10 +207,10 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
                 assert follower.parent == run
                 watch = asyncio.create_task(follower.watch_parent(session))
                 try:
-                    await asyncio.sleep(0.3)  # the child's long poll is waiting at the parent
                     write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
                     store.added()
-                    await asyncio.sleep(1.5)
+                    await asyncio.wait_for(_until(lambda: metrics.counter("node_relay_news_rejected_total",
+                                                                          "foreign_manifest") > 0), 5.0)  # fmt: skip
                     after_forgery = follower.announced
                     shutil.rmtree(store.folder(1))
                     write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
@@ -238,7 +248,7 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
                     fast: Source(fast, url_f, 1, bps=20e6, ok=4),
                 }
                 await follower._leave_slow_parent()
-                await asyncio.sleep(0.2)  # the slot at the slow parent is given back in the background
+                await _settled(follower)  # the slot at the slow parent is given back in the background
                 return follower.parent, s_slow.children(), s_fast.children(), \
                     metrics.counter("node_relay_slow_parent_moves_total")
         finally:
