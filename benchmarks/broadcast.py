@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 from netns import Topology, available  # noqa: E402
 
 from intellect_node.launch import NodeProcess  # noqa: E402
-from intellect_node.weights import MANIFEST_NAME, verify_manifest  # noqa: E402
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest  # noqa: E402
 
 
 def _stamp(line: str, key: str = "at") -> float:
@@ -55,7 +55,7 @@ def _last_reparent(log: Path) -> float:
     """Unix time of the node's last parent change, from its log (0 if none)."""
     last = 0.0
     for line in log.read_text(errors="replace").splitlines():
-        if " parent=" in line and "intellect_node.follower" in line:
+        if " parent=" in line and "intellect_node.weights.follower" in line:
             last = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
     return last
 

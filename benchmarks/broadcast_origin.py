@@ -21,12 +21,12 @@ import torch
 
 from intellect_node import __version__
 from intellect_node.config import RunConfig
-from intellect_node.dht import Membership
-from intellect_node.metrics import Metrics
-from intellect_node.relay import ShardServer
-from intellect_node.status import HttpServer
-from intellect_node.store import WeightStore
-from intellect_node.weights import write_checkpoint
+from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.files import write_checkpoint
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo, RunSpec
 

@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from intellect_node.config import RunConfig  # noqa: E402
-from intellect_node.inference import generate_batch  # noqa: E402
-from intellect_node.model import build_model, build_tokenizer  # noqa: E402
-from intellect_node.validator import Finding, Validator  # noqa: E402
+from intellect_node.judging.validator import Finding, Validator  # noqa: E402
+from intellect_node.policy.model import build_model, build_tokenizer  # noqa: E402
+from intellect_node.roles.inference import generate_batch  # noqa: E402
 from intellect_protocol.messages import RunSpec, SamplingSpec, TaskSpec, VerifySpec  # noqa: E402
 
 MEASURE = VerifySpec(
@@ -50,7 +50,7 @@ def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
         run = RunConfig()
         tok = build_tokenizer(run.model)
         return build_model(run.model, tok), tok
-    from intellect_node.hf import load_causal_lm
+    from intellect_node.policy.hf import load_causal_lm
 
     m, tok = load_causal_lm("smollm2")
     return (m.float() if compute == "fp32" else m), tok

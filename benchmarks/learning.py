@@ -44,14 +44,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from intellect_kernels.grpo import group_advantages  # noqa: E402
 from intellect_node.config import load_run_config  # noqa: E402
-from intellect_node.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402  # noqa: E402
-from intellect_node.evaluate import accuracy, load_folder, newest_version  # noqa: E402
-from intellect_node.generate import sample_groups  # noqa: E402
+from intellect_node.demo import Curve, plot  # noqa: E402
+from intellect_node.judging.evaluate import accuracy, load_folder, newest_version  # noqa: E402
+from intellect_node.judging.tasks import task_source  # noqa: E402
+from intellect_node.judging.validator import task_reward  # noqa: E402
 from intellect_node.launch import NodeProcess  # noqa: E402
-from intellect_node.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
-from intellect_node.plot import Curve, plot  # noqa: E402
-from intellect_node.tasks import task_source  # noqa: E402
-from intellect_node.validator import task_reward  # noqa: E402
+from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402  # noqa: E402
+from intellect_node.policy.generate import sample_groups  # noqa: E402
+from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
 from intellect_protocol.messages import RunSpec  # noqa: E402
 from intellect_protocol.tasks import sampling_seed  # noqa: E402
 

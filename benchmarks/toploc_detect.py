@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate_validator import checkpoint_dtype, load, make_spec, perturb_layer  # noqa: E402
 
-from intellect_node.inference import generate_batch  # noqa: E402
-from intellect_node.validator import Gate, Validator  # noqa: E402
+from intellect_node.judging.validator import Gate, Validator  # noqa: E402
+from intellect_node.roles.inference import generate_batch  # noqa: E402
 from intellect_protocol.envelope import Rejected  # noqa: E402
 from intellect_protocol.messages import RolloutBatch, VerifySpec  # noqa: E402
 

@@ -32,7 +32,7 @@ from calibrate_validator import load  # noqa: E402
 
 from intellect_kernels import toploc  # noqa: E402
 from intellect_kernels.sampling import position_keys, sampling_gaps  # noqa: E402
-from intellect_node.generate import HiddenCapture, ProofSettings, sample_groups  # noqa: E402
+from intellect_node.policy.generate import HiddenCapture, ProofSettings, sample_groups  # noqa: E402
 
 
 def best_of(n: int, fn: Callable[[], Any]) -> float:

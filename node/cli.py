@@ -159,31 +159,31 @@ def _main(args: argparse.Namespace) -> None:
             **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay
         )
         if args.role == "relay":
-            from intellect_node.relay_node import RelayNode
+            from intellect_node.roles.relay_node import RelayNode
 
             run_until_signalled(RelayNode(node).run())
         elif args.role == "validator":
-            from intellect_node.validator_node import ValidatorNode
+            from intellect_node.roles.validator_node import ValidatorNode
 
             run_until_signalled(ValidatorNode(node).run())
         else:
-            from intellect_node.inference import InferenceNode
+            from intellect_node.roles.inference import InferenceNode
 
             run_until_signalled(InferenceNode(node).run())
 
 
 def _bootstrap(node: NodeConfig, run: RunConfig) -> None:
     """One process, or under torchrun (WORLD_SIZE > 1) the policy sharded over every rank with FSDP2: rank 0 runs
-    the trainer (the only rank with ports and a DHT peer), the others follow it (node/fsdp.py)."""
-    from intellect_node.fsdp import distributed_env
+    the trainer (the only rank with ports and a DHT peer), the others follow it (node/policy/fsdp.py)."""
+    from intellect_node.policy.fsdp import distributed_env
+    from intellect_node.roles.trainer import Trainer
     from intellect_node.runtime import run_until_signalled
-    from intellect_node.trainer import Trainer
 
     placement = distributed_env()
     if placement is None:
         run_until_signalled(Trainer(node, run).run())
         return
-    from intellect_node import fsdp
+    from intellect_node.policy import fsdp
 
     fsdp.init()
     try:

@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,8 @@ class Evaluator:
     def __init__(self, run: RunConfig, problems: int) -> None:
         import torch
 
-        from intellect_node.model import build_model, build_tokenizer
-        from intellect_node.tasks import task_source
+        from intellect_node.judging.tasks import task_source
+        from intellect_node.policy.model import build_model, build_tokenizer
 
         torch.set_num_threads(2)
         self.spec = run.spec("f" * 32)
@@ -93,7 +94,7 @@ class Evaluator:
         self.tasks = task_source(run.task).held_out_tasks()[:problems]
 
     def score(self, folder: Path | None = None) -> float:
-        from intellect_node.evaluate import accuracy, load_folder
+        from intellect_node.judging.evaluate import accuracy, load_folder
 
         if folder is not None:
             load_folder(self.model, folder)
@@ -101,7 +102,7 @@ class Evaluator:
 
 
 def _prepare_pretrained(run: RunConfig, problems: int) -> tuple[Evaluator, float]:
-    from intellect_node.hf import INSTALL_HINT, smollm2_folder
+    from intellect_node.policy.hf import INSTALL_HINT, smollm2_folder
 
     if run.model.name in ("smollm2", "smollm2-135m"):
         try:
@@ -121,8 +122,7 @@ def _prepare_pretrained(run: RunConfig, problems: int) -> tuple[Evaluator, float
 def _report_pretrained(
     evaluator: Evaluator, before: float, workdir: Path, trainer: dict[str, Any], launched: float, minutes: float
 ) -> None:
-    from intellect_node.evaluate import newest_version
-    from intellect_node.plot import Curve, plot
+    from intellect_node.judging.evaluate import newest_version
 
     newest = newest_version(workdir / "trainer" / "weights" / trainer["run_id"])
     if newest is None:
@@ -234,3 +234,41 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
             n.terminate()
         for n in reversed(nodes):
             n.stop()
+
+
+# ---- the plot (also benchmarks/learning.py) ----------------------------------------------------------------
+@dataclass
+class Curve:
+    name: str
+    rewards: list[tuple[float, float]] = field(default_factory=list)
+    """(seconds since the run began, mean reward of the rollouts of that step)"""
+    accuracy: list[tuple[float, float]] = field(default_factory=list)
+    """(seconds, held-out greedy accuracy of the policy at that time)"""
+
+
+def plot(curves: list[Curve], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for curve in curves:
+        if curve.rewards:
+            xs, ys = zip(*curve.rewards, strict=True)
+            top.plot([x / 60 for x in xs], ys, label=curve.name, alpha=0.8)
+        if curve.accuracy:
+            xs, ys = zip(*curve.accuracy, strict=True)
+            bottom.plot([x / 60 for x in xs], [100 * y for y in ys], marker="o", label=curve.name)
+    top.set_ylabel("mean reward (training rollouts)")
+    bottom.set_ylabel("held-out greedy accuracy (%)")
+    bottom.set_xlabel("wall-clock minutes")
+    top.set_title(title)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

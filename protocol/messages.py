@@ -55,7 +55,7 @@ class ModelSpec(BaseModel):
 
 
 class TaskSpec(BaseModel):
-    """The run's task set and reward; ``intellect_node.tasks`` builds the tasks and scores completions from it.
+    """The run's task set and reward; ``intellect_node.judging.tasks`` builds the tasks and scores completions from it.
 
     ``arithmetic``: ``a+b=`` for the tiny character-level model (``intellect_protocol.tasks``). ``addition``:
     "What is 63 + 11? Reply with just the number." with ``digits``-digit operands, for pretrained chat models.
@@ -88,7 +88,7 @@ class TaskSpec(BaseModel):
     pass_rate_field: Annotated[str, Field(min_length=1, max_length=128)] = "solve_rate_qwen_r1_distill_7b"
     length_reward: Literal["none", "exact", "max", "clip"] = "none"
     """Target-length shaping (L1 / LCPO): each task gets a target from ``target_tokens``, written into its
-    prompt; see ``intellect_node.tasks.length_shaped`` for the formulas."""
+    prompt; see ``intellect_node.judging.tasks.length_shaped`` for the formulas."""
     target_tokens: Annotated[list[Annotated[int, Field(ge=1, le=131072)]], Field(max_length=64)] = []
     length_coef: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0003
     """Reward per token of distance to the target (L1's alpha)."""

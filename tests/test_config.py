@@ -10,7 +10,7 @@ import pytest
 
 from intellect_node.config import RunConfig, load_run_config, parse_override
 
-CONFIGS = sorted((Path(__file__).parent.parent / "node" / "configs").glob("*.toml"))
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml"))
 
 
 def test_configs_ship() -> None:
@@ -23,7 +23,7 @@ def test_shipped_config_parses(path: Path) -> None:
 
 
 def test_tiny_config_equals_the_defaults() -> None:
-    assert load_run_config(Path(__file__).parent.parent / "node" / "configs" / "tiny.toml") == RunConfig()
+    assert load_run_config(Path(__file__).resolve().parent.parent / "node" / "configs" / "tiny.toml") == RunConfig()
 
 
 def test_overrides() -> None:

@@ -1,0 +1,8 @@
+"""Peer-to-peer plumbing: how a node finds peers and talks to them.
+
+Owns DHT membership and record validation (``dht``), rollout delivery over libp2p streams (``transport``), the
+node's HTTP server (``http``: /health, /status, /metrics and the routes other services mount), Prometheus
+metrics (``metrics``) and the node's persistent identity (``keys``).
+
+May import: ``intellect_protocol`` and the top package's ``__version__``; no other subsystem, no role.
+"""

@@ -1,0 +1,96 @@
+"""The policy model and its tokenizer, built from the run spec.
+
+``tiny-llama``: a Llama built from the spec's config, with a character-level tokenizer whose vocabulary is the
+spec's ``vocab`` (specials first: ``<pad>``, ``<bos>``, ``<eos>``). ``hf``: a Hugging Face causal LM by folder,
+hub id or ``smollm2`` (node/policy/hf.py), loaded in the spec's compute dtype. Trainer and workers build the same
+architecture; the weights they use come from the signed checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from intellect_protocol.messages import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_tokenizer(spec: ModelSpec) -> Any:
+    if spec.kind == "hf":
+        from intellect_node.policy.hf import load_tokenizer
+
+        return load_tokenizer(spec.name)
+    vocab = {token: i for i, token in enumerate(spec.vocab)}
+    if len(vocab) != len(spec.vocab):
+        raise ValueError("the model vocabulary repeats a token")
+    for special in ("<pad>", "<bos>", "<eos>"):
+        if special not in vocab:
+            raise ValueError(f"the model vocabulary lacks {special}")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def build_model(spec: ModelSpec, tokenizer: Any, dtype: torch.dtype | None = None) -> Any:
+    """The policy in ``dtype`` (default: the spec's compute dtype). ``tiny-llama`` is freshly initialized
+    (seeded by ``spec.init_seed``, so every node builds the same version 0); ``hf`` holds the pretrained weights."""
+    dtype = dtype or DTYPES[spec.compute_dtype]
+    if spec.kind == "hf":
+        from intellect_node.policy.hf import load_causal_lm
+
+        return load_causal_lm(spec.name, dtype=dtype)[0].requires_grad_(True)
+    config = LlamaConfig(
+        vocab_size=len(spec.vocab),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed)
+        model = LlamaForCausalLM(config)
+    return torch.nn.Module.to(model, dtype).eval()
+
+
+def state_dict_for_export(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors (cast to ``dtype`` if given), tied weights stored once (safetensors refuses shared
+    storage)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            continue
+        seen[ptr] = name
+        out[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous().clone()
+    return out
+
+
+def load_weights(model: torch.nn.Module, tensors: dict[str, Any]) -> None:
+    """Swap in new weights in place; every parameter must be present with its shape."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt as every node must produce them: the text as a user turn of the tokenizer's chat
+    template, ending with the assistant's turn opened (instruct models); BOS then the text otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return [int(tokenizer.bos_token_id)] + list(tokenizer.encode(text, add_special_tokens=False))

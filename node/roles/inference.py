@@ -1,0 +1,181 @@
+"""The inference role: follow the newest signed policy, generate the assigned rollouts, deliver them.
+
+Loop: read the trainer's record from the DHT; if it announces a newer version, receive it through the relay tree
+(manifest signed by the run key, every shard hash-checked) and swap it in; derive the batch's tasks from (run
+seed, node id, version, batch index); sample a group per task; sign the batch and send it to the trainer over
+libp2p. Generation runs in a thread, so the node keeps serving /health, the DHT and weight shards while it
+works. When the trainer reports a full backlog, the node waits for the next version instead of producing
+rollouts that would go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import torch
+
+from intellect_node.judging.tasks import task_source
+from intellect_node.judging.validator import task_reward
+from intellect_node.p2p.transport import submit
+from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
+from intellect_node.policy.model import build_tokenizer, encode_prompt
+from intellect_node.roles.volunteer import POLL_S, Volunteer
+from intellect_node.weights.files import load_checkpoint
+from intellect_protocol.envelope import Rejected, seal
+from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
+from intellect_protocol.tasks import sampling_seed
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceNode(Volunteer):
+    role: Role = "inference"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loaded = -1
+        self.batch_index = 0
+        self.versions_loaded: list[int] = []
+        self.batches_sent = 0
+        self.batches_accepted = 0
+        self.rejections: dict[str, int] = {}
+        self.p2p: Any = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **super().status(),
+            "loaded_version": self.loaded,
+            "versions_loaded": self.versions_loaded,
+            "batches_sent": self.batches_sent,
+            "batches_accepted": self.batches_accepted,
+            "rejections": self.rejections,
+        }
+
+    async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
+        assert self.follower is not None
+        target = trainer.weight_version
+        if target == self.loaded or target < 0:
+            return
+        if target < self.loaded:
+            logger.warning("the trainer announces version %d, older than ours (%d): it restarted", target, self.loaded)
+        started = time.monotonic()
+        manifest = await self.follower.sync(target)
+        tensors = await asyncio.to_thread(load_checkpoint, self.store.folder(target), manifest)
+        await asyncio.to_thread(backend.load_weights, tensors)
+        self.loaded = target
+        self.batch_index = 0
+        self.versions_loaded.append(target)
+        self.metrics.set("node_inference_weight_version", target)
+        logger.info("loaded version=%d bytes=%d seconds=%.2f", target, manifest.total_size, time.monotonic() - started)
+
+    def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
+        return generate_batch(spec, backend, tokenizer, self.identity.node_id, self.loaded, self.batch_index)
+
+    async def ready(self, spec: RunSpec) -> None:
+        self.p2p = await self.membership.replicate_p2p()
+        await super().ready(spec)
+
+    async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
+        torch.set_num_threads(self.cfg.threads)
+        tokenizer = build_tokenizer(spec.model)
+        backend = make_backend(spec, tokenizer)
+        paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
+        while True:
+            trainer = await self.trainer()
+            if trainer is None or not trainer.p2p_maddrs:
+                await asyncio.sleep(POLL_S)
+                continue
+            try:
+                await self._swap_weights(trainer, backend)
+            except (TimeoutError, Rejected, aiohttp.ClientError) as e:
+                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
+                await asyncio.sleep(POLL_S)
+                continue
+            if paused_at is not None and self.loaded != paused_at:
+                paused_at = None
+            if self.loaded < 0 or paused_at is not None:
+                await asyncio.sleep(POLL_S)
+                continue
+            batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
+            self.batch_index += 1
+            peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
+            try:
+                reply = await submit(self.p2p, peer_id, self.run_id, seal(self.identity, batch), self.run_id)
+            except (TimeoutError, Rejected, OSError, asyncio.IncompleteReadError) as e:
+                self.metrics.inc("node_inference_submit_failures_total")
+                logger.warning("could not deliver batch version=%d: %r", batch.version, e)
+                await asyncio.sleep(POLL_S)
+                continue
+            self.batches_sent += 1
+            self.metrics.inc("node_inference_batches_sent_total")
+            if reply.ok:
+                self.batches_accepted += 1
+                if reply.backlog >= 2 * spec.train.batch_groups:
+                    paused_at = self.loaded
+            else:
+                self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
+                self.metrics.inc("node_inference_batches_refused_total", label=reply.reason)
+                logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
+                if reply.reason in ("stale_version", "duplicate", "out_of_order", "backlog_full"):
+                    paused_at = self.loaded
+
+
+def generate_batch(
+    spec: RunSpec,
+    backend: GenerationBackend | torch.nn.Module,
+    tokenizer: Any,
+    node_id: str,
+    version: int,
+    index: int,
+    max_rows: int | None = None,
+    **sampling: Any,
+) -> RolloutBatch:
+    """Batch ``index`` of ``node_id`` on weight ``version``: its assigned tasks, a seeded group per task, TOPLOC
+    proofs, and the rewards the worker computes for its own logs.
+
+    ``max_rows`` caps the rows of one generation call (the tokens do not depend on it: every row has its own
+    seed). ``backend`` may be a bare model, run by the transformers backend with ``sampling`` (its ``draw``
+    options: tests and benchmarks use them to play dishonest workers)."""
+    if not isinstance(backend, GenerationBackend):
+        backend = TransformersBackend(backend, **sampling)
+    elif sampling:
+        raise ValueError("sampling options apply to a bare model only; give them to the backend")
+    n = spec.task.tasks_per_batch
+    source = task_source(spec.task)
+    tasks = [source.assigned(spec.seed, node_id, version, index, s) for s in range(n)]
+    prompts = [encode_prompt(tokenizer, t.prompt) for t in tasks]
+    group_size = spec.sampling.group_size
+    rows = [
+        (prompts[s], sampling_seed(spec.seed, node_id, version, index, s, j))
+        for s in range(n)
+        for j in range(group_size)
+    ]
+    step = max_rows or len(rows)
+    request = SamplingRequest.of(spec, tokenizer)
+    completions = []
+    for start in range(0, len(rows), step):
+        part = rows[start : start + step]
+        completions += backend.generate([p for p, _ in part], [seed for _, seed in part], request)
+    groups = [completions[s * group_size : (s + 1) * group_size] for s in range(n)]
+    return RolloutBatch(
+        run_id=spec.run_id,
+        node_id=node_id,
+        version=version,
+        batch_index=index,
+        groups=[
+            RolloutGroup(
+                slot=s,
+                prompt_ids=prompts[s],
+                completions=[c.tokens for c in group],
+                logprobs=[c.logprobs for c in group],
+                proofs=[c.proofs for c in group],
+                rewards=[task_reward(tokenizer, tasks[s], c.tokens, c.terminated, spec.task) for c in group],
+            )
+            for s, group in enumerate(groups)
+        ],
+    )

@@ -1,0 +1,58 @@
+"""The relay role: a bandwidth-only node. It follows every new version the trainer announces and serves it.
+
+It loads no model and needs no GPU: `intellect-node join --role relay --peers ... --run-id ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from intellect_node.roles.volunteer import POLL_S, Volunteer
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import Role, RunSpec
+
+logger = logging.getLogger(__name__)
+WATCH_S = 1.0
+"""How often a relay reads the trainer's record: relays are many, and each read is a DHT lookup. A relay with a
+parent usually hears of a new version from it first (follower.watch_parent)."""
+
+
+class RelayNode(Volunteer):
+    role: Role = "relay"
+
+    async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
+        assert self.follower is not None
+        if self.server is None:
+            raise SystemExit("a relay that does not relay has nothing to do: drop --no-relay")
+        f = self.follower
+        failed_news = -1
+        while True:
+            f.news.clear()
+            # news from the parent (a signed manifest), unless fetching that very version failed: then the DHT
+            target = f.announced if f.announced > max(self.version, failed_news) else -1
+            if target < 0:
+                trainer = await self.trainer()
+                if trainer is not None and trainer.weight_version > self.version:
+                    target = trainer.weight_version
+            if target < 0:
+                try:
+                    await asyncio.wait_for(f.news.wait(), WATCH_S)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await f.sync(target)
+                logger.info(
+                    "holding version=%d depth=%d parent=%s", self.version, self.follower.depth, self.follower.parent
+                )
+                print(f"HOLDING {self.version} at={time.time():.6f}", flush=True)
+            except (TimeoutError, Rejected, aiohttp.ClientError) as e:
+                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                logger.warning("could not fetch version %d: %s", target, e)
+                if target == f.announced:
+                    failed_news = target
+                await asyncio.sleep(POLL_S)

@@ -1,0 +1,415 @@
+"""The trainer role: owns the run, verifies rollouts, trains with GRPO, publishes each new policy.
+
+Invariants:
+- A batch is queued only if it is signed by a node registered in the DHT for this run, its weight version is
+  at least ``step - async_level``, it was not seen before, and its tasks are exactly the ones assigned to that
+  node; everything else is rejected with a reason, counted and logged, and the node keeps running.
+- Rewards are recomputed here from the completions; nothing the worker says about rewards is read.
+- Training step ``n`` turns version ``n`` into ``n + 1``; submissions are handled on the event loop while the
+  step runs in a thread, so inference never waits for training or publishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from intellect_kernels.grpo import group_advantages, lr_factor
+from intellect_node import __version__
+from intellect_node.config import NodeConfig, RunConfig
+from intellect_node.judging.validator import Gate, Validator, task_reward
+from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.keys import load_or_create
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.transport import RolloutServer
+from intellect_node.policy.engine import BatchKey, Group, Packed, PolicyEngine, pack_sequences
+from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
+from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
+from intellect_node.roles.trainer_registry import NodeRegistry
+from intellect_node.roles.trainer_validation import VERDICTS_KEPT, ValidationPipeline
+from intellect_node.runtime import announce
+from intellect_node.weights.files import write_checkpoint
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_protocol.envelope import Rejected, decode_body, open_envelope
+from intellect_protocol.identity import node_id_of
+from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply
+
+logger = logging.getLogger(__name__)
+MAX_QUEUED_PER_NODE = 2
+"""A node may have at most this many training steps' worth of rollout groups queued."""
+
+
+EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
+
+
+def local_engine(spec: RunSpec, tokenizer: Any) -> PolicyEngine:
+    """The policy in this process (node/policy/fsdp.py makes a sharded one under torchrun)."""
+    reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
+    if spec.train.kl_coef > 0:
+        reference = build_model(spec.model, tokenizer, torch.float32)
+    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32), reference)
+
+
+class Trainer(ValidationPipeline, Checkpoints):
+    def __init__(self, node: NodeConfig, run: RunConfig, make_engine: EngineFactory | None = None) -> None:
+        self.cfg = node
+        self.identity = load_or_create(node.data_dir / "node.key")
+        self.run_id = self.identity.node_id
+        self.spec = run.spec(self.run_id, created=time.time())
+        self.metrics = Metrics()
+        self.weights_root = node.data_dir / "weights" / self.run_id
+        ckpt_root = node.data_dir / "checkpoints" / self.run_id
+        if node.fresh:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        self.ckpt = CheckpointDir(ckpt_root)
+        self.resumed: dict[str, Any] | None = self.ckpt.latest() if node.checkpoint_every else None
+        if self.resumed is not None:
+            saved = RunSpec.model_validate_json(self.resumed["spec"])
+            if saved.model_copy(update={"created": 0.0}) != self.spec.model_copy(update={"created": 0.0}):
+                raise SystemExit(
+                    f"{ckpt_root} holds run {self.run_id} at step {self.resumed['step']}, started with another run "
+                    "config; give the same --config/--set to resume it, or --fresh to start the run over"
+                )
+            self.spec = saved
+        else:
+            shutil.rmtree(self.weights_root, ignore_errors=True)  # a new run starts its weight history afresh
+        self.store = WeightStore(self.weights_root, self.run_id)
+        limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
+        self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
+        self.origin.path = lambda: [self.run_id]
+        self.membership = Membership(self.identity, self.run_id, self.metrics)
+        self.registry = NodeRegistry(self.membership)
+        self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
+        self.tokenizer = build_tokenizer(self.spec.model)
+        self.engine = (make_engine or local_engine)(self.spec, self.tokenizer)
+        self.step = 0
+        """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
+        self.published = -1
+        """The newest version written, signed and announced."""
+        self.queue: list[Group] = []
+        self.queue_changed = asyncio.Event()
+        self.gate = Gate(self.spec.train.async_level)
+        self.queued_by_node: Counter[str] = Counter()
+        self.accepted_by_node: Counter[str] = Counter()
+        self.rejected_by_node: Counter[str] = Counter()
+        self.received_by_node: Counter[str] = Counter()
+        self.history: list[dict[str, Any]] = []
+        self.idle_s = 0.0
+        self.maddrs: list[str] = []
+        self.status_url = ""
+        # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims
+        self.validator = Validator(self.spec, self.tokenizer, build_model(self.spec.model, self.tokenizer))
+        self.validator_version = -1
+        self.pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]] = asyncio.Queue()
+        self.pending_by_node: Counter[str] = Counter()
+        self.banned: dict[str, str] = {}
+        """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
+        self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
+        self.p2p: Any = None
+        self._rewards_seen: list[float] = []
+        self.envelopes: dict[BatchKey, bytes] = {}
+        """Admitted batches that may still have groups to train: what a checkpoint keeps for a resume."""
+        self.validating: set[BatchKey] = set()
+        self._counted: set[BatchKey] = set()
+        self._persisting: asyncio.Task[None] | None = None
+        self.resume_info: dict[str, int] | None = None
+        if self.resumed is not None:
+            self._restore(self.resumed)
+        self._store_lock = threading.Lock()
+
+    # ---- peer boundary -------------------------------------------------------------------------------
+
+    def reject(self, e: Rejected, peer: str, node_id: str = "") -> SubmitReply:
+        self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
+        if node_id:
+            self.rejected_by_node[node_id] += 1
+        logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
+        return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step)
+
+    def _fresh_floor(self) -> int:
+        return self.step - self.spec.train.async_level
+
+    def _check_contents(self, batch: RolloutBatch) -> list[Group]:
+        """Shape (node/judging/validator.py), assignment, and the rewards recomputed here."""
+        self.validator.check_shape(batch)
+        groups = []
+        for g in batch.groups:
+            task = self.validator.task(batch, g.slot)
+            if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
+                raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
+            eos = int(self.tokenizer.eos_token_id)
+            rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task) for c in g.completions]
+            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
+                                batch.batch_index, g.slot))  # fmt: skip
+        return groups
+
+    async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
+        node_id = ""
+        try:
+            signer, body = open_envelope(data, RolloutBatch)
+            node_id = node_id_of(signer)
+            record = await self.registry.registered(node_id)
+            if record is None or record.role != "inference":
+                node_id = ""  # do not keep per-node state for keys the run does not know
+                raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+            if node_id in self.banned:
+                raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
+            self.received_by_node[node_id] += 1
+            batch = decode_body(signer, body, RolloutBatch).message
+            if batch.run_id != self.run_id:
+                raise Rejected("wrong_run", f"batch for run {batch.run_id}")
+            if batch.node_id != node_id:
+                raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
+            self.gate.check(batch, self.step, newest=self.published)
+            queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
+            if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
+                raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
+            groups = await asyncio.to_thread(self._check_contents, batch)  # code rewards run programs
+        except Rejected as e:
+            return self.reject(e, peer, node_id)
+        self.gate.admit(batch)
+        key = (node_id, batch.version, batch.batch_index)
+        self.envelopes[key] = data
+        self.validating.add(key)
+        self.ckpt.append(data)  # durable before the reply: an accepted batch survives a crash of the trainer
+        self.pending.put_nowait((batch, groups, data))
+        self.pending_by_node[node_id] += len(groups)
+        self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+        logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(groups))
+        return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
+
+    def _backlog(self) -> int:
+        floor = self._fresh_floor()
+        return sum(1 for g in self.queue if g.version >= floor) + sum(self.pending_by_node.values())
+
+    # ---- training ------------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[Group] | None:
+        floor = self._fresh_floor()
+        stale = [g for g in self.queue if g.version < floor]
+        if stale:
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
+        self.queue = [g for g in self.queue if g.version >= floor]
+        self.gate.forget_before(floor)
+        n = self.spec.train.batch_groups
+        if len(self.queue) < n:
+            self.queued_by_node = Counter(g.node_id for g in self.queue)
+            return None
+        self.queue.sort(key=lambda g: g.version)  # oldest first: they go stale soonest
+        batch, self.queue = self.queue[:n], self.queue[n:]
+        self.queued_by_node = Counter(g.node_id for g in self.queue)
+        return batch
+
+    def _train_step(self, groups: list[Group]) -> dict[str, float]:
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        ids, attn, mask, logp_old = pack_sequences(groups, int(self.tokenizer.pad_token_id))
+        t = self.spec.train
+        lr = t.lr * lr_factor(self.step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
+        skipped = self.engine.skipped
+        stats = self.engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
+        if self.engine.skipped > skipped:  # never publish weights a bad batch turned into NaN
+            self.metrics.inc("node_trainer_steps_skipped_total", self.engine.skipped - skipped,
+                             label="nonfinite_gradient", help="optimizer steps skipped")  # fmt: skip
+        seen, self._rewards_seen = self._rewards_seen, []  # every rollout accepted since the last step
+        return {
+            **stats,
+            "reward_mean": sum(seen) / len(seen) if seen else float(rewards.mean()),
+            "accuracy": sum(r == 1.0 for r in seen) / len(seen) if seen else float((rewards == 1.0).float().mean()),
+            "batch_reward_mean": float(rewards.mean()),
+        }
+
+    def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes)
+        keep = self.cfg.keep_versions or self.spec.train.async_level + 1
+        with self._store_lock:
+            self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
+
+    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
+        """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
+        if meta is not None:
+            started = time.monotonic()
+            await asyncio.to_thread(self.ckpt.write, version, meta)
+            self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
+            self.metrics.set("node_trainer_checkpoint_step", version)
+        await asyncio.to_thread(self._publish, version, tensors)
+        self.published = version
+        self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
+        self.metrics.set("node_trainer_weight_version", version)
+        try:
+            await self.membership.publish_record(self.record())
+        except (TimeoutError, OSError) as e:  # the periodic republish will try again
+            logger.warning("could not announce version %d in the DHT: %r", version, e)
+
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            run_id=self.run_id,
+            node_id=self.identity.node_id,
+            role="trainer",
+            p2p_maddrs=self.maddrs[:8],
+            http_url=self.status_url,
+            weight_version=max(self.published, 0),
+            updated=time.time(),
+            software=f"intellect-node/{__version__}",
+            relay=RelayInfo(
+                depth=0,
+                slots_total=self.origin.slots,
+                slots_free=self.origin.slots_free(),
+                upload_bps=self.origin.upload_bps(),
+                versions=self.store.complete_versions()[-16:],
+            ),
+        )
+
+    async def train_forever(self) -> None:
+        max_steps = self.cfg.max_steps
+        every = self.cfg.checkpoint_every
+        while max_steps is None or self.step < max_steps:
+            waited = time.monotonic()
+            while (groups := self._take_batch()) is None:
+                self.queue_changed.clear()
+                await self.queue_changed.wait()
+            idle = time.monotonic() - waited
+            self.idle_s += idle
+            started = time.monotonic()
+            stats = await asyncio.to_thread(self._train_step, groups)
+            versions = [g.version for g in groups]
+            due = bool(every) and (self.step + 1) % every == 0
+            tensors, engine_state = await asyncio.to_thread(self._snapshot, due)
+            self.step += 1
+            stats.update(
+                step=self.step,
+                seconds=time.monotonic() - started,
+                idle_s=idle,
+                time=time.time(),
+                staleness_max=float(self.step - 1 - min(versions)),
+                staleness_mean=float(sum(self.step - 1 - v for v in versions) / len(versions)),
+            )
+            self.history.append(stats)
+            meta = None
+            if engine_state is not None:
+                meta = {**self._checkpoint_meta(), "engine": engine_state}
+                self.ckpt.start_spool(self.step)
+            previous = self._persisting
+            if previous is not None:  # versions go out in order; the step above did not wait for this
+                await previous
+            self._persisting = asyncio.create_task(self._persist(self.step, tensors, meta))
+            self.metrics.inc("node_trainer_steps_total")
+            self.metrics.set("node_trainer_step", self.step)
+            self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
+            self.metrics.set("node_trainer_idle_seconds", self.idle_s, help="time the trainer waited for rollouts")
+            self.metrics.set("node_trainer_staleness_max", stats["staleness_max"],
+                             help="steps from a trained rollout's policy to its step (last step's max)")  # fmt: skip
+            self.metrics.set("node_trainer_staleness_mean", stats["staleness_mean"])
+            logger.info(
+                "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f idle=%.2f",
+                self.step, stats["reward_mean"], stats["accuracy"], stats["loss"],
+                stats["staleness_max"], len(groups), stats["seconds"], idle,
+            )  # fmt: skip
+            print(f"STEP {self.step} reward_mean={stats['reward_mean']:.3f}", flush=True)
+        if self._persisting is not None:
+            await self._persisting
+        logger.info("reached max_steps=%s; still serving weights and status until stopped", max_steps)
+        await asyncio.Event().wait()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "trainer",
+            "node_id": self.identity.node_id,
+            "run_id": self.run_id,
+            "step": self.step,
+            "weight_version": self.published,
+            "max_steps": self.cfg.max_steps,
+            "queue_groups": len(self.queue),
+            "idle_s": round(self.idle_s, 3),
+            "received_batches_by_node": dict(self.received_by_node),
+            "accepted_groups_by_node": dict(self.accepted_by_node),
+            "rejected_batches_by_node": dict(self.rejected_by_node),
+            "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
+            "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
+            "banned": self.banned,
+            "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
+            "pending_validation": self.pending.qsize(),
+            "resumed": self.resume_info,
+            "history": self.history,
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    async def _publish_current(self) -> None:
+        """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
+        was published before the restart). Versions a previous life published beyond the checkpoint (possible
+        with checkpoint_every > 1) keep their numbers: training continues from the checkpoint as the next one."""
+        newest = max(self.store.complete_versions(), default=-1)
+        if newest > self.step:
+            lost = newest - self.step
+            logger.warning("versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
+                           "training are lost and the next version is %d", self.step + 1, newest, self.step, lost,
+                           newest + 1)  # fmt: skip
+            self.step = newest
+            self.published = newest
+            return
+        if newest < self.step:
+            await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
+        self.published = self.step
+
+    async def _join_dht(self) -> list[str]:
+        """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
+        peers = self.cfg.peers or getattr(self, "_saved_peers", [])
+        if not self.cfg.peers and peers:
+            try:
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers)
+            except SystemExit as e:
+                logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
+                               "alone: nodes reconnect when given this trainer's new address", e)  # fmt: skip
+        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [])
+
+    async def run(self) -> None:
+        torch.set_num_threads(self.cfg.threads)
+        await self._publish_current()
+        self.ckpt.start_spool(self.step)
+        self._replay(self.resumed)
+        self.resumed = None  # the engine state in it is no longer needed
+        server: RolloutServer | None = None
+        try:
+            port = await self.http.start(self.cfg.host, self.cfg.http_port)
+            self.status_url = f"http://{self.cfg.host}:{port}"
+            self.maddrs = await self._join_dht()
+            p2p = self.p2p = await self.membership.replicate_p2p()
+            server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
+            await server.start()
+            if not (
+                await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
+            ):
+                raise RuntimeError("the DHT refused the run spec or the trainer's record; see the DHT logs")
+            peers = " ".join(f"--peers {m}" for m in self.maddrs[:1])
+            announce(
+                "trainer",
+                self.identity.node_id,
+                self.run_id,
+                {
+                    "p2p_maddrs": self.maddrs,
+                    "status_url": self.status_url,
+                    "join": f"intellect-node join --role inference {peers} --run-id {self.run_id}",
+                },
+            )
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.membership.republish_forever(self.record, self.spec))
+                tasks.create_task(self.train_forever())
+                tasks.create_task(self.validate_forever())
+        finally:
+            if server is not None:
+                await server.close()
+            await self.http.close()
+            await self.membership.close()
+            self.ckpt.close()
+            self.engine.close()

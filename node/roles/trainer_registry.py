@@ -1,0 +1,88 @@
+"""The trainer's view of who is in the run: the nodes' signed DHT records, looked up with bounded cost.
+
+A batch from an unknown key triggers a DHT read, but a flood of unknown keys must cost the DHT only a few reads
+a second, and a new node's first batch must still get one: hence per-key and global spacing, one read at a time,
+and a cap on submissions waiting for a read. Trusted validators (``--validator``) are found here too, in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from intellect_node.p2p.dht import Membership
+from intellect_protocol.messages import NodeRecord
+
+logger = logging.getLogger(__name__)
+REGISTRY_REFRESH_S = 1.0
+"""An unknown signer triggers a fresh DHT lookup at most this often per node id ..."""
+REGISTRY_MIN_INTERVAL_S = 0.2
+"""... and all unknown signers together at most this often."""
+MAX_TRACKED_LOOKUPS = 10_000
+MAX_REGISTRY_WAITERS = 4
+"""Submissions from unknown keys waiting for a registry lookup at once; more are refused at once."""
+VALIDATOR_REFRESH_S = 5.0
+
+
+class NodeRegistry:
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.records: dict[str, NodeRecord] = {}
+        """The run's ``nodes`` key as last read, by node id."""
+        self._lookup_at: dict[str, float] = {}
+        self._registry_at = -math.inf
+        self._validators_at = -math.inf
+        self._lock = asyncio.Lock()
+        self._waiters = 0
+        self._turn = 0
+
+    async def registered(self, node_id: str) -> NodeRecord | None:
+        """The node's record; an unknown key triggers a DHT lookup, at most once a second per key and one
+        lookup at a time for all keys together, spaced at least REGISTRY_MIN_INTERVAL_S apart (a flood of
+        unknown keys costs the DHT at most a few reads a second, and a new node's first batch still gets one)."""
+        record = self.records.get(node_id)
+        if record is not None or time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
+            return record
+        if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
+            self._lookup_at.clear()
+        self._lookup_at[node_id] = time.monotonic()
+        if self._waiters >= MAX_REGISTRY_WAITERS:  # a flood of unknown keys: do not queue behind it
+            return None
+        self._waiters += 1
+        try:
+            return await self._lookup(node_id)
+        finally:
+            self._waiters -= 1
+
+    async def _lookup(self, node_id: str) -> NodeRecord | None:
+        async with self._lock:
+            record = self.records.get(node_id)  # a lookup that finished while we waited may have found it
+            if record is not None:
+                return record
+            wait = self._registry_at + REGISTRY_MIN_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._registry_at = time.monotonic()
+            await self.refresh()
+            return self.records.get(node_id)
+
+    async def refresh(self) -> None:
+        try:
+            self.records = await self.membership.get_nodes()
+        except (TimeoutError, OSError) as e:
+            logger.warning("could not refresh the node registry from the DHT: %r", e)
+
+    async def validators(self, trusted: list[str]) -> list[NodeRecord]:
+        """Registered validator nodes among ``trusted``, in turn (a different one first at each call)."""
+        if time.monotonic() - self._validators_at > VALIDATOR_REFRESH_S:
+            self._validators_at = time.monotonic()
+            await self.refresh()
+        found = [r for r in self.records.values() if r.node_id in trusted and r.role == "validator" and r.p2p_maddrs]
+        self._turn += 1
+        return found[self._turn % len(found) :] + found[: self._turn % len(found)] if found else []
+
+    def peer_addresses(self, exclude: str, limit: int = 8) -> list[str]:
+        """A first multiaddr of each known node but ``exclude``: peers to rejoin the DHT through after a restart."""
+        return [r.p2p_maddrs[0] for r in self.records.values() if r.p2p_maddrs and r.node_id != exclude][:limit]

@@ -1,0 +1,195 @@
+"""The trainer's validation pipeline: every admitted batch judged against the exact version it claims.
+
+A batch waits in ``pending`` until it is judged: by a trusted validator node (``--validator``), whose signed
+verdict must be about exactly these bytes, or here on a second copy of the model when none answers. A batch that
+fails is refused and, with ``verify.ban``, its producer banned for the run (its queued groups dropped); one that
+passes and is still fresh enough goes to the training queue. Nothing a batch does stops the loop.
+
+This is a mixin of ``Trainer`` (node/roles/trainer.py): it reads and updates the trainer's queues and counters,
+declared below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from typing import Any
+
+from aiohttp import web
+
+from intellect_node.config import NodeConfig
+from intellect_node.judging.validator import Finding, Validator
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.transport import request, validate_protocol
+from intellect_node.policy.engine import BatchKey, Group
+from intellect_node.policy.model import load_weights
+from intellect_node.roles.trainer_registry import NodeRegistry
+from intellect_node.weights.files import load_checkpoint
+from intellect_node.weights.store import WeightStore
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected, open_signed, seal
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
+
+logger = logging.getLogger(__name__)
+VERDICTS_KEPT = 256
+VALIDATE_TIMEOUT_S = 120.0
+
+
+class ValidationPipeline:
+    # what the pipeline uses of the trainer (set in Trainer.__init__)
+    cfg: NodeConfig
+    spec: RunSpec
+    run_id: str
+    identity: Identity
+    metrics: Metrics
+    registry: NodeRegistry
+    store: WeightStore
+    p2p: Any
+    validator: Validator
+    validator_version: int
+    pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]]
+    pending_by_node: Counter[str]
+    validating: set[BatchKey]
+    queue: list[Group]
+    queue_changed: asyncio.Event
+    queued_by_node: Counter[str]
+    accepted_by_node: Counter[str]
+    rejected_by_node: Counter[str]
+    banned: dict[str, str]
+    verdicts: deque[bytes]
+    _rewards_seen: list[float]
+    _counted: set[BatchKey]
+    _store_lock: threading.Lock
+
+    def _fresh_floor(self) -> int:
+        raise NotImplementedError
+
+    def _load_validator(self, version: int) -> None:
+        self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them
+        with self._store_lock:  # _publish prunes old versions: not while one is being read
+            manifest = self.store.manifest(version)
+            if manifest is None or version not in self.store.complete_versions():
+                raise Rejected("stale_version", f"version {version} is no longer held here")
+            tensors = load_checkpoint(self.store.folder(version), manifest)
+        load_weights(self.validator.model, tensors)
+        self.validator_version = version
+
+    def _validate(self, batch: RolloutBatch) -> Finding:
+        if self.validator_version != batch.version:
+            self._load_validator(batch.version)
+        return self.validator.check(batch)
+
+    async def _remote_verdict(self, batch: RolloutBatch, envelope: bytes) -> tuple[Verdict, bytes] | None:
+        """A trusted validator's signed verdict on exactly these bytes; None if none could give one."""
+        digest = hashlib.sha256(envelope).hexdigest()
+        for record in await self.registry.validators(self.cfg.validators):
+            peer = record.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
+            try:
+                raw = await request(
+                    self.p2p, peer, validate_protocol(self.run_id), envelope, Channel.VERDICT.value, VALIDATE_TIMEOUT_S
+                )
+                signed = open_signed(raw, Verdict)
+            except Exception as e:  # unreachable, refused, malformed: try the next one, then validate here
+                self.metrics.inc("node_trainer_validator_failures_total", label=getattr(e, "reason", "network"))
+                logger.info("validator %s gave no verdict: %r", record.node_id, e)
+                continue
+            v = signed.message
+            if signed.signer_id != record.node_id or (v.batch_sha256, v.node_id, v.version) != (
+                digest,
+                batch.node_id,
+                batch.version,
+            ):
+                self.metrics.inc("node_trainer_validator_failures_total", label="foreign_verdict")
+                logger.warning("validator %s sent a verdict about other bytes or signed by another key", record.node_id)
+                continue
+            return v, raw
+        return None
+
+    async def validate_forever(self) -> None:
+        """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch
+        does here stops the loop: an unexpected error drops that batch (counted, logged), nobody is banned for it."""
+        while True:
+            batch, groups, envelope = await self.pending.get()
+            try:
+                await self._validate_one(batch, groups, envelope)
+            except Exception:
+                self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
+                logger.exception("validation of node=%s version=%d batch=%d failed; batch dropped",
+                                 batch.node_id, batch.version, batch.batch_index)  # fmt: skip
+            finally:
+                self.validating.discard((batch.node_id, batch.version, batch.batch_index))
+                self.pending_by_node[batch.node_id] -= len(groups)
+                self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+
+    async def _validate_one(self, batch: RolloutBatch, groups: list[Group], envelope: bytes) -> None:
+        if batch.node_id in self.banned:
+            self.metrics.inc("node_trainer_groups_dropped_banned_total", len(groups))
+            return
+        if batch.version < self._fresh_floor():
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            return
+        started = time.monotonic()
+        remote = await self._remote_verdict(batch, envelope) if self.cfg.validators else None
+        if remote is not None:
+            verdict, sealed = remote
+            self.metrics.inc("node_trainer_remote_verdicts_total", help="verdicts from validator nodes")
+        else:
+            if self.cfg.validators:
+                self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no validator")
+            try:
+                finding = await asyncio.to_thread(self._validate, batch)
+            except Rejected as e:
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
+                return
+            verdict = finding.verdict(batch, envelope)
+            sealed = seal(self.identity, verdict)
+        self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+        self.verdicts.append(sealed)
+        if not verdict.ok:
+            self.metrics.inc("node_validator_rejected_total", label=verdict.reason, help="batches failing checks")
+            self.rejected_by_node[batch.node_id] += 1
+            logger.warning(
+                "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
+                batch.node_id, batch.version, batch.batch_index, verdict.reason, verdict.detail,
+            )  # fmt: skip
+            if self.spec.verify.ban and batch.node_id not in self.banned:
+                self.banned[batch.node_id] = verdict.reason
+                dropped = [g for g in self.queue if g.node_id == batch.node_id]
+                self.queue = [g for g in self.queue if g.node_id != batch.node_id]
+                self.queued_by_node.pop(batch.node_id, None)
+                self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
+                self.metrics.inc("node_trainer_groups_dropped_banned_total", len(dropped))
+                logger.warning("banned node=%s for the run: %s (%d queued groups dropped)",
+                               batch.node_id, verdict.reason, len(dropped))  # fmt: skip
+            return
+        if batch.version < self._fresh_floor():  # went stale while it was being judged
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            return
+        self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
+        self.accepted_by_node[batch.node_id] += len(groups)
+        self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
+        key = (batch.node_id, batch.version, batch.batch_index)
+        if key in self._counted:  # replayed after a resume: its rewards are already in the curve
+            self._counted.discard(key)
+        else:
+            for g in groups:
+                self._rewards_seen.extend(g.rewards)
+        if self.spec.train.online_filter:  # all rewards equal: zero advantage, nothing to learn from
+            kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
+            self.metrics.inc("node_trainer_groups_filtered_total", len(groups) - len(kept),
+                             help="groups dropped by the online filter (all rewards equal)")  # fmt: skip
+            groups = kept
+        self.queue.extend(groups)
+        self.queued_by_node[batch.node_id] += len(groups)
+        self.queue_changed.set()
+
+    async def _verdicts(self, _request: web.Request) -> web.Response:
+        """The newest signed verdicts, each a base64 envelope (check with intellect_protocol.envelope)."""
+        return web.json_response({"verdicts": [base64.b64encode(v).decode() for v in self.verdicts]})

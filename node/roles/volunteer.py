@@ -1,0 +1,175 @@
+"""What every joining node does: join the DHT, read the signed run spec, follow the trainer's weights.
+
+``Volunteer`` owns the node's identity, DHT membership, HTTP server, weight store, shard server (when relaying)
+and weight follower; the roles (``inference``, ``relay``) subclass it and add their work loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from intellect_node import __version__
+from intellect_node.config import NodeConfig
+from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.keys import load_or_create
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.runtime import announce
+from intellect_node.weights.files import HTTP_TIMEOUT
+from intellect_node.weights.follower import WeightFollower
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_protocol.messages import NodeRecord, Role, RunSpec
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.25
+"""How often to look at the trainer's record while waiting for something to do."""
+
+
+class Volunteer(abc.ABC):
+    role: Role = "inference"
+
+    def __init__(self, node: NodeConfig) -> None:
+        if node.run_id is None:
+            raise SystemExit("join needs --run-id: copy the whole line that `intellect-node bootstrap` printed")
+        if not node.peers:
+            raise SystemExit("join needs --peers <multiaddr>: copy the line that `intellect-node bootstrap` printed")
+        self.cfg = node
+        self.run_id: str = node.run_id
+        self.identity = load_or_create(node.data_dir / "node.key")
+        self.metrics = Metrics()
+        self.membership = Membership(self.identity, self.run_id, self.metrics)
+        self.store = WeightStore(node.data_dir / "weights" / self.run_id, self.run_id)
+        limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
+        self._publish_soon = asyncio.Event()
+        self.server = (
+            ShardServer(self.store, self.metrics, node.relay_slots, limit, on_change=self._publish_soon.set)
+            if node.relay
+            else None
+        )
+        self.http = HttpServer(self.metrics, self.status, self.server.routes() if self.server else [])
+        self.follower: WeightFollower | None = None
+        self.spec: RunSpec | None = None
+        self.status_url = ""
+        self.maddrs: list[str] = []
+
+    @property
+    def version(self) -> int:
+        """The newest complete version held (-1: none)."""
+        return max(self.store.complete_versions(), default=-1)
+
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            run_id=self.run_id,
+            node_id=self.identity.node_id,
+            role=self.role,
+            p2p_maddrs=self.maddrs[:8],
+            http_url=self.status_url,
+            weight_version=self.version,
+            updated=time.time(),
+            software=f"intellect-node/{__version__}",
+            relay=self.follower.relay_info() if self.follower is not None else None,
+        )
+
+    async def publish(self) -> None:
+        try:
+            await self.membership.publish_record(self.record())
+        except (TimeoutError, OSError) as e:
+            logger.warning("could not publish the DHT record: %s", e)
+
+    async def publish_on_change(self) -> None:
+        """Republish as soon as something others plan with changes (a slot taken or freed)."""
+        while True:
+            await self._publish_soon.wait()
+            self._publish_soon.clear()
+            await self.publish()
+            await asyncio.sleep(0.2)  # at most five DHT stores a second, however busy the slots are
+
+    def status(self) -> dict[str, Any]:
+        f = self.follower
+        return {
+            "role": self.role,
+            "node_id": self.identity.node_id,
+            "run_id": self.run_id,
+            "weight_version": self.version,
+            "versions_held": self.store.complete_versions(),
+            "relay": {
+                "enabled": self.server is not None,
+                "depth": f.depth if f else -1,
+                "parent": f.parent if f else None,
+                "children": self.server.children() if self.server else [],
+                "slots_free": self.server.slots_free() if self.server else 0,
+                "fetching": f.fetching if f else -1,
+                "fetching_verified_shards": self.store.verified_count(f.fetching) if f and f.fetching >= 0 else 0,
+                "bans": self.metrics.counter("node_relay_bans_total"),
+                "bytes_received": self.metrics.counter("node_relay_bytes_received_total"),
+                "bytes_sent": self.metrics.counter("node_relay_bytes_sent_total"),
+            },
+        }
+
+    async def _wait_for_spec(self) -> RunSpec:
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while time.monotonic() < deadline:
+            spec = await self.membership.get_spec()
+            if spec is not None:
+                return spec
+            await asyncio.sleep(POLL_S)
+        raise SystemExit(
+            f"no run {self.run_id} found in the DHT within {self.cfg.join_timeout_s:.0f}s; check --run-id and "
+            "--peers against the line the trainer printed, and that the trainer is still running"
+        )
+
+    async def trainer(self) -> NodeRecord | None:
+        """The trainer's current record; None while it cannot be read (the caller waits and asks again)."""
+        try:
+            return await self.membership.get_trainer()
+        except (TimeoutError, OSError) as e:
+            self.metrics.inc("node_dht_read_failures_total")
+            logger.warning("could not read the trainer's record from the DHT: %r", e)
+            return None
+
+    @abc.abstractmethod
+    async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
+        """The role's own loop (generate rollouts, or only relay)."""
+
+    async def run(self) -> None:
+        try:
+            port = await self.http.start(self.cfg.host, self.cfg.http_port)
+            self.status_url = f"http://{self.cfg.host}:{port}"
+            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
+            spec = self.spec = await self._wait_for_spec()
+            keep = self.cfg.keep_versions or spec.train.async_level + 1
+            max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
+            self.follower = WeightFollower(
+                self.identity.node_id, self.run_id, self.membership, self.store, self.metrics, self.server,
+                keep, max_bytes, self.publish,
+            )  # fmt: skip
+            if self.server is not None:
+                follower = self.follower
+                self.server.depth = lambda: follower.depth
+                self.server.path = lambda: follower.path
+            await self.publish()
+            await self.ready(spec)
+            async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
+                self.follower.start(session)
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self.membership.republish_forever(self.record))
+                    tasks.create_task(self.publish_on_change())
+                    tasks.create_task(self.follower.keep_attached(session))
+                    if self.role == "relay":  # the others act on the trainer's record (see inference.py)
+                        tasks.create_task(self.follower.watch_parent(session))
+                    tasks.create_task(self.work(spec, session))
+        finally:
+            await self.http.close()
+            await self.membership.close()
+
+    async def ready(self, spec: RunSpec) -> None:
+        announce(
+            self.role, self.identity.node_id, self.run_id, {"p2p_maddrs": self.maddrs, "status_url": self.status_url}
+        )

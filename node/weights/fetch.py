@@ -1,0 +1,355 @@
+"""Receiving a checkpoint: shards in parallel from several sources, each verified before it is kept.
+
+Per shard the fetcher picks the usable source with the best score (measured throughput times success rate, the
+parent preferred), resumes a partial shard with HTTP Range, and checks size and SHA-256 against the signed
+manifest. A source that serves bad bytes is banned for ``ban_s`` and the shard is fetched elsewhere; a source
+that is unreachable is set aside and the tree is asked for new sources (a re-parent). A 404 or 503 is not a
+fault: the source does not have the shard yet, or has no free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
+from intellect_node.weights.relay import CHILD_HEADER, LONG_POLL_S, VERIFIED_HEADER
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.tree import Candidate
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import Manifest, ShardEntry
+
+logger = logging.getLogger(__name__)
+_CHUNK = 1 << 20
+_PIECE = 64 * 1024
+SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
+REFRESH_S = 1.0
+REPLAN_S = 5.0
+"""While shards flow, the sources are planned again this often (new holders of the version, a moved parent)."""
+PROBE_EVERY = 8
+"""One pick in this many may go to an alternate not yet measured, so a faster source than the parent is found."""
+MANIFEST_WAIT_S = 6.0
+STALL_S = 30.0
+"""No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
+the caller asks the trainer's record again and fetches the newest version instead."""
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or Rejected('oversized') as soon as it passes ``limit`` bytes."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            raise Rejected("oversized", f"more than {limit} bytes")
+    return bytes(body)
+
+
+@dataclass
+class Source:
+    node_id: str
+    url: str
+    depth: int
+    is_parent: bool = False
+    bps: float = 0.0
+    ok: int = 0
+    failed: int = 0
+    full: bool = False
+    """It answered 503 (no free slot) last time."""
+    away_until: float = 0.0
+    """Not asked before this time: no slot, not there yet, or unreachable."""
+
+    def score(self) -> float:
+        base = self.bps if self.bps > 0 else 100e6 / (1 + self.depth)
+        return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.is_parent else 1.0)
+
+
+SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
+"""Given node ids seen failing, the sources to use, the parent first: see follower.WeightFollower._find."""
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, version: int, total: int) -> None:
+        self.version, self.total, self.done = version, total, 0
+        self.started = time.monotonic()
+        self.enabled = sys.stderr.isatty()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            frac = self.done / max(1, self.total)
+            rate = self.done / max(1e-6, time.monotonic() - self.started) / 1e6
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(
+                f"\rweights v{self.version} [{bar:<30}] {frac:5.1%} "
+                f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {rate:.1f} MB/s"
+            )
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class ShardFetcher:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        store: WeightStore,
+        node_id: str,
+        metrics: Metrics,
+        parallel: int = 4,
+        ban_s: float = 300.0,
+        stall_s: float = STALL_S,
+    ) -> None:
+        self.session = session
+        self.store = store
+        self.node_id = node_id
+        self.metrics = metrics
+        self.parallel = parallel
+        self.ban_s = ban_s
+        self.stall_s = stall_s
+        self.banned: dict[str, float] = {}
+        self.sources: dict[str, Source] = {}
+        self._find: SourceFinder | None = None
+        self._refreshed = 0.0
+        self._picks = 0
+        self.strikes: dict[str, int] = {}
+        """Per source: shards it passed through unverified that then failed verification."""
+
+    def _excluded(self) -> set[str]:
+        now = time.monotonic()
+        self.banned = {n: t for n, t in self.banned.items() if t > now}
+        return set(self.banned)
+
+    async def refresh_now(self) -> None:
+        """Re-plan the sources at once (the follower found a reason the current parent cannot serve)."""
+        await self._refresh(force=True)
+
+    async def _refresh(self, force: bool = False) -> None:
+        if self._find is None or (not force and time.monotonic() - self._refreshed < REFRESH_S):
+            return
+        self._refreshed = time.monotonic()
+        now = time.monotonic()
+        # Unreachable twice, or out of slots (503): plan around them until they have had time to recover.
+        down = {n for n, s in self.sources.items() if (s.failed >= 2 or s.full) and s.away_until > now}
+        plan = await self._find(self._excluded() | down)
+        fresh: dict[str, Source] = {}
+        for c in plan:
+            src = self.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
+            src.url, src.depth, src.is_parent = c.url, c.depth, c.is_parent
+            fresh[c.node_id] = src
+        self.sources = fresh
+
+    def _pick(self, tried: set[str]) -> Source | None:
+        now = time.monotonic()
+        usable = [s for s in self.sources.values() if s.away_until <= now and s.node_id not in self.banned]
+        if not usable:
+            return None
+        fresh = [s for s in usable if s.node_id not in tried] or usable
+        self._picks += 1
+        if any(s.is_parent for s in fresh):
+            # an alternate never measured does not win over a usable parent on an assumed rate (in a 16-node
+            # benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets one pick
+            # in PROBE_EVERY, so a parent slower than an alternate is found out (the follower then moves)
+            untried = [s for s in fresh if not s.is_parent and s.bps == 0 and s.failed == 0 and not s.full]
+            if untried and self._picks % PROBE_EVERY == 0:
+                return untried[0]
+            fresh = [s for s in fresh if s.is_parent or s.bps > 0]
+        return max(fresh, key=Source.score)
+
+    async def _manifest(self, version: int, deadline: float) -> bytes:
+        while time.monotonic() < deadline:
+            await self._refresh()
+            for src in sorted(self.sources.values(), key=lambda s: not s.is_parent):
+                if src.node_id in self.banned:
+                    continue
+                try:
+                    async with self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:
+                        if resp.status == 200:
+                            data = await read_limited(resp, Channel.MANIFEST.value)
+                            verify_manifest(data, self.store.run_id, version)
+                            return data
+                except (TimeoutError, aiohttp.ClientError):
+                    src.failed += 1
+                except Rejected as e:  # a forged or broken manifest: never acted on, its source banned
+                    logger.warning("banned source=%s: manifest of version %d: %s", src.node_id, version, e)
+                    self.metrics.inc("node_relay_bans_total")
+                    self.banned[src.node_id] = time.monotonic() + self.ban_s
+            await asyncio.sleep(0.1)
+        raise Rejected("no_source", f"no source had the manifest of version {version}")
+
+    async def fetch(self, version: int, find: SourceFinder, timeout: float = 3600.0) -> Manifest:
+        """Receive ``version`` into the store; returns its manifest once every shard is verified."""
+        self._find = find
+        await self._refresh(force=True)
+        deadline = time.monotonic() + timeout
+        data = await self._manifest(version, min(deadline, time.monotonic() + MANIFEST_WAIT_S))
+        manifest, missing = self.store.begin(version, data)
+        progress = Progress(version, manifest.total_size)
+        progress.add(manifest.total_size - sum(s.size for s in missing))
+        # Shards go in manifest order, a failed one back to its place: a relay receives in order, so its
+        # children, asking in the same order, find each shard as soon as it can exist (pipelining).
+        order = {s.name: i for i, s in enumerate(manifest.shards)}
+        pending: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
+        heapq.heapify(pending)
+        tried: dict[str, set[str]] = {}
+        last_progress = time.monotonic()
+
+        async def worker() -> None:
+            nonlocal last_progress
+            while pending:
+                if time.monotonic() > deadline:
+                    raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
+                if time.monotonic() - last_progress > self.stall_s:
+                    raise Rejected("stalled", f"no shard of version {version} arrived in {self.stall_s:.0f}s")
+                if time.monotonic() - self._refreshed > REPLAN_S:
+                    await self._refresh()
+                    continue  # another worker may have taken the last shard meanwhile
+                index, shard = heapq.heappop(pending)
+                attempted = tried.setdefault(shard.name, set())
+                src = self._pick(attempted)
+                if src is None:
+                    heapq.heappush(pending, (index, shard))
+                    await self._refresh()
+                    await asyncio.sleep(0.05)
+                    continue
+                attempted.add(src.node_id)
+                if await self._one(version, shard, src):
+                    progress.add(shard.size)
+                    last_progress = time.monotonic()
+                else:
+                    heapq.heappush(pending, (index, shard))
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for _ in range(min(self.parallel, max(1, len(missing)))):
+                    tasks.create_task(worker())
+        except BaseException as e:
+            self.store.abandon(version)
+            if isinstance(e, BaseExceptionGroup):
+                rejected, _ = e.split(Rejected)
+                if rejected is not None:  # callers handle one Rejected, as from the manifest phase
+                    raise rejected.exceptions[0] from None
+            raise
+        self.store.finish(version)
+        return manifest
+
+    async def _one(self, version: int, shard: ShardEntry, src: Source) -> bool:
+        """Fetch one shard from ``src``; True once it is verified and kept."""
+        part = self.store.part_path(version, shard.name)
+        have = part.stat().st_size if part.exists() else 0
+        if have >= shard.size:
+            part.unlink(missing_ok=True)
+            have = 0
+        digest = hashlib.sha256()
+        if have:
+            with open(part, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+        headers = {CHILD_HEADER: self.node_id}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        url = f"{src.url}/weights/{version}/{shard.name}"
+        started = time.monotonic()
+        received = 0
+        whole_from_src = have == 0
+        try:
+            async with self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:
+                if resp.status in (404, 503):
+                    logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
+                                 resp.status, time.monotonic() - started)  # fmt: skip
+                    src.full = resp.status == 503
+                    src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
+                    if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
+                        # It waited a long poll and still had nothing: a parent that is stuck itself (say,
+                        # cut off from the DHT) counts as failing, so twice of this moves us elsewhere.
+                        src.failed += 1
+                    if src.full and src.is_parent:
+                        await self._refresh(force=True)
+                    return False
+                if resp.status == 200 and have:
+                    have, digest, whole_from_src = 0, hashlib.sha256(), True  # the source ignored the Range
+                elif resp.status not in (200, 206):
+                    src.failed += 1
+                    return False
+                vouched = resp.headers.get(VERIFIED_HEADER, "1") != "0"
+                self.store.part_opened(version, shard.name, have, shard.size)
+                with open(part, "r+b" if have else "wb") as f:
+                    f.seek(have)
+                    f.truncate()
+                    # Pieces of _PIECE bytes: one write, flush and wake-up of cut-through readers per piece,
+                    # not per TCP segment (a shaped link delivers a few kB at a time).
+                    while have + received < shard.size:
+                        want = min(_PIECE, shard.size - have - received)
+                        try:
+                            piece = await resp.content.readexactly(want)
+                        except asyncio.IncompleteReadError as e:
+                            piece = e.partial
+                        if piece:
+                            digest.update(piece)
+                            f.write(piece)
+                            f.flush()  # children reading this .part (cut-through) see the bytes now
+                            received += len(piece)
+                            self.store.part_grew(version, shard.name, have + received)
+                            self.metrics.inc("node_relay_bytes_received_total", len(piece))
+                        if len(piece) < want:
+                            raise ConnectionError(f"the response ended after {have + received} of {shard.size} bytes")
+                    if await resp.content.read(1):
+                        return self._bad(version, shard, src, whole_from_src, vouched, "longer than the manifest says")
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            self.store.part_closed(version, shard.name, verified=False)
+            if received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
+                src.away_until = time.monotonic() + 0.2
+            else:
+                src.failed += 1
+                src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
+            logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e,
+                         have + received)  # fmt: skip
+            await self._refresh(force=src.is_parent)
+            return False
+        except BaseException:
+            self.store.part_closed(version, shard.name, verified=False)
+            raise
+        if have + received != shard.size or digest.hexdigest() != shard.sha256:
+            return self._bad(version, shard, src, whole_from_src, vouched, "hash mismatch")
+        self.store.mark_verified(version, shard.name)
+        self.store.part_closed(version, shard.name, verified=True)
+        logger.debug(
+            "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
+            time.monotonic() - started,
+        )  # fmt: skip
+        src.ok += 1
+        src.failed = 0
+        src.full = False
+        elapsed = time.monotonic() - started
+        if received >= _CHUNK and elapsed > 0:
+            rate = received / elapsed
+            src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
+        return True
+
+    def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, vouched: bool, why: str) -> bool:
+        """Bad bytes: banned at once if the source vouched for them (it had verified the shard) and sent all of
+        them; bytes it passed through unverified (cut-through) earn a strike, and a second strike bans."""
+        self.store.part_closed(version, shard.name, verified=False)
+        self.store.part_path(version, shard.name).unlink(missing_ok=True)
+        if whole and not vouched:
+            self.strikes[src.node_id] = strikes = self.strikes.get(src.node_id, 0) + 1
+            logger.info("source=%s relayed unverified bytes of %s that failed: %s (strike %d)",
+                        src.node_id, shard.name, why, strikes)  # fmt: skip
+        # only a source that sent every byte of the shard is to blame
+        if whole and (vouched or self.strikes.get(src.node_id, 0) >= 2):
+            if self.banned.get(src.node_id, 0.0) <= time.monotonic():  # count a ban once, not per shard in flight
+                self.metrics.inc("node_relay_bans_total", help="sources banned for serving bad bytes")
+                logger.warning("banned source=%s for %.0fs: shard %s %s", src.node_id, self.ban_s, shard.name, why)
+            self.banned[src.node_id] = time.monotonic() + self.ban_s
+        return False

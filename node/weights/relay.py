@@ -1,0 +1,304 @@
+"""The shard server: every node that holds weights serves them, verified shard by verified shard.
+
+``GET /weights/<version>/manifest.msgpack`` and ``GET /weights/<version>/<shard>`` (Range and HEAD supported).
+A shard of a version still arriving is served the moment its bytes arrive (cut-through) to the node's children:
+their requests wait (long poll) instead of failing, so each level of the relay tree adds about a round trip.
+
+Children: a downstream node attaches with ``POST /relay/attach`` (naming itself in ``X-Intellect-Node``), which
+takes one of this node's upload slots and answers with this node's path from the origin; the child keeps the
+slot with the same request at least every ``CHILD_TTL_S`` and gives it back with ``DELETE /relay/attach``. A node
+takes a new child only while it is itself connected to the origin (its path is known) and never one of its own
+ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with its children, the
+places to look for one further down. Other nodes (alternates) are served only what this node already has, at
+once and while a slot is free, and anonymous clients (curl, a mirror) always. An optional upload limit (a token
+bucket over all responses) lets a volunteer cap what the node sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.files import MANIFEST_NAME
+from intellect_node.weights.store import Growing, WeightStore
+
+logger = logging.getLogger(__name__)
+
+CHILD_HEADER = "X-Intellect-Node"
+VERSION_HEADER = "X-Intellect-Version"
+VERIFIED_HEADER = "X-Intellect-Verified"
+"""'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
+STREAM_STALL_S = 15.0
+"""A cut-through response whose upstream bytes stop arriving this long is cut short."""
+SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_PATH = 1024
+CHILD_TTL_S = 10.0
+"""A child that has not asked for anything this long gives its slot back."""
+LONG_POLL_S = 10.0
+MANIFEST_POLL_S = 2.0
+"""How long a request for the manifest of a version not yet begun here waits before a 404."""
+_CHUNK = 256 * 1024
+
+
+class TokenBucket:
+    """Shared upload budget: at most ``rate`` bytes per second, bursts of a quarter second."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.capacity = max(rate / 4, _CHUNK)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            if self.tokens < 0:
+                await asyncio.sleep(-self.tokens / self.rate)
+
+
+class ShardServer:
+    def __init__(
+        self,
+        store: WeightStore,
+        metrics: Metrics,
+        slots: int,
+        upload_limit_bps: float | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.slots = slots
+        self.on_change = on_change
+        """Called when the set of children changes (the node then republishes its free slots)."""
+        self.depth: Callable[[], int] = lambda: 0
+        """This node's depth in the tree (0: the origin), in each keep-alive answer; children go by the path."""
+        self.path: Callable[[], list[str]] = lambda: []
+        """Node ids from the origin down to this node, told to children in each keep-alive: a child that finds
+        itself in its parent's path has closed a cycle (two nodes chose each other at once) and leaves."""
+        self._children: dict[str, float] = {}
+        self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
+        self._rate = 0.0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/weights/{version}/{name}", self._get),
+            web.post("/relay/attach", self._attach),
+            web.delete("/relay/attach", self._detach),
+            web.get("/relay/next", self._next),
+        ]
+
+    def _active_children(self) -> dict[str, float]:
+        now = time.monotonic()
+        before = len(self._children)
+        self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
+        if len(self._children) != before and self.on_change is not None:
+            self.on_change()
+        return self._children
+
+    def slots_free(self) -> int:
+        return max(0, self.slots - len(self._active_children()))
+
+    def children(self) -> list[str]:
+        return sorted(self._active_children())
+
+    def upload_bps(self) -> float:
+        """Delivered rate of recent transfers (an EWMA over responses of at least one chunk)."""
+        return self._rate
+
+    def _admit(self, child: str) -> bool:
+        active = self._active_children()
+        if child in active or len(active) < self.slots:
+            new = child not in active
+            active[child] = time.monotonic()
+            if new and self.on_change is not None:
+                self.on_change()
+            return True
+        return False
+
+    async def _attach(self, request: web.Request) -> web.Response:
+        """Take (or keep) a slot as a child: answers this node's depth and path from the origin."""
+        child = request.headers.get(CHILD_HEADER, "")[:64]
+        if not child:
+            raise web.HTTPBadRequest(text=f"send {CHILD_HEADER}: <node id>")
+        path = self.path()
+        if child in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
+            self._release(child)
+            self.metrics.inc("node_relay_requests_refused_total", label="ancestor")
+            raise web.HTTPConflict(
+                text=json.dumps({"reason": "ancestor", "error": "you are above this node: it would close a cycle"}),
+                content_type="application/json",
+            )  # fmt: skip
+        if not path and child not in self._active_children():
+            self.metrics.inc("node_relay_requests_refused_total", label="not_rooted")
+            raise web.HTTPConflict(
+                text=json.dumps({"reason": "not_rooted", "error": "this node is not connected to the origin yet"}),
+                content_type="application/json",
+            )  # fmt: skip
+        if not self._admit(child):
+            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"children": self.children()}), content_type="application/json",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
+        return web.json_response({"depth": self.depth(), "path": path[-MAX_PATH:]})
+
+    async def _detach(self, request: web.Request) -> web.Response:
+        """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``)."""
+        self._release(request.headers.get(CHILD_HEADER, "")[:64])
+        return web.Response(status=204)
+
+    def _release(self, child: str) -> None:
+        if self._children.pop(child, None) is not None and self.on_change is not None:
+            self.on_change()
+
+    async def _next(self, request: web.Request) -> web.Response:
+        """``GET /relay/next?after=N``: the signed manifest of the newest version here once it is newer than N
+        (long poll, 204 after ``LONG_POLL_S``). Children learn of a new version from their parent as it starts
+        arriving, not at their next look at the DHT; the run key's signature makes the news trustworthy."""
+        after = request.query.get("after", "-1")
+        if not after.lstrip("-").isdigit() or len(after) > 11:
+            raise web.HTTPBadRequest(text="after=<version>")
+        newest = await self.store.wait_newer(int(after), LONG_POLL_S)
+        data = self.store.manifest_bytes(newest) if newest is not None else None
+        if newest is None or data is None:
+            return web.Response(status=204)
+        return web.Response(body=data, content_type="application/octet-stream", headers={VERSION_HEADER: str(newest)})
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        v, name = request.match_info["version"], request.match_info["name"]
+        if not v.isdigit() or len(v) > 10 or not SHARD_NAME.match(name) or name.endswith(".part"):
+            raise web.HTTPNotFound()
+        version = int(v)
+        if name == MANIFEST_NAME:
+            data = self.store.manifest_bytes(version)
+            if data is None and await self.store.wait_begun(version, MANIFEST_POLL_S):
+                data = self.store.manifest_bytes(version)
+            if data is None:
+                raise web.HTTPNotFound()
+            return web.Response(body=data, content_type="application/octet-stream")
+        child = request.headers.get(CHILD_HEADER)
+        child = child[:64] if child is not None else None
+        attached = child is not None and child in self._active_children()
+        if child is not None and attached:
+            self._children[child] = time.monotonic()
+        elif child is not None and len(self._active_children()) >= self.slots:
+            # another node's child, using us as an alternate: only while a slot is free, and its request never
+            # holds one (or a real child could not attach)
+            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+        if child is None or attached:
+            found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
+        else:  # an alternate serves only what is here: no long poll
+            found = self.store.shard_file(version, name) or self.store.growing(version, name)
+        if found is None:
+            raise web.HTTPNotFound()
+        if isinstance(found, Growing):
+            return await self._stream(request, found, child)
+        return await self._send(request, found, child)
+
+    async def _stream(self, request: web.Request, growing: Growing, child: str | None) -> web.StreamResponse:
+        """Cut-through: send a shard's bytes as they arrive here, so a level of the tree adds about a network
+        round trip, not a shard's transfer time. Marked unverified; if this node's own attempt fails, the
+        response is cut short (the receiver resumes or goes elsewhere), never completed with other bytes."""
+        size = growing.total
+        try:
+            rng = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        if rng.stop is not None or (rng.start or 0) < 0 or (rng.start or 0) >= size:
+            raise web.HTTPNotFound()  # only "bytes=N-" resumes are streamed; a plain request is retried later
+        start = rng.start or 0
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream", VERIFIED_HEADER: "0"}
+        if rng.start is not None:
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        resp = web.StreamResponse(status=206 if rng.start is not None else 200, headers=headers)
+        resp.content_length = size - start
+        await resp.prepare(request)
+        self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
+        pos = start
+        with open(growing.path, "rb") as f:
+            while pos < size:
+                if growing.size > pos:
+                    f.seek(pos)
+                    chunk = f.read(min(_CHUNK, growing.size - pos))
+                    if not chunk:
+                        break
+                    await self._write(resp, chunk, child)
+                    pos += len(chunk)
+                    continue
+                if growing.state == "failed":
+                    break
+                changed = growing.changed
+                try:
+                    await asyncio.wait_for(changed.wait(), STREAM_STALL_S)
+                except TimeoutError:
+                    break
+        sent = pos - start
+        self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
+        if pos < size:
+            self.metrics.inc("node_relay_streams_cut_total", help="cut-through responses cut short")
+            if request.transport is not None:
+                request.transport.close()  # the receiver sees a short body, never a complete wrong one
+            return resp
+        await resp.write_eof()
+        self.metrics.inc("node_relay_shards_served_total")
+        return resp
+
+    async def _write(self, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
+        """One chunk of a response, within the upload limit; the child's slot counts as in use."""
+        if self._bucket is not None:
+            await self._bucket.take(len(chunk))
+        await resp.write(chunk)
+        if child is not None and child in self._children:
+            self._children[child] = time.monotonic()
+
+    async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
+        size = path.stat().st_size
+        try:
+            rng = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+        start = rng.start or 0
+        if start < 0:
+            start = max(0, size + start)
+        stop = size if rng.stop is None else min(rng.stop, size)
+        ranged = rng.start is not None or rng.stop is not None
+        if ranged and start >= stop:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if ranged:
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+        resp.content_length = stop - start
+        await resp.prepare(request)
+        if request.method == "HEAD":
+            return resp
+        started = time.monotonic()
+        sent = 0
+        with open(path, "rb") as f:
+            f.seek(start)
+            while sent < stop - start:
+                chunk = f.read(min(_CHUNK, stop - start - sent))
+                if not chunk:
+                    break
+                await self._write(resp, chunk, child)
+                sent += len(chunk)
+        await resp.write_eof()
+        elapsed = time.monotonic() - started
+        if sent >= _CHUNK and elapsed > 0:
+            self._rate = sent / elapsed if self._rate == 0 else 0.7 * self._rate + 0.3 * sent / elapsed
+        self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
+        self.metrics.inc("node_relay_shards_served_total")
+        return resp

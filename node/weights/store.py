@@ -1,0 +1,258 @@
+"""One run's weight folder: complete versions, versions in progress, and only verified shards visible.
+
+Layout (plain static files, servable by any HTTP server once complete)::
+
+    <root>/<version>/manifest.msgpack          a complete, verified version
+    <root>/<version>/shard-NNNNN.safetensors
+    <root>/<version>.partial/manifest.msgpack  a version being received: manifest verified first,
+    <root>/<version>.partial/<name>            then each shard, visible under its name once verified,
+    <root>/<version>.partial/<name>.part       while its bytes arrive (resumed with HTTP Range)
+
+Invariant: a file named as a shard is always one whose size and SHA-256 matched the signed manifest, so the
+shard server may hand out any such file at once (pipelined relaying), and a restarted node keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from intellect_node.weights.files import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_protocol.messages import Manifest, ShardEntry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Growing:
+    """A shard whose bytes are arriving right now (cut-through relaying reads them as they land).
+
+    ``size`` bytes of the ``.part`` file are written and flushed; ``state`` is "open", then "done" (verified)
+    or "failed" (the attempt ended without a verified shard: a reader must cut its response short).
+    """
+
+    path: Path
+    size: int
+    total: int
+    state: str = "open"
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def pulse(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class WeightStore:
+    def __init__(self, root: Path, run_id: str) -> None:
+        self.root = root
+        self.run_id = run_id
+        root.mkdir(parents=True, exist_ok=True)
+        self._manifests: dict[int, Manifest] = {}
+        self._verified: dict[int, set[str]] = {}
+        self._arrived: dict[tuple[int, str], asyncio.Event] = {}
+        self._growing: dict[tuple[int, str], Growing] = {}
+        self._begun = asyncio.Event()
+        """Pulsed (set, then replaced) whenever a version starts arriving."""
+
+    # ---- reading (the shard server) -----------------------------------------------------------------
+
+    def complete_versions(self) -> list[int]:
+        return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and (p / MANIFEST_NAME).exists())
+
+    def folder(self, version: int) -> Path:
+        return self.root / str(version)
+
+    def partial(self, version: int) -> Path:
+        return self.root / f"{version}.partial"
+
+    def manifest_bytes(self, version: int) -> bytes | None:
+        for folder in (self.folder(version), self.partial(version)):
+            path = folder / MANIFEST_NAME
+            if path.exists():
+                return path.read_bytes()
+        return None
+
+    def manifest(self, version: int) -> Manifest | None:
+        if version not in self._manifests:
+            data = self.manifest_bytes(version)
+            if data is None:
+                return None
+            self._manifests[version] = verify_manifest(data, self.run_id, version)
+        return self._manifests[version]
+
+    def shard_file(self, version: int, name: str) -> Path | None:
+        """The verified file for shard ``name`` of ``version``, if this node has it."""
+        done = self.folder(version) / name
+        if done.is_file():
+            return done
+        if name in self._verified.get(version, ()):
+            return self.partial(version) / name
+        return None
+
+    def newest(self) -> int:
+        """The newest version held or arriving here (-1: none)."""
+        return max([*self.complete_versions(), *self._verified], default=-1)
+
+    def added(self) -> None:
+        """A version began arriving, or was written into the store whole (the origin): wake those waiting."""
+        self._begun.set()
+        self._begun = asyncio.Event()
+
+    async def wait_newer(self, after: int, timeout: float) -> int | None:
+        """The newest version held or arriving here once it is newer than ``after``; None after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (newest := self.newest()) <= after:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._begun.wait(), remaining)
+            except TimeoutError:
+                return None
+        return newest
+
+    async def wait_begun(self, version: int, timeout: float) -> bool:
+        """Wait until ``version`` (or a newer one) is held or arriving here; True if it is."""
+        return await self.wait_newer(version - 1, timeout) is not None
+
+    def growing(self, version: int, name: str) -> Growing | None:
+        return self._growing.get((version, name))
+
+    async def wait_shard(self, version: int, name: str, timeout: float) -> Path | Growing | None:
+        """Wait until shard ``name`` of ``version`` is verified here, or its bytes start arriving; None if
+        neither happens in time.
+
+        Waits through a version that has not started arriving yet (a child may ask a moment before its parent
+        has the manifest) and through a shard not yet requested from upstream.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not await self.wait_begun(version, timeout):
+            return None
+        manifest = self._manifests.get(version)
+        if version not in self._verified or manifest is None or all(s.name != name for s in manifest.shards):
+            return self.shard_file(version, name)
+        while (found := self.shard_file(version, name) or self.growing(version, name)) is None:
+            event = self._arrived.setdefault((version, name), asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            if version not in self._verified:  # abandoned or finished meanwhile
+                return self.shard_file(version, name)
+        return found
+
+    # ---- writing (the fetcher) ----------------------------------------------------------------------
+
+    def begin(self, version: int, manifest_data: bytes) -> tuple[Manifest, list[ShardEntry]]:
+        """Start (or resume) receiving ``version``: returns its manifest and the shards still missing.
+
+        Shards already on disk from an earlier run are re-hashed once and kept if they match.
+        """
+        manifest = verify_manifest(manifest_data, self.run_id, version)
+        if (self.folder(version) / MANIFEST_NAME).exists():
+            held = verify_manifest((self.folder(version) / MANIFEST_NAME).read_bytes(), self.run_id, version)
+            if held.checkpoint_sha256 == manifest.checkpoint_sha256:
+                self._manifests[version] = held
+                return held, []
+            shutil.rmtree(self.folder(version))  # the run restarted and reused this version number
+        partial = self.partial(version)
+        old = partial / MANIFEST_NAME
+        if old.exists() and verify_manifest(old.read_bytes(), self.run_id, version) != manifest:
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / MANIFEST_NAME).write_bytes(manifest_data)
+        self._manifests[version] = manifest
+        verified: set[str] = set()
+        for shard in manifest.shards:
+            path = partial / shard.name
+            if path.is_file():
+                if path.stat().st_size == shard.size and sha256_file(path) == shard.sha256:
+                    verified.add(shard.name)
+                else:
+                    path.unlink()
+        self._verified[version] = verified
+        self.added()
+        if verified:
+            logger.info("resuming version=%d verified_shards=%d of %d", version, len(verified), len(manifest.shards))
+        return manifest, [s for s in manifest.shards if s.name not in verified]
+
+    def part_path(self, version: int, name: str) -> Path:
+        return self.partial(version) / f"{name}.part"
+
+    def part_opened(self, version: int, name: str, have: int, total: int) -> Growing:
+        """The fetcher starts (or resumes) writing this shard's ``.part`` file; readers may follow it."""
+        old = self._growing.pop((version, name), None)
+        if old is not None:
+            old.state = "failed"
+            old.pulse()
+        growing = Growing(self.part_path(version, name), have, total)
+        self._growing[(version, name)] = growing
+        event = self._arrived.pop((version, name), None)
+        if event is not None:
+            event.set()
+        return growing
+
+    def part_grew(self, version: int, name: str, size: int) -> None:
+        growing = self._growing.get((version, name))
+        if growing is not None:
+            growing.size = size
+            growing.pulse()
+
+    def part_closed(self, version: int, name: str, verified: bool) -> None:
+        growing = self._growing.pop((version, name), None)
+        if growing is not None:
+            growing.state = "done" if verified else "failed"
+            growing.pulse()
+
+    def mark_verified(self, version: int, name: str) -> None:
+        self.part_path(version, name).rename(self.partial(version) / name)
+        self._verified.setdefault(version, set()).add(name)
+        event = self._arrived.pop((version, name), None)
+        if event is not None:
+            event.set()
+
+    def verified_count(self, version: int) -> int:
+        return len(self._verified.get(version, ()))
+
+    def finish(self, version: int) -> Path:
+        partial = self.partial(version)
+        for leftover in partial.glob("*.part"):
+            leftover.unlink()
+        partial.rename(self.folder(version))
+        self._verified.pop(version, None)
+        self.added()  # waiters re-check: a version they wait for may now be known to be skipped
+        for key in [k for k in self._arrived if k[0] == version]:
+            self._arrived.pop(key).set()
+        return self.folder(version)
+
+    def abandon(self, version: int) -> None:
+        """Stop serving a version in progress (its verified shards stay on disk for a resume)."""
+        self._verified.pop(version, None)
+        for key in [k for k in self._growing if k[0] == version]:
+            self.part_closed(*key, verified=False)
+        for key in [k for k in self._arrived if k[0] == version]:
+            self._arrived.pop(key).set()
+
+    def prune(self, keep: int, max_bytes: int | None = None) -> None:
+        """Keep the newest ``keep`` complete versions (fewer if they exceed ``max_bytes``, never fewer than one)."""
+        versions = self.complete_versions()
+        kept: list[int] = []
+        total = 0
+        for v in reversed(versions):
+            size = sum(p.stat().st_size for p in self.folder(v).iterdir() if p.is_file())
+            if kept and (len(kept) >= keep or (max_bytes is not None and total + size > max_bytes)):
+                shutil.rmtree(self.folder(v), ignore_errors=True)
+                self._manifests.pop(v, None)
+                continue
+            kept.append(v)
+            total += size
+        newest = max(kept, default=-1)
+        for p in self.root.glob("*.partial"):
+            stem = p.name.split(".")[0]
+            if stem.isdigit() and int(stem) < newest and int(stem) not in self._verified:
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,141 @@
+"""The validator on the tiny model: honest batches pass at every batch size; each way of cheating is caught
+for the reason it should be (the detection benchmark does the same on SmolLM2, benchmarks/toploc_detect.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from intellect_node.config import RunConfig
+from intellect_node.judging.validator import Validator, expected_proofs
+from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
+from intellect_node.roles.inference import generate_batch
+from intellect_protocol.messages import RolloutBatch, RunSpec, TaskSpec
+
+RUN = RunConfig(sampling={"max_new_tokens": 12, "group_size": 4})  # type: ignore[arg-type]
+NODE = "b" * 32
+
+
+def _spec(tasks_per_batch: int = 2) -> RunSpec:
+    return RunSpec(
+        run_id="a" * 32,
+        created=0.0,
+        seed=11,
+        model=RUN.model,
+        task=TaskSpec(tasks_per_batch=tasks_per_batch, max_operand=RUN.task.max_operand),
+        sampling=RUN.sampling,
+        train=RUN.train,
+        verify=RUN.verify,
+    )
+
+
+SPEC = _spec()
+TOK = build_tokenizer(SPEC.model)
+MODEL = build_model(SPEC.model, TOK)
+VALIDATOR = Validator(SPEC, TOK, copy.deepcopy(MODEL))
+
+
+def _batch(index: int = 0, model: torch.nn.Module = MODEL, spec: RunSpec = SPEC, **sampling: object) -> RolloutBatch:
+    return generate_batch(spec, model, TOK, NODE, 0, index, **sampling)
+
+
+def _edit(batch: RolloutBatch, **changes: object) -> RolloutBatch:
+    groups = [batch.groups[0].model_copy(update=changes), *batch.groups[1:]]
+    return batch.model_copy(update={"groups": groups})
+
+
+@pytest.mark.parametrize("tasks_per_batch", [1, 2, 8])
+def test_honest_batches_pass_at_every_batch_size(tasks_per_batch: int) -> None:
+    spec = _spec(tasks_per_batch)
+    validator = Validator(spec, TOK, copy.deepcopy(MODEL))
+    for index in range(3):
+        finding = validator.check(_batch(index, spec=spec))
+        assert finding.ok, (finding.reason, finding.detail)
+        assert finding.completions == tasks_per_batch * spec.sampling.group_size
+        assert min(finding.rederived) == 1.0
+
+
+def test_greedy_and_another_temperature_fail_the_sampling_check() -> None:
+    assert VALIDATOR.check(_batch(greedy=True)).reason == "sampling"
+    assert VALIDATOR.check(_batch(draw_temperature=0.5)).reason == "sampling"
+
+
+def test_a_token_edited_after_generation_is_caught() -> None:
+    batch = _batch()
+    completion = list(batch.groups[0].completions[0])
+    middle = len(completion) // 2
+    completion[middle] = (completion[middle] + 1) % len(SPEC.model.vocab)
+    completions = [completion, *batch.groups[0].completions[1:]]
+    assert VALIDATOR.check(_edit(batch, completions=completions)).reason in ("toploc", "sampling")
+
+
+def test_perturbed_weights_and_another_model_fail_toploc() -> None:
+    perturbed = copy.deepcopy(MODEL)
+    with torch.no_grad():
+        w = perturbed.model.layers[0].mlp.down_proj.weight
+        w.add_(0.01 * w.abs() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    assert VALIDATOR.check(_batch(model=perturbed)).reason == "toploc"
+    other = build_model(SPEC.model.model_copy(update={"init_seed": 99}), TOK)
+    assert VALIDATOR.check(_batch(model=other)).reason == "toploc"
+
+
+def test_reward_task_termination_and_missing_proofs() -> None:
+    batch = _batch()
+    assert VALIDATOR.check(_edit(batch, rewards=[1.0] * 4)).reason == "reward_mismatch"
+    other = generate_batch(SPEC, MODEL, TOK, NODE, 0, 5).groups[0]
+    assert other.prompt_ids != batch.groups[0].prompt_ids
+    assert VALIDATOR.check(_edit(batch, prompt_ids=other.prompt_ids)).reason == "unassigned_task"
+    # a completion stopped early without EOS: drop the EOS (or, if none, all but the first token)
+    short = [c[:-1] if len(c) > 1 else c for c in batch.groups[0].completions]
+    assert short != batch.groups[0].completions and all(len(c) < 12 for c in short)
+    logprobs = [lp[: len(c)] for lp, c in zip(batch.groups[0].logprobs, short, strict=True)]
+    proofs = [
+        ps[: expected_proofs(len(c), SPEC.verify.decode_batch)]
+        for ps, c in zip(batch.groups[0].proofs, short, strict=True)
+    ]
+    cut = _edit(batch, completions=short, logprobs=logprobs, proofs=proofs, rewards=[])
+    assert VALIDATOR.check(cut).reason == "termination"
+    no_proofs = _edit(batch, proofs=[[] for _ in batch.groups[0].completions])
+    assert VALIDATOR.check(no_proofs).reason == "bad_content"  # malformed: refused, not judged
+
+
+def test_proofs_of_other_rollouts_and_made_up_logprobs_are_caught() -> None:
+    batch, other = _batch(0), _batch(1)
+    g0, g1 = batch.groups[0], other.groups[0]
+    # borrow proofs of the same shape from another rollout
+    borrowed = [
+        next(p for p in (q for g in other.groups for q in g.proofs) if len(p) == len(mine))
+        if any(len(q) == len(mine) for g in other.groups for q in g.proofs)
+        else mine
+        for mine in g0.proofs
+    ]
+    assert borrowed != g0.proofs and g1.proofs
+    assert VALIDATOR.check(_edit(batch, proofs=borrowed)).reason == "toploc"
+    # log-probs are GRPO's logp_old: a worker that shades them steers the update
+    shaded = [[min(0.0, x + 0.5) for x in lp] for lp in g0.logprobs]
+    assert VALIDATOR.check(_edit(batch, logprobs=shaded)).reason == "logprobs"
+    assert encode_prompt(TOK, "1+1=")[0] == TOK.bos_token_id
+
+
+def test_spot_checks_choose_an_unpredictable_share_and_catch_a_cheat_on_a_chosen_row() -> None:
+    spec = _spec(2).model_copy(update={"verify": RUN.verify.model_copy(update={"check_fraction": 0.25})})
+    a = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"a" * 32)
+    b = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"b" * 32)
+    batch = generate_batch(spec, MODEL, TOK, NODE, 0, 0)
+    n = sum(len(g.completions) for g in batch.groups)
+    chosen = a.spot_check(batch, n)
+    assert len(chosen) == 2 == len(set(chosen)) and chosen == a.spot_check(batch, n)  # 25% of 8, stable per key
+    picks = {tuple(Validator(spec, TOK, MODEL, secret=bytes([i]) * 32).spot_check(batch, n)) for i in range(12)}
+    assert len(picks) > 3  # another key, another choice: a worker cannot know which rows are checked
+    finding = a.check(batch)
+    assert finding.ok and len(finding.rederived) == 2  # only the chosen rows cost model time
+    # one row sampled at another temperature: caught exactly by the validators whose draw includes it
+    cheat = generate_batch(spec, MODEL, TOK, NODE, 0, 0, draw_temperature=0.3)
+    rows = [c for g in batch.groups for c in g.completions]
+    bad = [c for g in cheat.groups for c in g.completions]
+    changed = {i for i in range(n) if rows[i] != bad[i]}
+    for validator in (a, b):
+        caught = validator.check(cheat).reason == "sampling"
+        assert caught == bool(changed & set(validator.spot_check(cheat, n)))

@@ -1,0 +1,104 @@
+"""Integration: a trainer killed mid-run (SIGKILL, its DHT and p2pd too) restarts from its checkpoint with the same
+key; the inference node keeps running and catches up; no step is trained twice and no version number is reused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from intellect_node.launch import NodeProcess
+from intellect_node.roles.trainer_checkpoint import CheckpointDir
+
+STEPS = 9
+KILL_AT = 4
+
+
+def _status(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/status", timeout=10) as resp:
+        data: dict[str, Any] = json.load(resp)
+        return data
+
+
+def _manifests(root: Path) -> dict[int, str]:
+    return {
+        int(p.parent.name): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in root.glob("*/manifest.msgpack")
+        if p.parent.name.isdigit()
+    }
+
+
+def test_a_killed_trainer_resumes_and_the_swarm_catches_up(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    data = tmp_path / "trainer"
+    boot = ["bootstrap", "--data-dir", str(data), "--max-steps", str(STEPS)]
+    nodes: list[NodeProcess] = []
+    try:
+        first = NodeProcess("trainer", boot, logs)
+        nodes.append(first)
+        ready = first.wait_ready(timeout=120)
+        worker = NodeProcess(
+            "inference",
+            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(tmp_path / "inference")],
+            logs,
+        )  # fmt: skip
+        nodes.append(worker)
+        worker_ready = worker.wait_ready(timeout=120)
+        first.wait_for_line(f"STEP {KILL_AT} ", timeout=300)
+        os.killpg(first.proc.pid, signal.SIGKILL)  # no chance to save anything on the way out
+        first.proc.wait(timeout=30)
+        weights = data / "weights" / ready["run_id"]
+        before = _manifests(weights)
+        assert before, "the first trainer published nothing"
+
+        second = NodeProcess("trainer-2", boot, logs)  # the same command, the same key: it resumes
+        nodes.append(second)
+        ready2 = second.wait_ready(timeout=120)
+        assert ready2["run_id"] == ready["run_id"]
+        second.wait_for_line(f"STEP {STEPS} ", timeout=300)
+        status = _status(ready2["status_url"])
+        resumed = status["resumed"]
+        # it resumes from the last durable checkpoint: the killed step's, or the one before if the kill came while
+        # it was being written; no version had been published beyond it (a checkpoint precedes its publication)
+        assert resumed is not None and resumed["from_step"] >= KILL_AT - 1, resumed
+        assert max(before) <= resumed["from_step"], (sorted(before), resumed)
+        # every step exactly once, across both lives of the trainer
+        assert [h["step"] for h in status["history"]] == list(range(1, STEPS + 1))
+        # a version number that went out before the crash still names the same signed weights
+        after = _manifests(weights)
+        for version in set(before) & set(after):
+            assert before[version] == after[version], f"version {version} was republished with other weights"
+        # the inference node never stopped; it moved on to versions the resumed trainer trained
+        versions = _status(worker_ready["status_url"])["versions_loaded"]
+        assert versions == sorted(set(versions)), versions
+        assert max(versions) > resumed["from_step"], versions
+        assert status["accepted_groups_by_node"].get(worker_ready["node_id"], 0) > 0
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def test_the_spool_returns_every_whole_record_and_ignores_a_torn_tail(tmp_path: Path) -> None:
+    ckpt = CheckpointDir(tmp_path)
+    ckpt.start_spool(3)
+    ckpt.append(b"a" * 10)
+    ckpt.start_spool(5)
+    ckpt.append(b"b" * 20)
+    ckpt.append(b"c" * 30)
+    ckpt.close()
+    with open(tmp_path / "spool-00000005.bin", "ab") as f:
+        f.write(b"\x00\x00\x01\x00partial")  # a record cut by a crash
+    assert ckpt.spooled_since(3) == [b"a" * 10, b"b" * 20, b"c" * 30]
+    assert ckpt.spooled_since(4) == [b"b" * 20, b"c" * 30]
+    ckpt.write(4, {"step": 4})
+    ckpt.write(5, {"step": 5})
+    ckpt.write(6, {"step": 6})
+    assert ckpt.steps() == [5, 6]
+    latest = ckpt.latest()
+    assert latest is not None and latest["step"] == 6
+    assert not (tmp_path / "spool-00000003.bin").exists()  # covered by the kept checkpoints

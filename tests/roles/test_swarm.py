@@ -1,0 +1,288 @@
+"""Integration: a trainer, a validator and two inference nodes as real processes on loopback, and hostile peers.
+
+One swarm serves the whole module: it trains 6 steps (async level 2), every batch judged by the validator node,
+while the test process joins the DHT as a plain hivemind client, as a peer that sends bad batches over the
+trainer's libp2p submit protocol, and as a registered worker that cheats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from intellect_node.config import RunConfig
+from intellect_node.judging.validator import expected_proofs
+from intellect_node.launch import NodeProcess
+from intellect_node.p2p.keys import load_or_create
+from intellect_node.p2p.transport import HEADER, _read_frame, submit, submit_protocol
+from intellect_node.policy.model import build_tokenizer, encode_prompt
+from intellect_protocol.codec import Channel
+from intellect_protocol.envelope import open_signed, seal
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, SubmitReply, Verdict
+from intellect_protocol.records import NODE_TTL_S, nodes_key
+from intellect_protocol.tasks import assigned_task
+
+STEPS = 6
+
+
+@dataclass
+class Swarm:
+    root: Path
+    trainer: NodeProcess
+    ready: dict[str, Any]
+    workers: list[NodeProcess]
+    worker_ready: list[dict[str, Any]]
+    client: DHT
+    validator_id: str
+
+    @property
+    def run_id(self) -> str:
+        return str(self.ready["run_id"])
+
+    @property
+    def trainer_peer(self) -> str:
+        return str(self.ready["p2p_maddrs"][0]).rsplit("/p2p/", 1)[1]
+
+    def status(self, url: str | None = None) -> dict[str, Any]:
+        with urllib.request.urlopen((url or self.ready["status_url"]) + "/status", timeout=10) as resp:
+            data: dict[str, Any] = json.load(resp)
+            return data
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.ready["status_url"] + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def verdicts(self) -> list[bytes]:
+        with urllib.request.urlopen(self.ready["status_url"] + "/verdicts", timeout=10) as resp:
+            return [base64.b64decode(v) for v in json.load(resp)["verdicts"]]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    root = tmp_path_factory.mktemp("swarm")
+    logs = root / "logs"
+    nodes: list[NodeProcess] = []
+    client: DHT | None = None
+    try:
+        validator_id = load_or_create(root / "validator" / "node.key").node_id  # its key exists before the run
+        trainer = NodeProcess(
+            "trainer",
+            ["bootstrap", "--data-dir", str(root / "trainer"), "--max-steps", str(STEPS), "--validator", validator_id],
+            logs,
+        )
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        validator = NodeProcess(
+            "validator",
+            ["join", "--role", "validator", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(root / "validator")],
+            logs,
+        )  # fmt: skip
+        nodes.append(validator)
+        validator.wait_ready(timeout=120)
+        workers = []
+        for i in range(2):
+            argv = ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+                    "--data-dir", str(root / f"inference-{i}")]  # fmt: skip
+            workers.append(NodeProcess(f"inference-{i}", argv, logs))
+        nodes += workers
+        worker_ready = [w.wait_ready(timeout=120) for w in workers]
+        trainer.wait_for_line(f"STEP {STEPS} ", timeout=300)
+        client = DHT(initial_peers=ready["p2p_maddrs"][:1], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        yield Swarm(root, trainer, ready, workers, worker_ready, client, validator_id)
+    finally:
+        if client is not None:
+            client.shutdown()
+        for node in reversed(nodes):
+            node.stop()
+
+
+def test_training_steps_complete(swarm: Swarm) -> None:
+    status = swarm.status()
+    assert status["step"] == STEPS >= 3
+    assert [h["step"] for h in status["history"]] == list(range(1, STEPS + 1))
+    assert all(0.0 <= h["reward_mean"] <= 1.0 and h["staleness_max"] <= 2 for h in status["history"])
+
+
+def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swarm) -> None:
+    trainer = swarm.status()
+    for ready in swarm.worker_ready:
+        worker = swarm.status(ready["status_url"])
+        versions = worker["versions_loaded"]
+        assert len(versions) >= 2, versions
+        assert versions == sorted(set(versions))  # a node that joins late starts at the newest version
+        assert trainer["accepted_groups_by_node"].get(ready["node_id"], 0) > 0
+
+
+def _batch(identity: Identity, run_id: str, version: int, batch_index: int) -> RolloutBatch:
+    """A well-formed batch with exactly the tasks the run assigns to ``identity``, the right answers and made-up
+    TOPLOC proofs (so only the tested check can fail)."""
+    run = RunConfig()
+    tok = build_tokenizer(run.model)
+    eos = int(tok.eos_token_id)
+    groups = []
+    for slot in range(run.task.tasks_per_batch):
+        task = assigned_task(run.seed, identity.node_id, version, batch_index, slot, run.task.max_operand)
+        answer = list(tok.encode(task.answer, add_special_tokens=False)) + [eos]
+        made_up = [bytes(258)] * expected_proofs(len(answer), run.verify.decode_batch)  # well-formed, not real
+        groups.append(
+            RolloutGroup(
+                slot=slot,
+                prompt_ids=encode_prompt(tok, task.prompt),
+                completions=[answer] * run.sampling.group_size,
+                logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
+                proofs=[made_up] * run.sampling.group_size,
+            )
+        )
+    return RolloutBatch(
+        run_id=run_id, node_id=identity.node_id, version=version, batch_index=batch_index, groups=groups
+    )
+
+
+async def _submit(swarm: Swarm, data: bytes) -> SubmitReply:
+    p2p = await swarm.client.replicate_p2p()
+    try:
+        return await submit(p2p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id)
+    finally:
+        await p2p.shutdown()
+
+
+async def _send_frame(swarm: Swarm, frame: bytes) -> SubmitReply:
+    p2p = await swarm.client.replicate_p2p()
+    try:
+        _, reader, writer = await p2p.call_binary_stream_handler(
+            PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)
+        )
+        writer.write(frame)
+        await writer.drain()
+        reply = open_signed(await _read_frame(reader, Channel.REPLY.value), SubmitReply)
+        writer.close()
+        assert reply.signer_id == swarm.run_id
+        return reply.message
+    finally:
+        await p2p.shutdown()
+
+
+def _rejections(swarm: Swarm) -> dict[str, float]:
+    return dict(swarm.status()["rejected_batches_by_reason"])
+
+
+def test_batch_signed_by_unknown_key_is_rejected_and_counted(swarm: Swarm) -> None:
+    before = _rejections(swarm).get("unknown_signer", 0)
+    stranger = Identity.generate()
+    reply = asyncio.run(_submit(swarm, seal(stranger, _batch(stranger, swarm.run_id, STEPS, 0))))
+    assert not reply.ok and reply.reason == "unknown_signer"
+    assert _rejections(swarm)["unknown_signer"] == before + 1
+    assert 'node_trainer_batches_rejected_total{reason="unknown_signer"}' in swarm.metrics()
+
+
+def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) -> None:
+    # A registered node (its real key) replays work on version 0 while the trainer is at STEPS > async_level.
+    worker_key = load_or_create(swarm.root / "inference-0" / "node.key")
+    before = _rejections(swarm).get("stale_version", 0)
+    reply = asyncio.run(_submit(swarm, seal(worker_key, _batch(worker_key, swarm.run_id, 0, 10_000))))
+    assert not reply.ok and reply.reason == "stale_version"
+    assert _rejections(swarm)["stale_version"] == before + 1
+
+
+def test_tampered_and_malformed_and_oversized_input_is_rejected(swarm: Swarm) -> None:
+    worker_key = load_or_create(swarm.root / "inference-1" / "node.key")
+    env = msgpack.unpackb(seal(worker_key, _batch(worker_key, swarm.run_id, STEPS, 20_000)), raw=False)
+    env["sig"] = bytes(64)
+    tampered = msgpack.packb(env, use_bin_type=True)
+    garbage = b"\xc1 this is not msgpack"
+    cases = {
+        "bad_signature": len(tampered).to_bytes(HEADER, "big") + tampered,
+        "malformed": len(garbage).to_bytes(HEADER, "big") + garbage,
+        "oversized": (Channel.ROLLOUT_BATCH.value + 1).to_bytes(HEADER, "big"),  # refused before the body is read
+    }
+    before = _rejections(swarm)
+    for reason, frame in cases.items():
+        reply = asyncio.run(_send_frame(swarm, frame))
+        assert not reply.ok and reply.reason == reason
+    after = _rejections(swarm)
+    assert all(after[r] == before.get(r, 0) + 1 for r in cases)
+    assert swarm.trainer.proc.poll() is None
+    with urllib.request.urlopen(swarm.ready["status_url"] + "/health", timeout=10) as resp:
+        assert json.load(resp) == {"ok": True}
+
+
+def test_a_plain_hivemind_client_reads_the_trainers_record(swarm: Swarm) -> None:
+    """Follows docs/dht.md with hivemind, msgpack and cryptography only: no project code."""
+    found = swarm.client.get(f"intellect-node/{swarm.run_id}/nodes", latest=True)
+    assert found is not None
+    envelope = msgpack.unpackb(found.value[swarm.run_id].value, raw=False)
+    signer, body, sig = envelope["signer"], envelope["body"], envelope["sig"]
+    assert hashlib.sha256(signer).digest()[:16].hex() == swarm.run_id
+    Ed25519PublicKey.from_public_bytes(signer).verify(sig, b"intellect-node/v1/node_record\0" + body)
+    record = msgpack.unpackb(body, raw=False)
+    assert record["role"] == "trainer" and record["node_id"] == swarm.run_id
+    assert record["weight_version"] == STEPS and record["http_url"].startswith("http://127.0.0.1:")
+    assert record["updated"] <= time.time() + 1
+    spec_env = msgpack.unpackb(
+        swarm.client.get(f"intellect-node/{swarm.run_id}/spec", latest=True).value[swarm.run_id].value
+    )
+    assert msgpack.unpackb(spec_env["body"])["train"]["async_level"] == 2
+
+
+def test_every_batch_is_judged_by_the_validator_node_and_its_verdicts_are_signed(swarm: Swarm) -> None:
+    verdicts = [open_signed(v, Verdict) for v in swarm.verdicts()]
+    assert verdicts, "no verdicts published"
+    from_validator = [v for v in verdicts if v.signer_id == swarm.validator_id]
+    assert from_validator and all(v.message.ok for v in from_validator)  # honest workers pass every check
+    assert {v.message.node_id for v in from_validator} <= {r["node_id"] for r in swarm.worker_ready}
+    assert "node_trainer_remote_verdicts_total" in swarm.metrics()
+    assert swarm.status()["banned"] == {}
+
+
+def _register(swarm: Swarm, identity: Identity) -> None:
+    """Publish a signed inference record for ``identity``, as a joining node does (docs/dht.md)."""
+    record = NodeRecord(run_id=swarm.run_id, node_id=identity.node_id, role="inference", updated=time.time())
+    stored = swarm.client.store(
+        nodes_key(swarm.run_id), seal(identity, record), get_dht_time() + NODE_TTL_S, subkey=identity.node_id
+    )
+    assert stored
+    deadline = time.time() + 30
+    while time.time() < deadline:  # visible in the DHT before the trainer is asked to look it up
+        found = swarm.client.get(nodes_key(swarm.run_id), latest=True)
+        if found is not None and identity.node_id in found.value:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the record never became readable from the DHT")
+
+
+def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> None:
+    """Its batch passes every check at the door (signature, registration, version, order, assigned tasks) but
+    carries made-up completions with no TOPLOC proofs: the validator rejects it and the trainer bans the node."""
+    cheater = Identity.generate()
+    _register(swarm, cheater)
+    version = swarm.status()["step"]
+    reply = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 0))))
+    assert reply.ok, reply  # taken for validation
+    deadline = time.time() + 60
+    while cheater.node_id not in swarm.status()["banned"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert swarm.status()["banned"].get(cheater.node_id) == "toploc"
+    verdict = [
+        v for v in map(lambda b: open_signed(b, Verdict), swarm.verdicts()) if v.message.node_id == cheater.node_id
+    ]
+    assert verdict and not verdict[-1].message.ok and verdict[-1].signer_id == swarm.validator_id
+    again = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 1))))
+    assert not again.ok and again.reason == "banned"
+    assert cheater.node_id not in swarm.status()["accepted_groups_by_node"]

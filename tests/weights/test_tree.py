@@ -1,0 +1,294 @@
+"""Parent choice in the relay tree: the order DHT records give, and attaching to real shard servers (loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.fetch import Source
+from intellect_node.weights.files import write_checkpoint
+from intellect_node.weights.follower import WeightFollower
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.tree import holders, parents
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RelayInfo
+
+ORIGIN = "0" * 32
+
+
+def _rec(nid: str, depth: int, free: int, parent: str | None = None, versions: tuple[int, ...] = (1,),
+         fetching: int = -1, bps: float = 0.0) -> NodeRecord:  # fmt: skip
+    return NodeRecord(
+        run_id=ORIGIN, node_id=nid, role="trainer" if nid == ORIGIN else "relay", updated=0.0,
+        weight_version=max(versions, default=-1),
+        http_url=f"http://{nid[:4]}", relay=RelayInfo(depth=depth, parent=parent, slots_total=2, slots_free=free,
+        versions=list(versions), fetching=fetching, upload_bps=bps),
+    )  # fmt: skip
+
+
+def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
+    return {r.node_id: r for r in recs}
+
+
+def test_relays_by_depth_then_speed_and_the_origin_last() -> None:
+    a, b, c, full = "a" * 32, "b" * 32, "c" * 32, "f" * 32
+    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6),
+                    _rec(c, 1, 1, ORIGIN, bps=9e6), _rec(full, 1, 0, ORIGIN))  # fmt: skip
+    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN)] == [c, b, a, ORIGIN]
+    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN, exclude={c, ORIGIN})] == [b, a]
+
+
+def test_never_a_descendant_by_the_records() -> None:
+    me, child, grandchild, other = "e" * 32, "c" * 32, "d" * 32, "a" * 32
+    recs = _records(_rec(ORIGIN, 0, 0), _rec(child, 1, 2, me), _rec(grandchild, 2, 2, child), _rec(other, 3, 1, ORIGIN))
+    assert [x.node_id for x in parents(recs, me, ORIGIN)] == [other, ORIGIN]
+
+
+def test_alternates_hold_the_whole_version() -> None:
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(2, 3)),
+                    _rec(b, 2, 1, a, versions=(2,), fetching=3), _rec(c, 2, 0, a, versions=(3,)))  # fmt: skip
+    assert [x.node_id for x in holders(recs, "e" * 32, ORIGIN, 3)] == [a]  # b is still receiving, c is full
+
+
+class _Records:
+    """The DHT as the follower sees it: a fixed set of records (the HTTP side below is real)."""
+
+    def __init__(self, records: dict[str, NodeRecord]) -> None:
+        self.records = records
+
+    async def get_nodes(self) -> dict[str, NodeRecord]:
+        return self.records
+
+
+async def _serve(tmp_path: Path, name: str, slots: int, path: list[str]) -> tuple[ShardServer, HttpServer, str]:
+    server = ShardServer(WeightStore(tmp_path / name, ORIGIN), Metrics(), slots=slots)
+    server.path = lambda: path
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    port = await http.start("127.0.0.1", 0)
+    return server, http, f"http://127.0.0.1:{port}"
+
+
+def _follower(
+    tmp_path: Path, me: str, records: dict[str, NodeRecord], metrics: Metrics, run: str = ORIGIN
+) -> WeightFollower:
+    async def publish() -> None:
+        return None
+
+    return WeightFollower(
+        me, run, _Records(records), WeightStore(tmp_path / me[:4], run), metrics, None, 2, None, publish,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def _settled(follower: WeightFollower) -> None:
+    """Until the follower's background work (slots given back, records published) is done."""
+    while follower._tasks:
+        await asyncio.gather(*follower._tasks)
+
+
+def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> None:
+    """The records are stale (they show the origin and its child with free slots); attaching finds the truth:
+    the origin is full and names its child, the child is full and names the grandchild, which takes us."""
+    me, a, b = "e" * 32, "a" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, int, list[str], list[str]]:
+        origin, http_o, url_o = await _serve(tmp_path, "o", 1, [ORIGIN])
+        sa, http_a, url_a = await _serve(tmp_path, "a", 1, [ORIGIN, a])
+        sb, http_b, url_b = await _serve(tmp_path, "b", 1, [ORIGIN, a, b])
+        try:
+            async with aiohttp.ClientSession() as session:
+                for url, child in ((url_o, a), (url_a, b)):  # the tree as it is: origin -> a -> b
+                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": child}) as r:
+                        assert r.status == 200
+                records = {
+                    ORIGIN: _rec(ORIGIN, 0, 1).model_copy(update={"http_url": url_o}),
+                    a: _rec(a, 1, 1, ORIGIN).model_copy(update={"http_url": url_a}),
+                    b: _rec(b, 2, 1, a).model_copy(update={"http_url": url_b}),
+                }
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                return follower.parent, follower.depth, follower.path, sb.children()
+        finally:
+            for h in (http_o, http_a, http_b):
+                await h.close()
+
+    parent, depth, path, b_children = asyncio.run(main())
+    assert parent == "b" * 32 and depth == 3 and path == [ORIGIN, "a" * 32, "b" * 32, me]
+    assert b_children == [me]
+
+
+def test_a_node_takes_no_child_above_it_nor_any_while_cut_off(tmp_path: Path) -> None:
+    me, a = "e" * 32, "a" * 32
+
+    async def main() -> list[int]:
+        _, http_a, url_a = await _serve(tmp_path, "a", 2, [ORIGIN, me, a])  # a hangs below us
+        _, http_c, url_c = await _serve(tmp_path, "c", 2, [])  # lost its parent, not yet reattached
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for url in (url_a, url_c):
+                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": me}) as r:
+                        statuses.append(r.status)
+        finally:
+            await http_a.close()
+            await http_c.close()
+        return statuses
+
+    assert asyncio.run(main()) == [409, 409]
+
+
+def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
+    """Two nodes that re-parented below each other at once: at the next keep-alive the parent sees its child in
+    its own path from the origin and refuses it; the child leaves (its slot there is given back) and attaches to
+    another node (here the origin)."""
+    me, b = "e" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, float, list[str], list[str]]:
+        metrics = Metrics()
+        b_server, http_b, url_b = await _serve(tmp_path, "b", 2, [ORIGIN])
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            b: _rec(b, 1, 1, ORIGIN).model_copy(update={"http_url": url_b}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, metrics)
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == b
+                b_server.path = lambda: [ORIGIN, me, b]  # meanwhile b re-parented below us
+                await follower.attach_once(session)
+                await _settled(follower)  # the slot at b is given back in the background
+                return follower.parent, metrics.counter("node_relay_reparents_total"), follower.path, \
+                    b_server.children()
+        finally:
+            await http_b.close()
+            await http_o.close()
+
+    parent, reparents, path, b_children = asyncio.run(main())
+    assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
+
+
+def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
+    """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
+    signed by another key announces nothing."""
+    key, forger, me = Identity.generate(), Identity.generate(), "e" * 32
+    run = key.node_id
+
+    async def main() -> tuple[int, int]:
+        store = WeightStore(tmp_path / "o", run)
+        server = ShardServer(store, Metrics(), slots=2)
+        server.path = lambda: [run]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
+        metrics = Metrics()
+        follower = _follower(tmp_path, me, records, metrics, run)
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == run
+                watch = asyncio.create_task(follower.watch_parent(session))
+                try:
+                    write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
+                    store.added()
+                    await asyncio.wait_for(_until(lambda: metrics.counter("node_relay_news_rejected_total",
+                                                                          "foreign_manifest") > 0), 5.0)  # fmt: skip
+                    after_forgery = follower.announced
+                    shutil.rmtree(store.folder(1))
+                    write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
+                    store.added()
+                    await asyncio.wait_for(follower.news.wait(), 5.0)
+                    return after_forgery, follower.announced
+                finally:
+                    watch.cancel()
+        finally:
+            await http.close()
+
+    assert asyncio.run(main()) == (-1, 1)
+
+
+def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> None:
+    """After a fetch in which an alternate delivered far faster than the parent, the node moves below the
+    alternate (if it has a slot) and gives its slot at the slow parent back."""
+    me, slow, fast = "e" * 32, "a" * 32, "b" * 32
+
+    async def main() -> tuple[str | None, list[str], list[str], float]:
+        s_slow, http_s, url_s = await _serve(tmp_path, "s", 1, [ORIGIN, slow])
+        s_fast, http_f, url_f = await _serve(tmp_path, "f", 2, [ORIGIN, fast])
+        records = {slow: _rec(slow, 1, 1, ORIGIN).model_copy(update={"http_url": url_s})}
+        metrics = Metrics()
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, metrics)
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == slow and s_slow.children() == [me]
+                fetcher = follower.fetcher
+                assert fetcher is not None
+                fetcher.sources = {  # what the last fetch measured
+                    slow: Source(slow, url_s, 1, is_parent=True, bps=0.5e6, ok=5),
+                    fast: Source(fast, url_f, 1, bps=20e6, ok=4),
+                }
+                await follower._leave_slow_parent()
+                await _settled(follower)  # the slot at the slow parent is given back in the background
+                return follower.parent, s_slow.children(), s_fast.children(), \
+                    metrics.counter("node_relay_slow_parent_moves_total")
+        finally:
+            await http_s.close()
+            await http_f.close()
+
+    parent, slow_children, fast_children, moves = asyncio.run(main())
+    assert parent == fast and slow_children == [] and fast_children == [me] and moves == 1
+
+
+def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path) -> None:
+    """Deeply nested JSON (json.loads raises RecursionError) or an oversized body from a would-be parent neither
+    crashes the node nor makes it a parent: the node attaches to the origin instead."""
+    me, nasty, huge = "e" * 32, "c" * 32, "d" * 32
+
+    async def main() -> str | None:
+        async def nested(request: web.Request) -> web.Response:
+            return web.Response(text="[" * 20_000 + "]" * 20_000, content_type="application/json")
+
+        async def big(request: web.Request) -> web.Response:
+            return web.Response(text='{"path": ["' + "x" * 1_000_000 + '"]}', content_type="application/json")
+
+        http_n = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", nested)])
+        http_h = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", big)])
+        url_n = f"http://127.0.0.1:{await http_n.start('127.0.0.1', 0)}"
+        url_h = f"http://127.0.0.1:{await http_h.start('127.0.0.1', 0)}"
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            nasty: _rec(nasty, 1, 4, ORIGIN).model_copy(update={"http_url": url_n}),
+            huge: _rec(huge, 1, 4, ORIGIN).model_copy(update={"http_url": url_h}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                return follower.parent
+        finally:
+            for h in (http_n, http_h, http_o):
+                await h.close()
+
+    assert asyncio.run(main()) == ORIGIN

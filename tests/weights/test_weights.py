@@ -1,0 +1,293 @@
+"""Checkpoints end to end on loopback: signed manifests, shards verified, served by the node's shard server.
+
+The fetcher is driven with a fixed source list here; the relay tree that plans sources is tested in
+test_tree.py and, with real nodes, in test_relay_tree.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.fetch import ShardFetcher
+from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.tree import Candidate
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.identity import Identity
+
+RUN_KEY = Identity.generate()
+RUN = RUN_KEY.node_id
+
+
+def _tensors(seed: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(n)}
+
+
+def test_write_splits_into_shards_and_round_trips(tmp_path: Path) -> None:
+    tensors = _tensors()
+    manifest = write_checkpoint(tmp_path, RUN_KEY, RUN, 0, tensors, shard_bytes=40_000)
+    assert len(manifest.shards) == 2  # 64x64 fp32 is 16 KiB: two tensors fit in 40 KB, a third would not
+    folder = tmp_path / "0"
+    assert verify_manifest((folder / MANIFEST_NAME).read_bytes(), RUN, 0) == manifest
+    loaded = load_checkpoint(folder, manifest)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_manifest_signed_by_another_key_is_refused(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, Identity.generate(), RUN, 0, _tensors(), shard_bytes=1 << 20)
+    with pytest.raises(Rejected) as e:
+        verify_manifest((tmp_path / "0" / MANIFEST_NAME).read_bytes(), RUN, 0)
+    assert e.value.reason == "foreign_manifest"
+
+
+def test_manifest_of_another_version_is_refused(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 3, _tensors(), shard_bytes=1 << 20)
+    with pytest.raises(Rejected) as e:
+        verify_manifest((tmp_path / "3" / MANIFEST_NAME).read_bytes(), RUN, 4)
+    assert e.value.reason == "wrong_version"
+
+
+def test_prune_keeps_the_newest_within_the_disk_budget(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path, RUN)
+    for v in range(5):
+        write_checkpoint(tmp_path, RUN_KEY, RUN, v, _tensors(v, 2), shard_bytes=1 << 20)
+    store.prune(keep=3)
+    assert store.complete_versions() == [2, 3, 4]
+    store.prune(keep=3, max_bytes=40_000)  # one version is ~33 KB: only the newest fits
+    assert store.complete_versions() == [4]
+
+
+@contextlib.asynccontextmanager
+async def _origin(root: Path, **server_args: float) -> AsyncIterator[tuple[str, Metrics]]:
+    metrics = Metrics()
+    server = ShardServer(WeightStore(root, RUN), metrics, slots=int(server_args.pop("slots", 4)), **server_args)
+    http = HttpServer(metrics, lambda: {}, server.routes())
+    port = await http.start("127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}", metrics
+    finally:
+        await http.close()
+
+
+async def _fetch(
+    dest: Path,
+    version: int,
+    sources: list[Candidate],
+    metrics: Metrics | None = None,
+    timeout: float = 30.0,
+    stall_s: float = 30.0,
+) -> WeightStore:
+    store = WeightStore(dest, RUN)
+
+    async def find(exclude: set[str]) -> list[Candidate]:
+        return [c for c in sources if c.node_id not in exclude]
+
+    async with aiohttp.ClientSession() as session:
+        fetcher = ShardFetcher(session, store, "c" * 32, metrics or Metrics(), stall_s=stall_s)
+        await fetcher.fetch(version, find, timeout=timeout)
+    return store
+
+
+def test_fetch_verifies_every_shard_and_loads(tmp_path: Path) -> None:
+    tensors = _tensors()
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 7, tensors, shard_bytes=20_000)
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, _):
+            return await _fetch(tmp_path / "client", 7, [Candidate("a" * 32, url, 0, True)])
+
+    store = asyncio.run(main())
+    manifest = store.manifest(7)
+    assert store.complete_versions() == [7] and manifest is not None and len(manifest.shards) == 4
+    loaded = load_checkpoint(store.folder(7), manifest)
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_a_source_serving_bad_bytes_is_banned_and_the_shard_comes_from_elsewhere(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "good", RUN_KEY, RUN, 1, _tensors(), shard_bytes=20_000)
+    write_checkpoint(tmp_path / "bad", RUN_KEY, RUN, 1, _tensors(), shard_bytes=20_000)
+    for shard in sorted((tmp_path / "bad" / "1").glob("*.safetensors")):  # same manifest, corrupted bytes
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    metrics = Metrics()
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "good") as (good, _), _origin(tmp_path / "bad") as (bad, _):
+            liar = Candidate("b" * 32, bad, 1, True)  # the parent, tried first
+            return await _fetch(tmp_path / "client", 1, [liar, Candidate("a" * 32, good, 0, False)], metrics)
+
+    store = asyncio.run(main())
+    assert store.complete_versions() == [1]
+    assert metrics.counter("node_relay_bans_total") == 1
+
+
+def test_forged_manifest_is_never_acted_on(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", Identity.generate(), RUN, 2, _tensors(), shard_bytes=1 << 20)
+
+    async def main() -> None:
+        async with _origin(tmp_path / "origin") as (url, _):
+            await _fetch(tmp_path / "client", 2, [Candidate("a" * 32, url, 0, True)], metrics, timeout=1.0)
+
+    metrics = Metrics()
+    with pytest.raises(Rejected) as e:
+        asyncio.run(main())
+    assert e.value.reason == "no_source" and metrics.counter("node_relay_bans_total") == 1
+    assert not (tmp_path / "client" / "2.partial").exists()
+    assert WeightStore(tmp_path / "client", RUN).complete_versions() == []
+
+
+def test_partial_shard_resumes_with_range(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 4, _tensors(n=1), shard_bytes=1 << 20)
+    manifest_data = (tmp_path / "origin" / "4" / MANIFEST_NAME).read_bytes()
+    shard = verify_manifest(manifest_data, RUN, 4).shards[0]
+    client = WeightStore(tmp_path / "client", RUN)
+    client.begin(4, manifest_data)
+    half = (tmp_path / "origin" / "4" / shard.name).read_bytes()[: shard.size // 2]
+    client.part_path(4, shard.name).write_bytes(half)
+    metrics = Metrics()
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, origin_metrics):
+            store = await _fetch(tmp_path / "client", 4, [Candidate("a" * 32, url, 0, True)], metrics)
+            assert origin_metrics.counter("node_relay_bytes_sent_total") == shard.size - len(half)
+            return store
+
+    assert asyncio.run(main()).complete_versions() == [4]
+    assert metrics.counter("node_relay_bytes_received_total") == shard.size - len(half)
+
+
+def test_verified_shards_survive_a_restart(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 5, _tensors(), shard_bytes=20_000)
+    manifest_data = (tmp_path / "origin" / "5" / MANIFEST_NAME).read_bytes()
+    first = WeightStore(tmp_path / "client", RUN)
+    manifest, missing = first.begin(5, manifest_data)
+    for shard in manifest.shards[:3]:  # as if three shards arrived before the node was killed
+        first.part_path(5, shard.name).write_bytes((tmp_path / "origin" / "5" / shard.name).read_bytes())
+        first.mark_verified(5, shard.name)
+    _, missing = WeightStore(tmp_path / "client", RUN).begin(5, manifest_data)
+    assert [s.name for s in missing] == [manifest.shards[3].name]
+
+
+def test_a_republished_version_replaces_the_held_copy(tmp_path: Path) -> None:
+    """A trainer restarted with the same key republishes version numbers; clients must not keep stale bytes."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, {"w": torch.zeros(8)}, shard_bytes=1 << 20)
+
+    async def main() -> WeightStore:
+        async with _origin(tmp_path / "origin") as (url, _):
+            return await _fetch(tmp_path / "client", 1, [Candidate("a" * 32, url, 0, True)])
+
+    asyncio.run(main())
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, {"w": torch.ones(8)}, shard_bytes=1 << 20)
+    store = asyncio.run(main())
+    manifest = store.manifest(1)
+    assert manifest is not None and torch.equal(load_checkpoint(store.folder(1), manifest)["w"], torch.ones(8))
+
+
+def test_a_version_its_sources_dropped_is_given_up_not_waited_for_forever(tmp_path: Path) -> None:
+    """Sources keep only their newest versions: a node that fell behind must move on to the newest one."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 3, _tensors(), shard_bytes=20_000)
+    for shard in (tmp_path / "origin" / "3").glob("*.safetensors"):
+        shard.unlink()  # pruned between announcing the manifest and serving the shards
+
+    async def main() -> None:
+        async with _origin(tmp_path / "origin") as (url, _):
+            await _fetch(tmp_path / "client", 3, [Candidate("a" * 32, url, 0, True)], timeout=60, stall_s=1.0)
+
+    with pytest.raises(Rejected) as e:
+        asyncio.run(main())
+    assert e.value.reason == "stalled"
+
+
+@contextlib.asynccontextmanager
+async def _relay(root: Path, metrics: Metrics) -> AsyncIterator[tuple[str, WeightStore]]:
+    """A relay's store and shard server in this event loop (its fetcher is driven by the test)."""
+    store = WeightStore(root, RUN)
+    http = HttpServer(metrics, lambda: {}, ShardServer(store, metrics, slots=4).routes())
+    port = await http.start("127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}", store
+    finally:
+        await http.close()
+
+
+async def _through_relay(
+    tmp_path: Path,
+    upstream: list[Candidate],
+    relay: str,
+    relay_store: WeightStore,
+    relay_metrics: Metrics,
+    child_metrics: Metrics,
+    session: aiohttp.ClientSession,
+) -> WeightStore:
+    """The relay fetches version 1 from ``upstream`` while a child fetches it from the relay only."""
+
+    async def find_upstream(exclude: set[str]) -> list[Candidate]:
+        return [c for c in upstream if c.node_id not in exclude]
+
+    relaying = asyncio.create_task(ShardFetcher(session, relay_store, "r" * 32, relay_metrics).fetch(1, find_upstream))
+    child = await _fetch(tmp_path / "child", 1, [Candidate("r" * 32, relay, 1, True)], child_metrics)
+    await relaying
+    return child
+
+
+def test_a_relay_passes_a_shard_on_while_it_is_still_arriving(tmp_path: Path) -> None:
+    """Cut-through: the child's copy of the shard starts before the relay has it all (one 800 kB shard, the
+    origin's upload capped at 400 kB/s), and the child still verifies it against the signed manifest."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    relay_metrics, child_metrics = Metrics(), Metrics()
+
+    async def main() -> WeightStore:
+        async with (
+            _origin(tmp_path / "origin", upload_limit_bps=400_000) as (origin, _),
+            _relay(tmp_path / "relay", relay_metrics) as (relay, relay_store),
+            aiohttp.ClientSession() as session,
+        ):
+            upstream = [Candidate("a" * 32, origin, 0, True)]
+            return await _through_relay(tmp_path, upstream, relay, relay_store, relay_metrics, child_metrics, session)
+
+    child = asyncio.run(main())
+    manifest = child.manifest(1)
+    assert child.complete_versions() == [1] and manifest is not None
+    assert relay_metrics.counter("node_relay_streams_total") >= 1
+    assert child_metrics.counter("node_relay_bytes_received_total") == manifest.total_size
+    assert child_metrics.counter("node_relay_bans_total") == 0
+
+
+def test_unverified_bad_bytes_cost_a_relay_a_strike_not_a_ban(tmp_path: Path) -> None:
+    """A relay that passes on bytes from a lying upstream is not to blame for them: its child retries; the relay
+    bans the liar, takes the shard from the origin, and the child gets it from the relay."""
+    write_checkpoint(tmp_path / "good", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    write_checkpoint(tmp_path / "bad", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
+    for shard in (tmp_path / "bad" / "1").glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    relay_metrics, child_metrics = Metrics(), Metrics()
+
+    async def main() -> WeightStore:
+        async with (
+            _origin(tmp_path / "good") as (good, _),
+            _origin(tmp_path / "bad", upload_limit_bps=400_000) as (bad, _),
+            _relay(tmp_path / "relay", relay_metrics) as (relay, relay_store),
+            aiohttp.ClientSession() as session,
+        ):
+            upstream = [Candidate("b" * 32, bad, 0, True), Candidate("a" * 32, good, 0, False)]
+            return await _through_relay(tmp_path, upstream, relay, relay_store, relay_metrics, child_metrics, session)
+
+    child = asyncio.run(main())
+    assert child.complete_versions() == [1]
+    assert relay_metrics.counter("node_relay_bans_total") == 1  # the relay banned the liar
+    assert child_metrics.counter("node_relay_bans_total") == 0  # the child did not ban the relay
+    assert relay_metrics.counter("node_relay_streams_total") >= 1
