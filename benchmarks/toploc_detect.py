@@ -104,7 +104,8 @@ def main() -> int:
     p.add_argument("--attack-batches", type=int, default=2, help="batches of 32 rollouts per attack")
     p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
                    help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
-    p.add_argument("--layer", type=int, default=15, help="the decoder layer the perturbation attack changes")
+    p.add_argument("--layer", type=int, default=None,
+                   help="the decoder layer the perturbation attack changes (default: the middle one)")
     args = p.parse_args()
     suffix = "" if args.model == "tiny" or args.compute == "fp32" else "-bf16"
     path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
@@ -143,6 +144,8 @@ def main() -> int:
         run(f"honest, batch size {bs}", [batch(max_rows=bs) for _ in range(count)], t, True)
     k = args.attack_batches
     t = time.perf_counter()
+    if args.layer is None:
+        args.layer = len(model.model.layers) // 2
     perturbed = perturb_layer(model, 0.01, args.layer, weights=checkpoint_dtype(args.model))
     w = next(workers)
     name = f"layer {args.layer}'s weights x (1 + 0.01 N(0,1))"

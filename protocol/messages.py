@@ -328,7 +328,11 @@ class SubmitReply(WireModel):
     accepted_groups: Annotated[int, Field(ge=0)] = 0
     trainer_step: Annotated[int, Field(ge=0)] = 0
     backlog: Annotated[int, Field(ge=0)] = 0
-    """Fresh rollout groups the trainer has queued: a producer far ahead may wait for the next version."""
+    """Validated, fresh rollout groups the trainer has queued for training: a producer far ahead may wait for the
+    next version (they guarantee a step, so waiting cannot stall the run)."""
+    next_index: Annotated[int, Field(ge=-1, lt=2**31)] = -1
+    """With ``duplicate`` or ``out_of_order``: the batch index the trainer expects next from this node on this
+    version (a restarted producer continues from there); -1 otherwise."""
 
 
 class Verdict(WireModel):

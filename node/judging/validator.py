@@ -124,6 +124,8 @@ class Gate:
     def __init__(self, async_level: int) -> None:
         self.async_level = async_level
         self.next_index: dict[tuple[str, int], int] = {}
+        self.busy: set[str] = set()
+        """Nodes with a batch between ``reserve`` and ``admit``/``release``: one at a time per node."""
 
     def floor(self, step: int) -> int:
         return step - self.async_level
@@ -135,14 +137,25 @@ class Gate:
             raise Rejected("future_version", f"version {batch.version} > published {newest}")
         if batch.version < self.floor(step):
             raise Rejected("stale_version", f"version {batch.version} < step {step} - async_level")
+        if batch.node_id in self.busy:
+            raise Rejected("busy", "another batch of this node is being checked; send one at a time")
         expected = self.next_index.get((batch.node_id, batch.version), 0)
         if batch.batch_index < expected:
             raise Rejected("duplicate", f"batch {batch.batch_index} of version {batch.version} already received")
         if batch.batch_index > expected:
             raise Rejected("out_of_order", f"expected batch {expected} of version {batch.version}")
 
+    def reserve(self, batch: RolloutBatch) -> None:
+        """Hold the node's place while its batch is checked (call right after ``check``, with no await between)."""
+        self.busy.add(batch.node_id)
+
+    def release(self, batch: RolloutBatch) -> None:
+        """The reserved batch was refused: the node may send again."""
+        self.busy.discard(batch.node_id)
+
     def admit(self, batch: RolloutBatch) -> None:
         """Record a batch that passed every header and content check."""
+        self.busy.discard(batch.node_id)
         self.next_index[(batch.node_id, batch.version)] = batch.batch_index + 1
 
     def forget_before(self, floor: int) -> None:

@@ -46,13 +46,20 @@ def check_spec(value: object, run_id: str) -> RunSpec:
     return signed.message
 
 
-def check_node_record(value: object, subkey: object, run_id: str, now: float | None = None) -> NodeRecord:
+def check_node_record(
+    value: object, subkey: object, run_id: str, now: float | None = None, fresh: bool = True
+) -> NodeRecord:
+    """A node's record, checked: signed by the node it names, of this run, not from the future and, with
+    ``fresh``, signed within the last ``NODE_TTL_S`` (plus clock skew). Readers check freshness per record; the
+    DHT's own validator must not (see ``RecordValidator``)."""
     if not isinstance(value, bytes):
         raise Rejected("malformed", "DHT value is not bytes")
     signed = open_signed(value, NodeRecord)
     record = signed.message
     now = time.time() if now is None else now
-    if not now - NODE_TTL_S - CLOCK_SKEW_S <= record.updated <= now + CLOCK_SKEW_S:
+    if record.updated > now + CLOCK_SKEW_S:
+        raise Rejected("future_record", f"record signed at {record.updated:.0f}, now is {now:.0f}")
+    if fresh and record.updated < now - NODE_TTL_S - CLOCK_SKEW_S:
         raise Rejected("stale_record", f"record signed at {record.updated:.0f}, now is {now:.0f}")
     if signed.signer_id != record.node_id or subkey != record.node_id:
         raise Rejected("signer_mismatch", f"record of {record.node_id} signed by {signed.signer_id}")
@@ -64,7 +71,13 @@ def check_node_record(value: object, subkey: object, run_id: str, now: float | N
 
 
 class RecordValidator(RecordValidatorBase):
-    """Runs inside the DHT process: refuses records under this run's keys that fail our checks."""
+    """Runs inside the DHT process: refuses records under this run's keys that fail our checks.
+
+    hivemind calls this when a record is stored and again on every read, and drops a whole dictionary (every
+    node's record under ``nodes``) when one sub-record fails on read. So every rule here must hold for ever once it
+    held at store time: nothing that turns false as time passes (a record going stale). Freshness is judged per
+    record by readers; here the expiration is bounded by the record's own ``updated``, so a stale record cannot be
+    kept alive, and nothing is from the future."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
@@ -84,7 +97,9 @@ class RecordValidator(RecordValidatorBase):
             if record.key == self._spec:
                 check_spec(value, self.run_id)
                 return bool(subkey == self.run_id)
-            node = check_node_record(value, subkey, self.run_id)
+            node = check_node_record(value, subkey, self.run_id, fresh=False)
+            if record.expiration_time > node.updated + NODE_TTL_S + CLOCK_SKEW_S:
+                return False  # kept alive past its freshness: refused now, and equally at every later read
             return record.key == self._nodes or node.role == "trainer"
         except Exception:  # any failure to parse a peer's record means: do not store it
             return False

@@ -4,8 +4,9 @@ Loop: read the trainer's record from the DHT; if it announces a newer version, r
 (manifest signed by the run key, every shard hash-checked) and swap it in; derive the batch's tasks from (run
 seed, node id, version, batch index); sample a group per task; sign the batch and send it to the trainer over
 libp2p. Generation runs in a thread, so the node keeps serving /health, the DHT and weight shards while it
-works. When the trainer reports a full backlog, the node waits for the next version instead of producing
-rollouts that would go stale.
+works. When the trainer reports a full backlog, the node waits for the next version (at most ``PAUSE_MAX_S``)
+instead of producing rollouts that would go stale. A batch whose delivery failed is sent again, unchanged, before
+anything new; a node that restarted continues at the batch index the trainer says it expects.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
-from intellect_node.p2p.transport import submit
+from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_node.roles.volunteer import POLL_S, Volunteer
@@ -30,6 +31,9 @@ from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutG
 from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
+PAUSE_MAX_S = 10.0
+"""A producer the trainer told to wait asks again after this long even without a new version: backpressure
+slows producers down, it must never leave the trainer waiting on paused producers."""
 
 
 class InferenceNode(Volunteer):
@@ -84,6 +88,9 @@ class InferenceNode(Volunteer):
         tokenizer = build_tokenizer(spec.model)
         backend = make_backend(spec, tokenizer)
         paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
+        paused_since = 0.0
+        unsent: tuple[RolloutBatch, bytes] | None = None
+        """A batch whose delivery failed: sent again as it is (same index) before anything new is generated."""
         while True:
             trainer = await self.trainer()
             if trainer is None or not trainer.p2p_maddrs:
@@ -96,33 +103,45 @@ class InferenceNode(Volunteer):
                 logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
                 await asyncio.sleep(POLL_S)
                 continue
-            if paused_at is not None and self.loaded != paused_at:
+            if paused_at is not None and (self.loaded != paused_at or time.monotonic() - paused_since > PAUSE_MAX_S):
                 paused_at = None
             if self.loaded < 0 or paused_at is not None:
                 await asyncio.sleep(POLL_S)
                 continue
-            batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
-            self.batch_index += 1
+            if unsent is None:
+                batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
+                unsent = (batch, seal(self.identity, batch))
+            batch, data = unsent
             peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
             try:
-                reply = await submit(self.p2p, peer_id, self.run_id, seal(self.identity, batch), self.run_id)
-            except (TimeoutError, Rejected, OSError, asyncio.IncompleteReadError) as e:
+                reply = await submit(self.p2p, peer_id, self.run_id, data, self.run_id)
+            except (*DELIVERY_ERRORS, Rejected) as e:
                 self.metrics.inc("node_inference_submit_failures_total")
-                logger.warning("could not deliver batch version=%d: %r", batch.version, e)
+                logger.warning("could not deliver batch version=%d index=%d (will send it again): %r",
+                               batch.version, batch.batch_index, e)  # fmt: skip
                 await asyncio.sleep(POLL_S)
                 continue
+            if not reply.ok and reply.reason == "busy":  # our previous attempt is still being checked there
+                await asyncio.sleep(POLL_S)
+                continue
+            unsent = None
+            current = batch.version == self.loaded  # the index counts batches of the loaded version
+            if current:
+                self.batch_index = max(self.batch_index, batch.batch_index + 1)
             self.batches_sent += 1
             self.metrics.inc("node_inference_batches_sent_total")
             if reply.ok:
                 self.batches_accepted += 1
                 if reply.backlog >= 2 * spec.train.batch_groups:
-                    paused_at = self.loaded
-            else:
-                self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
-                self.metrics.inc("node_inference_batches_refused_total", label=reply.reason)
-                logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
-                if reply.reason in ("stale_version", "duplicate", "out_of_order", "backlog_full"):
-                    paused_at = self.loaded
+                    paused_at, paused_since = self.loaded, time.monotonic()
+                continue
+            self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
+            self.metrics.inc("node_inference_batches_refused_total", label=reply.reason)
+            logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
+            if reply.reason in ("duplicate", "out_of_order") and reply.next_index >= 0 and current:
+                self.batch_index = reply.next_index  # we restarted, or lost a reply: continue where it expects
+            elif reply.reason in ("stale_version", "duplicate", "out_of_order", "backlog_full"):
+                paused_at, paused_since = self.loaded, time.monotonic()
 
 
 def generate_batch(

@@ -130,12 +130,13 @@ class Trainer(ValidationPipeline, Checkpoints):
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
-    def reject(self, e: Rejected, peer: str, node_id: str = "") -> SubmitReply:
+    def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
         if node_id:
             self.rejected_by_node[node_id] += 1
         logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
-        return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step)
+        return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step,
+                           next_index=next_index)  # fmt: skip
 
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
@@ -156,6 +157,7 @@ class Trainer(ValidationPipeline, Checkpoints):
 
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
         node_id = ""
+        batch: RolloutBatch | None = None
         try:
             signer, body = open_envelope(data, RolloutBatch)
             node_id = node_id_of(signer)
@@ -175,9 +177,24 @@ class Trainer(ValidationPipeline, Checkpoints):
             queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
             if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
                 raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
-            groups = await asyncio.to_thread(self._check_contents, batch)  # code rewards run programs
+            # Reserved before the first await: the same batch on another stream, or this node's next one, is
+            # refused until this one is admitted or refused (a duplicate check and an admission separated by an
+            # await let one signed batch in 16 times).
+            self.gate.reserve(batch)
+            try:
+                groups = await asyncio.to_thread(self._check_contents, batch)  # code rewards run programs
+            except Rejected:
+                self.gate.release(batch)
+                raise
+            except Exception as e:  # a completion our scoring cannot take (say, an integer of 5,000 digits)
+                self.gate.release(batch)
+                logger.info("could not check batch node=%s: %r", node_id, e)
+                raise Rejected("unscorable", f"{type(e).__name__}: {str(e)[:200]}") from None
         except Rejected as e:
-            return self.reject(e, peer, node_id)
+            expected = -1
+            if batch is not None and e.reason in ("duplicate", "out_of_order"):
+                expected = self.gate.next_index.get((batch.node_id, batch.version), 0)
+            return self.reject(e, peer, node_id, expected)
         self.gate.admit(batch)
         key = (node_id, batch.version, batch.batch_index)
         self.envelopes[key] = data
@@ -190,8 +207,11 @@ class Trainer(ValidationPipeline, Checkpoints):
         return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
 
     def _backlog(self) -> int:
+        """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number
+        cannot stall the run, since they are enough for a step and a step publishes the version it waits for.
+        (Counting groups still being validated deadlocked small runs: the filter then dropped most of them.)"""
         floor = self._fresh_floor()
-        return sum(1 for g in self.queue if g.version >= floor) + sum(self.pending_by_node.values())
+        return sum(1 for g in self.queue if g.version >= floor)
 
     # ---- training ------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import time
 
 from intellect_node.p2p.dht import Membership
 from intellect_protocol.messages import NodeRecord
+from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S
 
 logger = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 1.0
@@ -69,10 +70,20 @@ class NodeRegistry:
             return self.records.get(node_id)
 
     async def refresh(self) -> None:
+        """Merge a fresh read into what is known: a read that misses nodes (a partial answer under load, or a
+        DHT that does not answer) never empties a working registry; a record leaves only once it is stale."""
         try:
-            self.records = await self.membership.get_nodes()
+            fresh = await self.membership.get_nodes()
         except (TimeoutError, OSError) as e:
             logger.warning("could not refresh the node registry from the DHT: %r", e)
+            fresh = {}
+        merged = dict(self.records)
+        for node_id, record in fresh.items():
+            known = merged.get(node_id)
+            if known is None or record.updated >= known.updated:
+                merged[node_id] = record
+        oldest = time.time() - NODE_TTL_S - CLOCK_SKEW_S
+        self.records = {n: r for n, r in merged.items() if r.updated >= oldest}
 
     async def validators(self, trusted: list[str]) -> list[NodeRecord]:
         """Registered validator nodes among ``trusted``, in turn (a different one first at each call)."""

@@ -139,3 +139,30 @@ def test_spot_checks_choose_an_unpredictable_share_and_catch_a_cheat_on_a_chosen
     for validator in (a, b):
         caught = validator.check(cheat).reason == "sampling"
         assert caught == bool(changed & set(validator.spot_check(cheat, n)))
+
+
+def test_the_gate_admits_each_batch_once_in_order_and_one_at_a_time_per_node() -> None:
+    from intellect_node.judging.validator import Gate
+    from intellect_protocol.envelope import Rejected
+
+    gate = Gate(async_level=2)
+    first, second = _batch(0), _batch(1)
+
+    def refusal(batch: RolloutBatch, step: int = 2) -> str:
+        try:
+            gate.check(batch, step)
+        except Rejected as e:
+            return e.reason
+        return ""
+
+    assert refusal(second) == "out_of_order"
+    assert refusal(first) == ""
+    gate.reserve(first)  # being checked: the same batch, or the node's next, must wait
+    assert refusal(first) == refusal(second) == "busy"
+    gate.release(first)  # refused after all: the node may send it again
+    assert refusal(first) == ""
+    gate.reserve(first)
+    gate.admit(first)
+    assert refusal(first) == "duplicate" and refusal(second) == ""
+    assert refusal(first, step=3) == "stale_version"
+    assert refusal(_batch(0), step=-1) == "future_version"

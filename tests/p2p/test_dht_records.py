@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 from intellect_node.config import RunConfig
-from intellect_node.p2p.dht import RecordValidator
-from intellect_protocol.envelope import seal
+from intellect_node.p2p.dht import Membership, RecordValidator, check_node_record
+from intellect_node.p2p.metrics import Metrics
+from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RunSpec
-from intellect_protocol.records import nodes_key, spec_key
+from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S, nodes_key, spec_key
 
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
@@ -60,3 +63,66 @@ def test_forged_records_are_refused() -> None:
     assert not VALIDATOR.validate(_record(nodes, WORKER.node_id, 12345))
     assert not VALIDATOR.validate(_record(spec_key(RUN_ID), RUN_ID, _spec(other)))  # spec not by the run key
     assert not VALIDATOR.validate(_record(spec_key(RUN_ID), "other", _spec(RUN_KEY)))
+
+
+def _at(identity: Identity, updated: float) -> bytes:
+    return seal(identity, NodeRecord(run_id=RUN_ID, node_id=identity.node_id, role="inference", updated=updated))
+
+
+def test_the_validator_judges_a_record_the_same_at_store_time_and_ever_after() -> None:
+    """hivemind re-validates on every read and drops the whole ``nodes`` dictionary when one sub-record fails, so
+    no rule may turn false as time passes: freshness is the reader's business, and the expiration is bounded by
+    the record's own ``updated``."""
+    nodes = nodes_key(RUN_ID)
+    old = time.time() - NODE_TTL_S - CLOCK_SKEW_S - 60  # stale to any reader
+    kept_short = DHTRecord(DHTID.generate(source=nodes).to_bytes(), MSGPackSerializer.dumps(WORKER.node_id),
+                           MSGPackSerializer.dumps(_at(WORKER, old)), old + NODE_TTL_S)  # fmt: skip
+    assert VALIDATOR.validate(kept_short)  # expired by its own bound: nothing to refuse at a later read
+    kept_alive = _record(nodes, WORKER.node_id, _at(WORKER, old))  # a stale record given a fresh expiration
+    assert not VALIDATOR.validate(kept_alive)
+    future = _record(nodes, WORKER.node_id, _at(WORKER, time.time() + CLOCK_SKEW_S + 60))
+    assert not VALIDATOR.validate(future)
+    with pytest.raises(Rejected, match="stale_record"):
+        check_node_record(_at(WORKER, old), WORKER.node_id, RUN_ID)
+
+
+def test_one_record_going_stale_does_not_hide_the_others_from_readers() -> None:
+    """The attack: a signed record that passes the store-time checks and turns stale while the DHT keeps it made
+    hivemind drop every node's record for every reader (the trainer then refused all batches as unknown_signer).
+    Two real DHT peers; the attacker stores through the reader's peer."""
+
+    async def scenario() -> tuple[bool, set[str], set[str]]:
+        a = Membership(RUN_KEY, RUN_ID, Metrics())
+        b = Membership(WORKER, RUN_ID, Metrics())
+        try:
+            maddrs = await a.start("127.0.0.1", 0, [])
+            await b.start("127.0.0.1", 0, maddrs[:1])
+            assert await b.publish_record(
+                NodeRecord(run_id=RUN_ID, node_id=WORKER.node_id, role="inference", updated=time.time())
+            )
+            honest = Identity.generate()
+            now = time.time()
+            assert b.dht is not None
+            store = b.dht.store
+            ok = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(honest, now), now + NODE_TTL_S,
+                                         subkey=honest.node_id)  # fmt: skip
+            assert ok
+            attacker = Identity.generate()
+            edge = now - NODE_TTL_S - CLOCK_SKEW_S + 1.0  # fresh for one more second
+            far = now + NODE_TTL_S + CLOCK_SKEW_S - 1
+            old_attack = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(attacker, edge), far,
+                                                 subkey=attacker.node_id)  # fmt: skip
+            allowed = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(attacker, edge),
+                                              edge + NODE_TTL_S + CLOCK_SKEW_S, subkey=attacker.node_id)  # fmt: skip
+            assert allowed  # a record may live as long as it is fresh, not longer
+            while time.time() < edge + NODE_TTL_S + CLOCK_SKEW_S + 0.5:  # until it has turned stale
+                await asyncio.sleep(0.1)
+            return old_attack, set(await a.get_nodes()), set(await b.get_nodes())
+        finally:
+            await b.close()
+            await a.close()
+
+    old_attack, seen_a, seen_b = asyncio.run(scenario())
+    assert not old_attack  # a stale-to-be record kept alive past its freshness is refused at store time
+    assert WORKER.node_id in seen_a and WORKER.node_id in seen_b
+    assert len(seen_a) == len(seen_b) == 2  # the two honest records; the attacker's is gone

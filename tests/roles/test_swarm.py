@@ -286,3 +286,34 @@ def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> N
     again = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 1))))
     assert not again.ok and again.reason == "banned"
     assert cheater.node_id not in swarm.status()["accepted_groups_by_node"]
+
+
+def test_one_signed_batch_sent_on_16_streams_at_once_is_admitted_once(swarm: Swarm) -> None:
+    """The duplicate check and the admission are one step: copies racing on parallel streams are refused."""
+    sender = Identity.generate()
+    _register(swarm, sender)
+    data = seal(sender, _batch(sender, swarm.run_id, swarm.status()["step"], 0))
+
+    async def flood() -> list[SubmitReply]:
+        p2p = await swarm.client.replicate_p2p()
+        try:
+            return await asyncio.gather(
+                *(submit(p2p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id) for _ in range(16))
+            )
+        finally:
+            await p2p.shutdown()
+
+    replies = asyncio.run(flood())
+    assert sum(r.ok for r in replies) == 1, [r.reason for r in replies]
+    # the copies: a duplicate, or refused while the first was being checked ("banned" once its fake proofs fail)
+    assert {r.reason for r in replies if not r.ok} <= {"duplicate", "busy", "banned"}
+    one_batch = RunConfig().task.tasks_per_batch
+    assert swarm.status()["accepted_groups_by_node"].get(sender.node_id, 0) <= one_batch
+
+
+def test_a_producer_out_of_step_is_told_where_to_continue(swarm: Swarm) -> None:
+    """A restarted producer that numbers its batches from the wrong place learns the index the trainer expects."""
+    restarted = Identity.generate()
+    _register(swarm, restarted)
+    reply = asyncio.run(_submit(swarm, seal(restarted, _batch(restarted, swarm.run_id, swarm.status()["step"], 3))))
+    assert not reply.ok and reply.reason == "out_of_order" and reply.next_index == 0
