@@ -1,8 +1,10 @@
 """msgpack encoding with explicit size limits and no code execution.
 
 Every channel has a maximum message size, checked before a single byte is decoded. Decoding refuses msgpack
-extension types (the hook that pickle-like formats use), non-string map keys and trailing bytes, so a
-peer can only ever hand us plain maps, lists, strings, bytes and numbers.
+extension types (the hook that pickle-like formats use), non-string map keys, repeated keys, trailing bytes and
+more containers than any honest message holds, so a peer can only ever hand us a bounded amount of plain maps,
+lists, strings, bytes and numbers. Envelopes are not decoded by msgpack at all before their signature is checked
+(``envelope.open_envelope`` reads their fixed shape byte by byte).
 """
 
 from __future__ import annotations
@@ -42,18 +44,52 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+MAX_MAPS = 4096
+"""Maps one message may hold (the largest honest message, a rollout batch, holds a few per group)."""
+MAX_ARRAYS = 1 << 16
+"""Arrays one message may hold (a few per completion)."""
+
+
+class _Budget:
+    """Counts containers as msgpack builds them and stops the decode past the limits: a frame of a few MiB
+    of nested empty maps would otherwise cost hundreds of MB of Python objects."""
+
+    def __init__(self) -> None:
+        self.maps = 0
+        self.arrays = 0
+
+    def map(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self.maps += 1
+        if self.maps > MAX_MAPS:
+            raise CodecError("malformed", f"more than {MAX_MAPS} maps")
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise CodecError("malformed", "a map repeats a key")
+        return out
+
+    def array(self, items: list[Any]) -> list[Any]:
+        self.arrays += 1
+        if self.arrays > MAX_ARRAYS:
+            raise CodecError("malformed", f"more than {MAX_ARRAYS} arrays")
+        return items
+
+
 def unpack(data: bytes, channel: Channel) -> Any:
     """Decode one message of ``channel``; raises CodecError('oversized' | 'malformed')."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("malformed", f"expected bytes, got {type(data).__name__}")
     if len(data) > channel.value:
         raise CodecError("oversized", f"{len(data)} bytes > {channel.name} limit of {channel.value}")
+    budget = _Budget()
     try:
         return msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
             ext_hook=_refuse_ext,
+            object_pairs_hook=budget.map,
+            list_hook=budget.array,
+            max_ext_len=0,
         )
     except CodecError:
         raise

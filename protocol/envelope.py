@@ -52,24 +52,101 @@ def seal(identity: Identity, message: WireModel) -> bytes:
     return data
 
 
+class _Reader:
+    """Reads an envelope's few msgpack items by hand: nothing is allocated that the fixed shape does not need."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, n: int) -> bytes:
+        if self.at + n > len(self.data):
+            raise Rejected("malformed", "the envelope ends early")
+        out = self.data[self.at : self.at + n]
+        self.at += n
+        return bytes(out)
+
+    def byte(self) -> int:
+        return self.take(1)[0]
+
+    def uint(self) -> int:
+        b = self.byte()
+        if b <= 0x7F:
+            return b
+        if b in (0xCC, 0xCD, 0xCE):
+            return int.from_bytes(self.take({0xCC: 1, 0xCD: 2, 0xCE: 4}[b]), "big")
+        raise Rejected("malformed", "the protocol version is not a small unsigned integer")
+
+    def str(self, limit: int) -> str:
+        b = self.byte()
+        if 0xA0 <= b <= 0xBF:
+            n = b & 0x1F
+        elif b == 0xD9:
+            n = self.byte()
+        else:
+            raise Rejected("malformed", "expected a short string in the envelope")
+        if n > limit:
+            raise Rejected("malformed", f"a string of {n} bytes in the envelope (at most {limit})")
+        try:
+            return self.take(n).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Rejected("malformed", "a string in the envelope is not UTF-8") from None
+
+    def bin(self, limit: int) -> bytes:
+        b = self.byte()
+        if b not in (0xC4, 0xC5, 0xC6):
+            raise Rejected("malformed", "signer, body and sig must be bytes")
+        n = int.from_bytes(self.take({0xC4: 1, 0xC5: 2, 0xC6: 4}[b]), "big")
+        if n > limit:
+            raise Rejected("malformed", f"a field of {n} bytes in the envelope (at most {limit})")
+        return self.take(n)
+
+
+_FIELDS = ("v", "kind", "signer", "body", "sig")
+
+
+def _parse(data: bytes, limit: int) -> dict[str, object]:
+    """The envelope's five fields, read strictly: a map of exactly those keys, each of its type and size, and
+    nothing after it. No general msgpack decoder sees a peer's bytes before the signature is checked."""
+    reader = _Reader(data)
+    if reader.byte() != 0x80 | len(_FIELDS):
+        raise Rejected("malformed", "not a signed envelope")
+    env: dict[str, object] = {}
+    for _ in _FIELDS:
+        key = reader.str(8)
+        if key not in _FIELDS or key in env:
+            raise Rejected("malformed", "not a signed envelope")
+        if key == "v":
+            env[key] = reader.uint()
+        elif key == "kind":
+            env[key] = reader.str(64)
+        elif key == "signer":
+            env[key] = reader.bin(32)
+        elif key == "sig":
+            env[key] = reader.bin(64)
+        else:
+            env[key] = reader.bin(limit)
+    if reader.at != len(data):
+        raise Rejected("malformed", "bytes after the envelope")
+    return env
+
+
 def open_envelope(data: bytes, schema: type[M]) -> tuple[bytes, bytes]:
     """Check size, envelope, version, kind and signature; returns (signer, body) with the body still encoded.
 
     Lets a receiver decide whether it wants this signer's message at all before it pays for decoding the body.
     """
-    try:
-        env = unpack(data, schema.CHANNEL)
-    except CodecError as e:
-        raise Rejected(e.reason, e.detail) from None
-    if not isinstance(env, dict) or not {"v", "kind", "signer", "body", "sig"} <= env.keys():
-        raise Rejected("malformed", "not a signed envelope")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise Rejected("malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > schema.CHANNEL.value:
+        raise Rejected("oversized", f"{len(data)} bytes > {schema.CHANNEL.name} limit of {schema.CHANNEL.value}")
+    env = _parse(bytes(data), schema.CHANNEL.value)
     if env["v"] != PROTOCOL_VERSION:
         raise Rejected("version", f"protocol {env['v']!r}, this node speaks {PROTOCOL_VERSION}")
     if env["kind"] != schema.KIND:
         raise Rejected("kind", f"expected {schema.KIND}, got {str(env['kind'])[:32]!r}")
     signer, body, sig = env["signer"], env["body"], env["sig"]
-    if not (isinstance(signer, bytes) and isinstance(body, bytes) and isinstance(sig, bytes)):
-        raise Rejected("malformed", "signer, body and sig must be bytes")
+    assert isinstance(signer, bytes) and isinstance(body, bytes) and isinstance(sig, bytes)
     if not verify(signer, schema.KIND, body, sig):
         raise Rejected("bad_signature")
     return signer, body

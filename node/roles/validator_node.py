@@ -18,7 +18,7 @@ import aiohttp
 import torch
 
 from intellect_node.judging.validator import Validator
-from intellect_node.p2p.transport import RolloutServer, validate_protocol
+from intellect_node.p2p.transport import RolloutServer, off_loop_if_large, validate_protocol
 from intellect_node.policy.model import build_model, build_tokenizer, load_weights
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.weights.files import load_checkpoint
@@ -66,8 +66,8 @@ class ValidatorNode(Volunteer):
         try:
             if peer not in self.trainer_peers:
                 raise Rejected("not_trainer", "this validator judges batches for the run's trainer only")
-            signer, body = open_envelope(data, RolloutBatch)
-            batch = decode_body(signer, body, RolloutBatch).message
+            signer, body = await off_loop_if_large(len(data), open_envelope, data, RolloutBatch)
+            batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id_of(signer):

@@ -49,7 +49,8 @@ class Volunteer(abc.ABC):
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self._publish_soon = asyncio.Event()
         self.server = (
-            ShardServer(self.store, self.metrics, node.relay_slots, limit, on_change=self._publish_soon.set)
+            ShardServer(self.store, self.metrics, node.relay_slots, limit, on_change=self._publish_soon.set,
+                        node_id=self.identity.node_id)  # fmt: skip
             if node.relay
             else None
         )
@@ -147,11 +148,12 @@ class Volunteer(abc.ABC):
             keep = self.cfg.keep_versions or spec.train.async_level + 1
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
             self.follower = WeightFollower(
-                self.identity.node_id, self.run_id, self.membership, self.store, self.metrics, self.server,
+                self.identity, self.run_id, self.membership, self.store, self.metrics, self.server,
                 keep, max_bytes, self.publish,
             )  # fmt: skip
             if self.server is not None:
                 follower = self.follower
+                self.server.auth.members = follower.is_member
                 self.server.depth = lambda: follower.depth
                 self.server.path = lambda: follower.path
             await self.publish()

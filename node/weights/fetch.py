@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
-from intellect_node.weights.relay import CHILD_HEADER, LONG_POLL_S, VERIFIED_HEADER
+from intellect_node.weights.relay import LONG_POLL_S, VERIFIED_HEADER
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
 from intellect_protocol.codec import Channel
@@ -123,6 +124,8 @@ class ShardFetcher:
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
         self._picks = 0
+        self.token_for: Callable[[str], str] = lambda node_id: ""
+        """The token a source gave us with a slot (our parent's), sent with our requests to it."""
         self.strikes: dict[str, int] = {}
         """Per source: shards it passed through unverified that then failed verification."""
 
@@ -257,6 +260,9 @@ class ShardFetcher:
                 while chunk := f.read(_CHUNK):
                     digest.update(chunk)
         headers = {CHILD_HEADER: self.node_id}
+        token = self.token_for(src.node_id)
+        if token:
+            headers[TOKEN_HEADER] = token
         if have:
             headers["Range"] = f"bytes={have}-"
         url = f"{src.url}/weights/{version}/{shard.name}"

@@ -21,13 +21,15 @@ import aiohttp
 
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, signed_headers
 from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.files import verify_manifest
-from intellect_node.weights.relay import CHILD_HEADER, LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
+from intellect_node.weights.relay import LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import MAX_DEPTH, Candidate, below, holders, parents
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
+from intellect_protocol.identity import Identity
 from intellect_protocol.messages import Manifest, NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
 
@@ -51,12 +53,13 @@ ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
 ATTACH_BODY_LIMIT = 64 * 1024
+MEMBER_REFRESH_S = 2.0
 
 
 class WeightFollower:
     def __init__(
         self,
-        node_id: str,
+        identity: Identity,
         run_id: str,
         membership: Membership,
         store: WeightStore,
@@ -66,7 +69,10 @@ class WeightFollower:
         max_bytes: int | None,
         publish: Callable[[], Awaitable[object]],
     ) -> None:
-        self.node_id = node_id
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.token = ""
+        """What the parent named us with when it gave us the slot (sent on shard and news requests)."""
         self.run_id = run_id
         self.membership = membership
         self.store = store
@@ -103,6 +109,7 @@ class WeightFollower:
     def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
         self.fetcher = ShardFetcher(session, self.store, self.node_id, self.metrics)
+        self.fetcher.token_for = lambda node: self.token if self.parent == node else ""
 
     @property
     def parent(self) -> str | None:
@@ -139,6 +146,11 @@ class WeightFollower:
         self._seen = {n: (t, r) for n, (t, r) in self._seen.items() if now - t < NODE_TTL_S}
         return {n: r for n, (_, r) in self._seen.items()}
 
+    async def is_member(self, node_id: str) -> bool:
+        """Whether ``node_id`` has a valid record in the run (this node's relay slots are for members only). An
+        unknown id costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
+        return node_id in await self._records(max_age=MEMBER_REFRESH_S)
+
     def _avoiding(self) -> set[str]:
         now = time.monotonic()
         self._avoid = {n: t for n, t in self._avoid.items() if t > now}
@@ -174,11 +186,11 @@ class WeightFollower:
                 if c.node_id in tried:
                     continue
                 tried.add(c.node_id)
-                status, body = await self._post_attach(c.url)
+                status, body = await self._post_attach(c)
                 if status == 200 and self._adopt(c, body):
                     return
                 if status is None:  # it may have given us the slot before our side timed out
-                    self._detach_soon(c.url)
+                    self._detach_soon(c)
                 if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
                     names = [x for x in body["children"][:64] if isinstance(x, str)]
                     queue[:0] = below(records, names, tried | exclude | {self.node_id})
@@ -186,10 +198,12 @@ class WeightFollower:
     def _adopt(self, c: Candidate, body: object) -> bool:
         """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
         path = body.get("path") if isinstance(body, dict) else None
-        if not (isinstance(path, list) and path and all(isinstance(x, str) for x in path) and path[0] == self.run_id
-                and self.node_id not in path and len(path) < MAX_DEPTH):  # fmt: skip
-            self._detach_soon(c.url)
+        token = body.get("token") if isinstance(body, dict) else None
+        if not (_is_path(path) and path and path[0] == self.run_id and self.node_id not in path
+                and isinstance(token, str) and len(token) <= 64):  # fmt: skip
+            self._detach_soon(c)
             return False
+        self.token = token
         was = self._parent_was
         self._parent = Candidate(c.node_id, c.url, len(path) - 1, True)
         self.path = [*path, self.node_id]
@@ -212,7 +226,7 @@ class WeightFollower:
         self._parent = None
         self.path = []
         self._avoid[c.node_id] = time.monotonic() + avoid_s
-        self._detach_soon(c.url)
+        self._detach_soon(c)
         self._publish_soon()
 
     async def _leave(self, why: str, avoid_s: float) -> None:
@@ -230,16 +244,16 @@ class WeightFollower:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _detach_soon(self, url: str) -> None:
+    def _detach_soon(self, c: Candidate) -> None:
         """Give the slot back at once (best effort; it frees itself after the child TTL otherwise)."""
         if self.session is None:
             return
         session = self.session
+        headers = signed_headers(self.identity, "DELETE", "/relay/attach", c.node_id)
 
         async def detach() -> None:
             try:
-                async with session.delete(f"{url}/relay/attach", headers={CHILD_HEADER: self.node_id},
-                                          timeout=ATTACH_TIMEOUT):  # fmt: skip
+                async with session.delete(f"{c.url}/relay/attach", headers=headers, timeout=ATTACH_TIMEOUT):
                     pass
             except (aiohttp.ClientError, TimeoutError):
                 pass
@@ -249,14 +263,13 @@ class WeightFollower:
     def _publish_soon(self) -> None:
         self._background(self.publish())
 
-    async def _post_attach(self, url: str) -> tuple[int | None, object]:
-        """POST /relay/attach: (status, JSON body or None), (None, None) when the node cannot be reached. The
-        body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
+    async def _post_attach(self, c: Candidate) -> tuple[int | None, object]:
+        """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
+        The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
         assert self.session is not None
+        headers = signed_headers(self.identity, "POST", "/relay/attach", c.node_id)
         try:
-            async with self.session.post(
-                f"{url}/relay/attach", headers={CHILD_HEADER: self.node_id}, timeout=ATTACH_TIMEOUT
-            ) as resp:
+            async with self.session.post(f"{c.url}/relay/attach", headers=headers, timeout=ATTACH_TIMEOUT) as resp:
                 body: object = None
                 if resp.status in (200, 409, 503):
                     try:
@@ -307,19 +320,19 @@ class WeightFollower:
         c, old = self._faster_holder(), self._parent
         if c is None or old is None or self.fetcher is None:
             return
-        old_id, old_url = old.node_id, old.url
+        old_id = old.node_id
         was, now = self.fetcher.sources[old_id].bps, self.fetcher.sources[c.node_id].bps
-        status, body = await self._post_attach(c.url)
+        status, body = await self._post_attach(c)
         if status != 200 or self._parent is not old:
             if status == 200:
-                self._detach_soon(c.url)
+                self._detach_soon(c)
             return
         self._parent_was = old_id
         if self._adopt(c, body):
             logger.info("left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old_id, was / 1e6, c.node_id,
                         now / 1e6)  # fmt: skip
             self.metrics.inc("node_relay_slow_parent_moves_total", help="moves from a parent much slower than another")
-            self._detach_soon(old_url)
+            self._detach_soon(old)
 
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
         """Hold this node's slot at its parent, so the tree stays as it is between versions, and find a parent
@@ -357,10 +370,10 @@ class WeightFollower:
         c = self._parent
         if c is None:
             return
-        status, body = await self._post_attach(c.url)
+        status, body = await self._post_attach(c)
         if c is not self._parent:  # changed meanwhile: do not keep a second slot there
             if status == 200 and (self._parent is None or self._parent.node_id != c.node_id):
-                self._detach_soon(c.url)
+                self._detach_soon(c)
             return
         path = body.get("path") if isinstance(body, dict) else None
         reason = body.get("reason") if isinstance(body, dict) else None
@@ -369,13 +382,17 @@ class WeightFollower:
         elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
             await self._leave(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
             return
-        if status != 200 or not isinstance(path, list) or not all(isinstance(x, str) for x in path):
+        if status != 200 or not _is_path(path):
             # unreachable, or an answer that holds no slot for us: three in a row and we look elsewhere
             self._unreachable += 1
             if self._unreachable >= 3:
                 await self._leave(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
             return
         self._unreachable = 0
+        assert isinstance(path, list)
+        token = body.get("token") if isinstance(body, dict) else None
+        if isinstance(token, str) and len(token) <= 64:
+            self.token = token
         if self.node_id in path:  # our parent descends from us: nothing can reach us through it
             at = path.index(self.node_id)
             logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
@@ -410,8 +427,9 @@ class WeightFollower:
             asked = time.monotonic()
             version = -1
             try:
+                headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self.token}
                 async with session.get(
-                    f"{c.url}/relay/next", params={"after": str(after)}, headers={CHILD_HEADER: self.node_id},
+                    f"{c.url}/relay/next", params={"after": str(after)}, headers=headers,
                     timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 5),
                 ) as resp:  # fmt: skip
                     if resp.status == 204:
@@ -437,3 +455,13 @@ class WeightFollower:
                 self.news.set()
             else:  # news we had: the parent answers at once from now on; ask again when it can have changed
                 await asyncio.sleep(KEEPALIVE_S)
+
+
+def _is_path(path: object) -> bool:
+    """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
+    accept (a 5,000-entry path once made this node's next DHT record invalid, and that killed it)."""
+    return (
+        isinstance(path, list)
+        and len(path) < MAX_DEPTH
+        and all(isinstance(x, str) and len(x) == 32 for x in path)
+    )

@@ -4,35 +4,40 @@
 A shard of a version still arriving is served the moment its bytes arrive (cut-through) to the node's children:
 their requests wait (long poll) instead of failing, so each level of the relay tree adds about a round trip.
 
-Children: a downstream node attaches with ``POST /relay/attach`` (naming itself in ``X-Intellect-Node``), which
-takes one of this node's upload slots and answers with this node's path from the origin; the child keeps the
-slot with the same request at least every ``CHILD_TTL_S`` and gives it back with ``DELETE /relay/attach``. A node
+Children: a downstream node attaches with ``POST /relay/attach``, signed with its node key (``auth.py``: only
+keys the run knows, fresh, once, rate-limited per address), which takes one of this node's upload slots and
+answers with this node's path from the origin and a token the child names itself with on its other requests; the
+child keeps the slot with the same signed request at least every ``CHILD_TTL_S`` and gives it back with a signed
+``DELETE /relay/attach``. A node
 takes a new child only while it is itself connected to the origin (its path is known) and never one of its own
 ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with its children, the
 places to look for one further down. Other nodes (alternates) are served only what this node already has, at
-once and while a slot is free, and anonymous clients (curl, a mirror) always. An optional upload limit (a token
-bucket over all responses) lets a volunteer cap what the node sends.
+once and while a slot is free; anonymous clients (curl, a mirror) too, and they wait for what is arriving only
+while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a token bucket over all responses) lets
+a volunteer cap what the node sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
 
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
 from intellect_node.weights.store import Growing, WeightStore
 
 logger = logging.getLogger(__name__)
 
-CHILD_HEADER = "X-Intellect-Node"
 VERSION_HEADER = "X-Intellect-Version"
 VERIFIED_HEADER = "X-Intellect-Verified"
 """'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
@@ -46,6 +51,8 @@ LONG_POLL_S = 10.0
 MANIFEST_POLL_S = 2.0
 """How long a request for the manifest of a version not yet begun here waits before a 404."""
 _CHUNK = 256 * 1024
+MAX_ANON_WAITS = 32
+"""Requests from non-children waiting (long polls) at once; past this they get what is here, at once."""
 
 
 class TokenBucket:
@@ -76,8 +83,13 @@ class ShardServer:
         slots: int,
         upload_limit_bps: float | None = None,
         on_change: Callable[[], None] | None = None,
+        node_id: str = "",
+        members: Members | None = None,
     ) -> None:
+        """``node_id``: this node's id, which children sign their slot requests for; ``members``: who belongs to
+        the run (None: any signed key, for a standalone origin)."""
         self.store = store
+        self.auth = RequestAuth(node_id, members)
         self.metrics = metrics
         self.slots = slots
         self.on_change = on_change
@@ -88,6 +100,9 @@ class ShardServer:
         """Node ids from the origin down to this node, told to children in each keep-alive: a child that finds
         itself in its parent's path has closed a cycle (two nodes chose each other at once) and leaves."""
         self._children: dict[str, float] = {}
+        self._tokens: dict[str, str] = {}
+        """Token -> child: what a child names itself with on shard and news requests."""
+        self._anon_waits = 0
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self._rate = 0.0
 
@@ -103,9 +118,31 @@ class ShardServer:
         now = time.monotonic()
         before = len(self._children)
         self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
-        if len(self._children) != before and self.on_change is not None:
-            self.on_change()
+        if len(self._children) != before:
+            self._tokens = {t: c for t, c in self._tokens.items() if c in self._children}
+            if self.on_change is not None:
+                self.on_change()
         return self._children
+
+    def _child_of(self, request: web.Request) -> str | None:
+        """The attached child a request comes from (by its token), or None."""
+        child = self._tokens.get(request.headers.get(TOKEN_HEADER, "")[:64])
+        return child if child is not None and child in self._active_children() else None
+
+    def _token(self, child: str) -> str:
+        for token, owner in self._tokens.items():
+            if owner == child:
+                return token
+        token = secrets.token_hex(16)
+        self._tokens[token] = child
+        return token
+
+    async def _authentic(self, request: web.Request) -> str:
+        try:
+            return await self.auth.check(request)
+        except Refused as e:
+            self.metrics.inc("node_relay_requests_refused_total", label=e.reason)
+            raise _refusal(e) from None
 
     def slots_free(self) -> int:
         return max(0, self.slots - len(self._active_children()))
@@ -128,10 +165,9 @@ class ShardServer:
         return False
 
     async def _attach(self, request: web.Request) -> web.Response:
-        """Take (or keep) a slot as a child: answers this node's depth and path from the origin."""
-        child = request.headers.get(CHILD_HEADER, "")[:64]
-        if not child:
-            raise web.HTTPBadRequest(text=f"send {CHILD_HEADER}: <node id>")
+        """Take (or keep) a slot as a child: answers this node's depth, its path from the origin and the child's
+        token. Only a signed request from a node of the run gets that far (``auth.py``)."""
+        child = await self._authentic(request)
         path = self.path()
         if child in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
             self._release(child)
@@ -152,29 +188,49 @@ class ShardServer:
                 text=json.dumps({"children": self.children()}), content_type="application/json",
                 headers={"Retry-After": "1"},
             )  # fmt: skip
-        return web.json_response({"depth": self.depth(), "path": path[-MAX_PATH:]})
+        return web.json_response({"depth": self.depth(), "path": path[-MAX_PATH:], "token": self._token(child)})
 
     async def _detach(self, request: web.Request) -> web.Response:
-        """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``)."""
-        self._release(request.headers.get(CHILD_HEADER, "")[:64])
+        """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``); only
+        the child itself can (signed), so nobody evicts another node's child."""
+        self._release(await self._authentic(request))
         return web.Response(status=204)
 
     def _release(self, child: str) -> None:
+        self._tokens = {t: c for t, c in self._tokens.items() if c != child}
         if self._children.pop(child, None) is not None and self.on_change is not None:
             self.on_change()
 
     async def _next(self, request: web.Request) -> web.Response:
         """``GET /relay/next?after=N``: the signed manifest of the newest version here once it is newer than N
         (long poll, 204 after ``LONG_POLL_S``). Children learn of a new version from their parent as it starts
-        arriving, not at their next look at the DHT; the run key's signature makes the news trustworthy."""
+        arriving, not at their next look at the DHT; the run key's signature makes the news trustworthy. Others
+        wait only while fewer than MAX_ANON_WAITS do."""
         after = request.query.get("after", "-1")
         if not after.lstrip("-").isdigit() or len(after) > 11:
             raise web.HTTPBadRequest(text="after=<version>")
-        newest = await self.store.wait_newer(int(after), LONG_POLL_S)
+        async with self._waiting(self._child_of(request) is not None) as wait_s:
+            newest = await self.store.wait_newer(int(after), wait_s)
         data = self.store.manifest_bytes(newest) if newest is not None else None
         if newest is None or data is None:
             return web.Response(status=204)
         return web.Response(body=data, content_type="application/octet-stream", headers={VERSION_HEADER: str(newest)})
+
+    @contextlib.asynccontextmanager
+    async def _waiting(self, child: bool) -> AsyncIterator[float]:
+        """How long a request may wait: a child the full long poll; others while few of them wait, else not."""
+        if child:
+            yield LONG_POLL_S
+            return
+        if self._anon_waits >= MAX_ANON_WAITS:
+            self.metrics.inc("node_relay_anonymous_waits_refused_total", help="long polls refused to non-children")
+            yield 0.0
+            return
+        self._anon_waits += 1
+        try:
+            yield LONG_POLL_S
+        finally:
+            self._anon_waits -= 1
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         v, name = request.match_info["version"], request.match_info["name"]
@@ -188,20 +244,22 @@ class ShardServer:
             if data is None:
                 raise web.HTTPNotFound()
             return web.Response(body=data, content_type="application/octet-stream")
-        child = request.headers.get(CHILD_HEADER)
-        child = child[:64] if child is not None else None
-        attached = child is not None and child in self._active_children()
-        if child is not None and attached:
+        child = self._child_of(request)
+        stranger = child is None and CHILD_HEADER in request.headers  # another node's child (an alternate)
+        if child is not None:
             self._children[child] = time.monotonic()
-        elif child is not None and len(self._active_children()) >= self.slots:
+        elif stranger and len(self._active_children()) >= self.slots:
             # another node's child, using us as an alternate: only while a slot is free, and its request never
             # holds one (or a real child could not attach)
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        if child is None or attached:
-            found = self.store.shard_file(version, name) or await self.store.wait_shard(version, name, LONG_POLL_S)
-        else:  # an alternate serves only what is here: no long poll
+        if stranger:  # an alternate serves only what is here: no long poll
             found = self.store.shard_file(version, name) or self.store.growing(version, name)
+        else:
+            found = self.store.shard_file(version, name)
+            if found is None:
+                async with self._waiting(child is not None) as wait_s:
+                    found = await self.store.wait_shard(version, name, wait_s)
         if found is None:
             raise web.HTTPNotFound()
         if isinstance(found, Growing):
@@ -302,3 +360,11 @@ class ShardServer:
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
         self.metrics.inc("node_relay_shards_served_total")
         return resp
+
+
+def _refusal(e: Refused) -> web.HTTPException:
+    kinds: dict[int, type[web.HTTPException]] = {
+        429: web.HTTPTooManyRequests,
+        403: web.HTTPForbidden,
+    }
+    return kinds.get(e.status, web.HTTPUnauthorized)(text=e.reason)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect_node.weights.files import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, ShardEntry
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class WeightStore:
         self.run_id = run_id
         root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, Manifest] = {}
+        self._names: dict[int, frozenset[str]] = {}
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
         self._growing: dict[tuple[int, str], Growing] = {}
@@ -83,8 +85,25 @@ class WeightStore:
             self._manifests[version] = verify_manifest(data, self.run_id, version)
         return self._manifests[version]
 
+    def listed(self, version: int, name: str) -> bool:
+        """Whether ``name`` is a shard of ``version`` by its signed manifest. Nothing else in a version folder is
+        ever served: a file that got there by other means (a program run for a code reward copying the node key,
+        say) is not a shard."""
+        names = self._names.get(version)
+        if names is None:
+            try:
+                manifest = self.manifest(version)
+            except Rejected:
+                return False
+            if manifest is None:
+                return False
+            names = self._names[version] = frozenset(s.name for s in manifest.shards)
+        return name in names
+
     def shard_file(self, version: int, name: str) -> Path | None:
         """The verified file for shard ``name`` of ``version``, if this node has it."""
+        if not self.listed(version, name):
+            return None
         done = self.folder(version) / name
         if done.is_file():
             return done
@@ -158,6 +177,7 @@ class WeightStore:
             held = verify_manifest((self.folder(version) / MANIFEST_NAME).read_bytes(), self.run_id, version)
             if held.checkpoint_sha256 == manifest.checkpoint_sha256:
                 self._manifests[version] = held
+                self._names.pop(version, None)
                 return held, []
             shutil.rmtree(self.folder(version))  # the run restarted and reused this version number
         partial = self.partial(version)
@@ -167,6 +187,7 @@ class WeightStore:
         partial.mkdir(parents=True, exist_ok=True)
         (partial / MANIFEST_NAME).write_bytes(manifest_data)
         self._manifests[version] = manifest
+        self._names.pop(version, None)
         verified: set[str] = set()
         for shard in manifest.shards:
             path = partial / shard.name
@@ -248,6 +269,7 @@ class WeightStore:
             if kept and (len(kept) >= keep or (max_bytes is not None and total + size > max_bytes)):
                 shutil.rmtree(self.folder(v), ignore_errors=True)
                 self._manifests.pop(v, None)
+                self._names.pop(v, None)
                 continue
             kept.append(v)
             total += size

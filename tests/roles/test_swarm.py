@@ -29,7 +29,7 @@ from intellect_node.config import RunConfig
 from intellect_node.judging.validator import expected_proofs
 from intellect_node.launch import NodeProcess
 from intellect_node.p2p.keys import load_or_create
-from intellect_node.p2p.transport import HEADER, _read_frame, submit, submit_protocol
+from intellect_node.p2p.transport import DELIVERY_ERRORS, HEADER, _read_frame, submit, submit_protocol
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import open_signed, seal
@@ -289,22 +289,36 @@ def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> N
 
 
 def test_one_signed_batch_sent_on_16_streams_at_once_is_admitted_once(swarm: Swarm) -> None:
-    """The duplicate check and the admission are one step: copies racing on parallel streams are refused."""
+    """The duplicate check and the admission are one step: copies racing on parallel streams (8 peers, 2 streams
+    each, the most the trainer reads at once from one peer) are refused."""
+    from hivemind.p2p import P2P
+
     sender = Identity.generate()
     _register(swarm, sender)
-    data = seal(sender, _batch(sender, swarm.run_id, swarm.status()["step"], 0))
+    step = swarm.status()["step"]
+    early = asyncio.run(_submit(swarm, seal(sender, _batch(sender, swarm.run_id, step, 5))))
+    assert early.reason == "out_of_order"  # the trainer has looked the key up: every copy below gets that far
+    data = seal(sender, _batch(sender, swarm.run_id, step, 0))
 
-    async def flood() -> list[SubmitReply]:
-        p2p = await swarm.client.replicate_p2p()
+    async def flood() -> list[SubmitReply | BaseException]:
+        peers = [await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                 for _ in range(8)]  # fmt: skip
         try:
             return await asyncio.gather(
-                *(submit(p2p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id) for _ in range(16))
+                *(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id) for p in peers for _ in range(2)),
+                return_exceptions=True,
             )
         finally:
-            await p2p.shutdown()
+            for p in peers:
+                await p.shutdown()
 
-    replies = asyncio.run(flood())
-    assert sum(r.ok for r in replies) == 1, [r.reason for r in replies]
+    answers = asyncio.run(flood())
+    # Under this load the daemon now and then resets a stream after the trainer answered (the trainer's log shows
+    # all 16 answers); a producer resends such a batch. What must hold: at most one copy is admitted.
+    broken = [a for a in answers if isinstance(a, DELIVERY_ERRORS)]
+    replies = [a for a in answers if isinstance(a, SubmitReply)]
+    assert len(broken) + len(replies) == len(answers), answers
+    assert sum(r.ok for r in replies) == 1 or (broken and sum(r.ok for r in replies) == 0), [r.reason for r in replies]
     # the copies: a duplicate, or refused while the first was being checked ("banned" once its fake proofs fail)
     assert {r.reason for r in replies if not r.ok} <= {"duplicate", "busy", "banned"}
     one_batch = RunConfig().task.tasks_per_batch
@@ -317,3 +331,34 @@ def test_a_producer_out_of_step_is_told_where_to_continue(swarm: Swarm) -> None:
     _register(swarm, restarted)
     reply = asyncio.run(_submit(swarm, seal(restarted, _batch(restarted, swarm.run_id, swarm.status()["step"], 3))))
     assert not reply.ok and reply.reason == "out_of_order" and reply.next_index == 0
+
+
+def test_stalled_streams_from_one_peer_do_not_starve_honest_producers(swarm: Swarm) -> None:
+    """A peer opens 16 submit streams and sends nothing (it used to hold every handling slot): its streams past
+    the per-peer cap are refused as busy at once, and an honest producer's batch is answered meanwhile."""
+    from hivemind.p2p import P2P
+
+    honest = Identity.generate()
+    _register(swarm, honest)
+    data = seal(honest, _batch(honest, swarm.run_id, swarm.status()["step"], 0))
+
+    async def attack() -> tuple[list[bytes], SubmitReply]:
+        attacker = await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        streams = []
+        try:
+            for _ in range(16):
+                streams.append(await attacker.call_binary_stream_handler(
+                    PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)))  # fmt: skip
+            refused = []
+            for _, reader, _ in streams[2:]:  # past the cap: answered at once, without a frame sent
+                refused.append(await asyncio.wait_for(_read_frame(reader, Channel.REPLY.value), 10))
+            reply = await asyncio.wait_for(_submit(swarm, data), 20)  # while the first two still stall
+            return refused, reply
+        finally:
+            for _, _, writer in streams:
+                writer.close()
+            await attacker.shutdown()
+
+    refused, reply = asyncio.run(attack())
+    assert all(open_signed(r, SubmitReply).message.reason == "busy" for r in refused)
+    assert reply.ok or reply.reason == "banned", reply

@@ -176,7 +176,7 @@ def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
 
         async def serve_and_announce() -> None:
             async def attach(request: web.Request) -> web.Response:  # it plays the relay: takes every child
-                return web.json_response({"depth": 1, "path": [ready["run_id"], forger.node_id]})
+                return web.json_response({"depth": 1, "path": [ready["run_id"], forger.node_id], "token": "t"})
 
             app = web.Application()
             app.router.add_static("/weights/", forged_root)

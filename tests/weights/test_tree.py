@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights import relay
+from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.fetch import Source
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.follower import WeightFollower
@@ -23,6 +26,20 @@ from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
 ORIGIN = "0" * 32
+_LABELS: dict[str, Identity] = {}
+_KEYS: dict[str, Identity] = {}
+
+
+def _id(label: str) -> str:
+    """The node id of the test's node ``label`` (a real key: relay slot requests are signed)."""
+    if label not in _LABELS:
+        key = _LABELS[label] = Identity.generate()
+        _KEYS[key.node_id] = key
+    return _LABELS[label].node_id
+
+
+def _signed(node_id: str, server_id: str) -> dict[str, str]:
+    return signed_headers(_KEYS[node_id], "POST", "/relay/attach", server_id)
 
 
 def _rec(nid: str, depth: int, free: int, parent: str | None = None, versions: tuple[int, ...] = (1,),
@@ -40,24 +57,24 @@ def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
 
 
 def test_relays_by_depth_then_speed_and_the_origin_last() -> None:
-    a, b, c, full = "a" * 32, "b" * 32, "c" * 32, "f" * 32
+    a, b, c, full = _id("a"), _id("b"), _id("c"), _id("f")
     recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6),
                     _rec(c, 1, 1, ORIGIN, bps=9e6), _rec(full, 1, 0, ORIGIN))  # fmt: skip
-    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN)] == [c, b, a, ORIGIN]
-    assert [x.node_id for x in parents(recs, "e" * 32, ORIGIN, exclude={c, ORIGIN})] == [b, a]
+    assert [x.node_id for x in parents(recs, _id("e"), ORIGIN)] == [c, b, a, ORIGIN]
+    assert [x.node_id for x in parents(recs, _id("e"), ORIGIN, exclude={c, ORIGIN})] == [b, a]
 
 
 def test_never_a_descendant_by_the_records() -> None:
-    me, child, grandchild, other = "e" * 32, "c" * 32, "d" * 32, "a" * 32
+    me, child, grandchild, other = _id("e"), _id("c"), _id("d"), _id("a")
     recs = _records(_rec(ORIGIN, 0, 0), _rec(child, 1, 2, me), _rec(grandchild, 2, 2, child), _rec(other, 3, 1, ORIGIN))
     assert [x.node_id for x in parents(recs, me, ORIGIN)] == [other, ORIGIN]
 
 
 def test_alternates_hold_the_whole_version() -> None:
-    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    a, b, c = _id("a"), _id("b"), _id("c")
     recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(2, 3)),
                     _rec(b, 2, 1, a, versions=(2,), fetching=3), _rec(c, 2, 0, a, versions=(3,)))  # fmt: skip
-    assert [x.node_id for x in holders(recs, "e" * 32, ORIGIN, 3)] == [a]  # b is still receiving, c is full
+    assert [x.node_id for x in holders(recs, _id("e"), ORIGIN, 3)] == [a]  # b is still receiving, c is full
 
 
 class _Records:
@@ -70,8 +87,10 @@ class _Records:
         return self.records
 
 
-async def _serve(tmp_path: Path, name: str, slots: int, path: list[str]) -> tuple[ShardServer, HttpServer, str]:
-    server = ShardServer(WeightStore(tmp_path / name, ORIGIN), Metrics(), slots=slots)
+async def _serve(
+    tmp_path: Path, name: str, slots: int, path: list[str], node_id: str
+) -> tuple[ShardServer, HttpServer, str]:
+    server = ShardServer(WeightStore(tmp_path / name, ORIGIN), Metrics(), slots=slots, node_id=node_id)
     server.path = lambda: path
     http = HttpServer(Metrics(), lambda: {}, server.routes())
     port = await http.start("127.0.0.1", 0)
@@ -85,7 +104,7 @@ def _follower(
         return None
 
     return WeightFollower(
-        me, run, _Records(records), WeightStore(tmp_path / me[:4], run), metrics, None, 2, None, publish,
+        _KEYS[me], run, _Records(records), WeightStore(tmp_path / me[:4], run), metrics, None, 2, None, publish,
     )  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -103,16 +122,16 @@ async def _settled(follower: WeightFollower) -> None:
 def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> None:
     """The records are stale (they show the origin and its child with free slots); attaching finds the truth:
     the origin is full and names its child, the child is full and names the grandchild, which takes us."""
-    me, a, b = "e" * 32, "a" * 32, "b" * 32
+    me, a, b = _id("e"), _id("a"), _id("b")
 
     async def main() -> tuple[str | None, int, list[str], list[str]]:
-        origin, http_o, url_o = await _serve(tmp_path, "o", 1, [ORIGIN])
-        sa, http_a, url_a = await _serve(tmp_path, "a", 1, [ORIGIN, a])
-        sb, http_b, url_b = await _serve(tmp_path, "b", 1, [ORIGIN, a, b])
+        origin, http_o, url_o = await _serve(tmp_path, "o", 1, [ORIGIN], ORIGIN)
+        sa, http_a, url_a = await _serve(tmp_path, "a", 1, [ORIGIN, a], a)
+        sb, http_b, url_b = await _serve(tmp_path, "b", 1, [ORIGIN, a, b], b)
         try:
             async with aiohttp.ClientSession() as session:
-                for url, child in ((url_o, a), (url_a, b)):  # the tree as it is: origin -> a -> b
-                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": child}) as r:
+                for url, child, server in ((url_o, a, ORIGIN), (url_a, b, a)):  # the tree: origin -> a -> b
+                    async with session.post(f"{url}/relay/attach", headers=_signed(child, server)) as r:
                         assert r.status == 200
                 records = {
                     ORIGIN: _rec(ORIGIN, 0, 1).model_copy(update={"http_url": url_o}),
@@ -128,21 +147,21 @@ def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> N
                 await h.close()
 
     parent, depth, path, b_children = asyncio.run(main())
-    assert parent == "b" * 32 and depth == 3 and path == [ORIGIN, "a" * 32, "b" * 32, me]
+    assert parent == _id("b") and depth == 3 and path == [ORIGIN, _id("a"), _id("b"), me]
     assert b_children == [me]
 
 
 def test_a_node_takes_no_child_above_it_nor_any_while_cut_off(tmp_path: Path) -> None:
-    me, a = "e" * 32, "a" * 32
+    me, a = _id("e"), _id("a")
 
     async def main() -> list[int]:
-        _, http_a, url_a = await _serve(tmp_path, "a", 2, [ORIGIN, me, a])  # a hangs below us
-        _, http_c, url_c = await _serve(tmp_path, "c", 2, [])  # lost its parent, not yet reattached
+        _, http_a, url_a = await _serve(tmp_path, "a", 2, [ORIGIN, me, a], a)  # a hangs below us
+        _, http_c, url_c = await _serve(tmp_path, "c", 2, [], _id("c"))  # lost its parent, not yet reattached
         statuses = []
         try:
             async with aiohttp.ClientSession() as session:
-                for url in (url_a, url_c):
-                    async with session.post(f"{url}/relay/attach", headers={"X-Intellect-Node": me}) as r:
+                for url, server in ((url_a, a), (url_c, _id("c"))):
+                    async with session.post(f"{url}/relay/attach", headers=_signed(me, server)) as r:
                         statuses.append(r.status)
         finally:
             await http_a.close()
@@ -156,12 +175,12 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
     """Two nodes that re-parented below each other at once: at the next keep-alive the parent sees its child in
     its own path from the origin and refuses it; the child leaves (its slot there is given back) and attaches to
     another node (here the origin)."""
-    me, b = "e" * 32, "b" * 32
+    me, b = _id("e"), _id("b")
 
     async def main() -> tuple[str | None, float, list[str], list[str]]:
         metrics = Metrics()
-        b_server, http_b, url_b = await _serve(tmp_path, "b", 2, [ORIGIN])
-        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        b_server, http_b, url_b = await _serve(tmp_path, "b", 2, [ORIGIN], b)
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN], ORIGIN)
         records = {
             ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
             b: _rec(b, 1, 1, ORIGIN).model_copy(update={"http_url": url_b}),
@@ -188,12 +207,12 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
 def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
     """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
     signed by another key announces nothing."""
-    key, forger, me = Identity.generate(), Identity.generate(), "e" * 32
+    key, forger, me = Identity.generate(), Identity.generate(), _id("e")
     run = key.node_id
 
     async def main() -> tuple[int, int]:
         store = WeightStore(tmp_path / "o", run)
-        server = ShardServer(store, Metrics(), slots=2)
+        server = ShardServer(store, Metrics(), slots=2, node_id=run)
         server.path = lambda: [run]
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
@@ -228,11 +247,11 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
 def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> None:
     """After a fetch in which an alternate delivered far faster than the parent, the node moves below the
     alternate (if it has a slot) and gives its slot at the slow parent back."""
-    me, slow, fast = "e" * 32, "a" * 32, "b" * 32
+    me, slow, fast = _id("e"), _id("a"), _id("b")
 
     async def main() -> tuple[str | None, list[str], list[str], float]:
-        s_slow, http_s, url_s = await _serve(tmp_path, "s", 1, [ORIGIN, slow])
-        s_fast, http_f, url_f = await _serve(tmp_path, "f", 2, [ORIGIN, fast])
+        s_slow, http_s, url_s = await _serve(tmp_path, "s", 1, [ORIGIN, slow], slow)
+        s_fast, http_f, url_f = await _serve(tmp_path, "f", 2, [ORIGIN, fast], fast)
         records = {slow: _rec(slow, 1, 1, ORIGIN).model_copy(update={"http_url": url_s})}
         metrics = Metrics()
         try:
@@ -262,7 +281,7 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
 def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path) -> None:
     """Deeply nested JSON (json.loads raises RecursionError) or an oversized body from a would-be parent neither
     crashes the node nor makes it a parent: the node attaches to the origin instead."""
-    me, nasty, huge = "e" * 32, "c" * 32, "d" * 32
+    me, nasty, huge = _id("e"), _id("c"), _id("d")
 
     async def main() -> str | None:
         async def nested(request: web.Request) -> web.Response:
@@ -275,7 +294,7 @@ def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path
         http_h = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", big)])
         url_n = f"http://127.0.0.1:{await http_n.start('127.0.0.1', 0)}"
         url_h = f"http://127.0.0.1:{await http_h.start('127.0.0.1', 0)}"
-        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN])
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN], ORIGIN)
         records = {
             ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
             nasty: _rec(nasty, 1, 4, ORIGIN).model_copy(update={"http_url": url_n}),
@@ -292,3 +311,105 @@ def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path
                 await h.close()
 
     assert asyncio.run(main()) == ORIGIN
+
+
+def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attacks on the old unauthenticated slots, each refused: made-up node ids (unsigned, or signed by a key
+    the run does not know) taking slots; a stranger's DELETE evicting a real child; a captured request replayed;
+    a stranger learning the children from a 503; anonymous long polls piling up."""
+    child, stranger = _id("c"), _id("s")
+    members = {child}
+
+    async def is_member(node_id: str) -> bool:
+        return node_id in members
+
+    async def main() -> dict[str, object]:
+        server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=1, node_id=ORIGIN,
+                             members=is_member)  # fmt: skip
+        server.path = lambda: [ORIGIN]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def call(method: str, headers: dict[str, str]) -> tuple[int, str]:
+                    async with session.request(method, f"{url}/relay/attach", headers=headers) as r:
+                        return r.status, await r.text()
+
+                out["made_up"] = await call("POST", {"X-Intellect-Node": "f" * 32})
+                out["not_member"] = await call("POST", _signed(stranger, ORIGIN))
+                out["for_another_server"] = await call("POST", _signed(child, _id("x")))
+                granted = _signed(child, ORIGIN)
+                out["child"] = (await call("POST", granted))[0]
+                out["replayed"] = await call("POST", granted)
+                evict = signed_headers(_KEYS[stranger], "DELETE", "/relay/attach", ORIGIN)
+                evict["X-Intellect-Node"] = child  # a stranger naming the child: the key does not match the id
+                out["evict"] = (await call("DELETE", evict))[0]
+                members.add(stranger)  # even a member cannot free another's slot, nor see who holds them
+                out["own_delete"] = (await call("DELETE", signed_headers(_KEYS[stranger], "DELETE", "/relay/attach",
+                                                                         ORIGIN)))[0]  # fmt: skip
+                out["children"] = server.children()
+                out["full_unsigned"] = await call("POST", {"X-Intellect-Node": stranger})
+                monkeypatch.setattr(relay, "MAX_ANON_WAITS", 2)
+                started = asyncio.get_running_loop().time()
+                polls = [asyncio.ensure_future(session.get(f"{url}/relay/next", params={"after": "5"}))
+                         for _ in range(3)]  # fmt: skip
+                first = await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED)
+                out["anon_poll_s"] = asyncio.get_running_loop().time() - started
+                out["anon_status"] = [t.result().status for t in first[0]]
+                for t in polls:
+                    t.cancel()
+        finally:
+            await http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["made_up"] == (401, "unsigned")
+    assert out["not_member"] == (403, "unregistered")
+    assert out["for_another_server"] == (401, "bad_signature")
+    assert out["child"] == 200
+    assert out["replayed"] == (401, "replayed")
+    assert out["evict"] == 401 and out["own_delete"] == 204 and out["children"] == [child]
+    status, body = out["full_unsigned"]  # type: ignore[misc]
+    assert status == 401 and child not in body
+    assert out["anon_status"] == [204] and out["anon_poll_s"] < 5  # the third poll is answered at once
+
+
+def test_a_parent_claiming_a_path_of_5000_nodes_is_left_not_believed(tmp_path: Path) -> None:
+    """Such a path once made the node's next DHT record invalid (depth > 1024) and the exception killed it."""
+    me, liar = _id("e"), _id("l")
+
+    async def main() -> tuple[str | None, object]:
+        granted: list[bool] = []
+
+        async def attach(request: web.Request) -> web.Response:
+            if granted:
+                return web.json_response({"depth": 1, "path": [ORIGIN] + [liar] * 5000, "token": "t"})
+            granted.append(True)
+            return web.json_response({"depth": 1, "path": [ORIGIN, liar], "token": "t"})
+
+        http_l = HttpServer(Metrics(), lambda: {}, [web.post("/relay/attach", attach)])
+        url_l = f"http://127.0.0.1:{await http_l.start('127.0.0.1', 0)}"
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN], ORIGIN)
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            liar: _rec(liar, 1, 4, ORIGIN).model_copy(update={"http_url": url_l}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                await follower._choose(await follower._records(), set())
+                assert follower.parent == liar
+                for _ in range(3):  # three answers that hold no usable path: it looks elsewhere
+                    await follower.attach_once(session)
+                    follower.relay_info()  # the record it would publish stays valid throughout
+                await _settled(follower)
+                return follower.parent, follower.path
+        finally:
+            await http_l.close()
+            await http_o.close()
+
+    parent, path = asyncio.run(main())
+    assert parent == ORIGIN and path == [ORIGIN, me]

@@ -291,3 +291,27 @@ def test_unverified_bad_bytes_cost_a_relay_a_strike_not_a_ban(tmp_path: Path) ->
     assert relay_metrics.counter("node_relay_bans_total") == 1  # the relay banned the liar
     assert child_metrics.counter("node_relay_bans_total") == 0  # the child did not ban the relay
     assert relay_metrics.counter("node_relay_streams_total") >= 1
+
+
+def test_only_files_the_signed_manifest_names_are_served(tmp_path: Path) -> None:
+    """A file dropped into a published version folder (a program run for a code reward copying the node key
+    there was the attack) is not a shard: the shard server answers 404 for it, with or without a child header."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 3, _tensors(), shard_bytes=20_000)
+    (tmp_path / "origin" / "3" / "node.key").write_bytes(b"secret key bytes")
+    (tmp_path / "origin" / "3" / "shard-99999.safetensors").write_bytes(b"not in the manifest")
+
+    async def main() -> list[int]:
+        async with _origin(tmp_path / "origin") as (url, _), aiohttp.ClientSession() as session:
+            codes = []
+            asks: list[tuple[str, dict[str, str]]] = [
+                ("node.key", {}),
+                ("shard-99999.safetensors", {}),
+                ("node.key", {"X-Intellect-Node": "c" * 32}),
+                ("shard-00000.safetensors", {}),
+            ]
+            for name, headers in asks:
+                async with session.get(f"{url}/weights/3/{name}", headers=headers) as resp:
+                    codes.append(resp.status)
+            return codes
+
+    assert asyncio.run(main()) == [404, 404, 404, 200]

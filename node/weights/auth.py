@@ -1,0 +1,114 @@
+"""Who may hold a relay slot: requests signed by a node key of the run, fresh, never replayed, rate-limited.
+
+A child proves its node id on every slot request (``POST`` and ``DELETE /relay/attach``) with three headers:
+its node id, its raw Ed25519 public key (hex) and ``<unix time>:<nonce>:<signature>``, the signature over
+``"<METHOD> <path> <server node id> <time> <nonce>"`` with kind ``relay_request`` (domain-separated, see
+protocol/identity.py). The server checks, cheapest first: a rate limit per remote address, the headers' shape,
+that the key is the node id's, the time within ``AUTH_WINDOW_S``, the nonce unseen, the signature, and last
+that the node id belongs to the run (a registered DHT record; a DHT lookup at most, bounded by the caller).
+A granted slot comes with a random token that the child sends on its shard and news requests, so those need no
+signature; a request with a node id but no valid token is a stranger's.
+
+So nobody can take slots under made-up node ids, evict a real child, or learn who the children are without a key
+the run knows.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from intellect_protocol.identity import Identity, node_id_of, verify
+
+CHILD_HEADER = "X-Intellect-Node"
+KEY_HEADER = "X-Intellect-Key"
+AUTH_HEADER = "X-Intellect-Auth"
+TOKEN_HEADER = "X-Intellect-Token"
+KIND = "relay_request"
+AUTH_WINDOW_S = 30.0
+MAX_NONCES = 100_000
+RATE_PER_ADDRESS = 50.0
+"""Slot requests per second from one remote address (a burst of twice this)."""
+MAX_ADDRESSES = 10_000
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_AUTH = re.compile(r"^(\d{1,12}\.\d{1,6}):([0-9a-f]{16}):([0-9a-f]{128})$")
+
+Members = Callable[[str], Awaitable[bool]]
+"""Whether a node id belongs to the run (has a valid record); may read the DHT."""
+
+
+def signed_headers(identity: Identity, method: str, path: str, server_id: str) -> dict[str, str]:
+    """The headers that prove ``identity`` sends this request to ``server_id``."""
+    stamp = f"{time.time():.3f}"
+    nonce = secrets.token_hex(8)
+    message = f"{method} {path} {server_id} {stamp} {nonce}".encode()
+    return {
+        CHILD_HEADER: identity.node_id,
+        KEY_HEADER: identity.public_key.hex(),
+        AUTH_HEADER: f"{stamp}:{nonce}:{identity.sign(KIND, message).hex()}",
+    }
+
+
+class Refused(Exception):
+    """A slot request that is not authentic: ``status`` and ``reason`` for the answer and the counter."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class RequestAuth:
+    def __init__(self, server_id: str, members: Members | None) -> None:
+        """``members`` None accepts any correctly signed key (a standalone origin with no DHT, as in the
+        broadcast benchmark); a node of a run always passes its registry."""
+        self.server_id = server_id
+        self.members = members
+        self._nonces: dict[str, float] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, address: str) -> bool:
+        """One request from ``address`` within its rate (a token bucket per address)."""
+        now = time.monotonic()
+        if len(self._buckets) > MAX_ADDRESSES:
+            self._buckets = {a: b for a, b in self._buckets.items() if now - b[1] < 2.0}
+        tokens, stamp = self._buckets.get(address, (2 * RATE_PER_ADDRESS, now))
+        tokens = min(2 * RATE_PER_ADDRESS, tokens + (now - stamp) * RATE_PER_ADDRESS)
+        if tokens < 1.0:
+            self._buckets[address] = (tokens, now)
+            return False
+        self._buckets[address] = (tokens - 1.0, now)
+        return True
+
+    async def check(self, request: web.Request) -> str:
+        """The authenticated node id of a slot request; raises Refused."""
+        if not self.allow(request.remote or "?"):
+            raise Refused(429, "rate")
+        node_id = request.headers.get(CHILD_HEADER, "")
+        key_hex = request.headers.get(KEY_HEADER, "")
+        match = _AUTH.match(request.headers.get(AUTH_HEADER, ""))
+        if not (_HEX32.match(node_id) and _HEX64.match(key_hex) and match):
+            raise Refused(401, "unsigned")
+        key = bytes.fromhex(key_hex)
+        stamp, nonce, sig = match.groups()
+        if node_id_of(key) != node_id:
+            raise Refused(401, "wrong_key")
+        now = time.time()
+        if abs(now - float(stamp)) > AUTH_WINDOW_S:
+            raise Refused(401, "clock")
+        if nonce in self._nonces:
+            raise Refused(401, "replayed")
+        message = f"{request.method} {request.path} {self.server_id} {stamp} {nonce}".encode()
+        if not verify(key, KIND, message, bytes.fromhex(sig)):
+            raise Refused(401, "bad_signature")
+        if len(self._nonces) > MAX_NONCES:
+            self._nonces = {n: t for n, t in self._nonces.items() if now - t < 2 * AUTH_WINDOW_S}
+        self._nonces[nonce] = now
+        if self.members is not None and not await self.members(node_id):
+            raise Refused(403, "unregistered")
+        return node_id
