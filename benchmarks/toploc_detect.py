@@ -72,7 +72,7 @@ class Judge:
         except Rejected as e:
             return [e.reason] * n
         self.gate.admit(batch)  # as the trainer: a batch past the gate is recorded, then validated
-        finding = self.validator.check(batch)
+        finding = self.validator.check(batch, exhaustive=True)
         # the trainer trains on none of a failed batch; per rollout, say which check caught it
         return [r or ("batch_refused" if not finding.ok else "") for r in finding.row_reasons]
 

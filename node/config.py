@@ -45,6 +45,12 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:
+        if self.verify.check_fraction < 1.0 and not self.train.recompute_logp_old:
+            raise ValueError(
+                f"verify.check_fraction={self.verify.check_fraction} leaves completions whose reported log-probs "
+                "nobody checks, and they would reach the loss: set train.recompute_logp_old = true (the trainer "
+                "takes logp_old from its own forward) or verify.check_fraction = 1.0"
+            )
         m = self.model
         if m.kind == "hf":
             if not m.name:

@@ -188,6 +188,9 @@ class VerifySpec(BaseModel):
     rest get the cheap checks only), chosen by a hash keyed with the validator's secret. Below 1 it trades model
     time for detection: a worker cheating on ``m`` rows of a batch is caught with probability about
     ``1 - (1 - check_fraction) ** m``, and once caught is banned for the run."""
+    reward_budget_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 120.0
+    """Seconds the trainer may spend scoring one batch that passed validation (code tests, math checks); a batch
+    over budget is dropped, counted and logged, not trained on and nobody banned."""
 
 
 class RunSpec(WireModel):

@@ -42,7 +42,7 @@ def assigned_task(run_seed: int, node_id: str, version: int, batch_index: int, s
 
 def arithmetic_reward(completion: str, answer: str, terminated: bool) -> float:
     """Reward of a completion (text before end of sequence); ``terminated``: it ended with EOS."""
-    if not terminated or _INTEGER.fullmatch(completion) is None:
+    if not terminated or _INTEGER.fullmatch(completion) is None or len(completion) > 100:
         return 0.0
     return 1.0 if int(completion) == int(answer) else 0.2
 

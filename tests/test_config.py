@@ -57,3 +57,12 @@ def test_an_unknown_role_lists_the_roles_there_are() -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "'inference', 'relay', 'validator'" in result.stderr
+
+
+def test_spot_checks_require_the_trainer_to_recompute_log_probs() -> None:
+    """With check_fraction < 1 most completions' reported log-probs are never checked: a run must not put them in
+    the loss (a worker could bias its importance ratios)."""
+    with pytest.raises(ValueError, match="recompute_logp_old"):
+        RunConfig(verify={"check_fraction": 0.25})  # type: ignore[arg-type]
+    ok = RunConfig(verify={"check_fraction": 0.25}, train={"recompute_logp_old": True})  # type: ignore[arg-type]
+    assert ok.verify.check_fraction == 0.25

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from intellect_node.judging import jail
 from intellect_node.judging.verifiers import run_code_tests, verify_math
 from intellect_protocol.messages import TaskSpec
 from intellect_protocol.tasks import arithmetic_reward, arithmetic_task, assignment_seed
@@ -109,6 +110,22 @@ _SOURCES: dict[str, TaskSource] = {}
 _SOURCES_LOCK = threading.Lock()
 
 
+def needs_jail(spec: TaskSpec) -> bool:
+    """Whether scoring this task set runs untrusted programs or parsers (math-verify, code tests): datasets."""
+    return spec.family == "dataset"
+
+
+def require_jail(spec: TaskSpec) -> None:
+    """Refuse to start a run whose rewards need the jail where it does not work, saying how to fix it."""
+    if needs_jail(spec):
+        status = jail.probe()
+        if not status.works:
+            raise SystemExit(
+                f"this run's tasks ({spec.source}) are scored by running untrusted programs and parsers, which "
+                f"happens only in a jail, and the jail does not work here ({status.error}): {jail.INSTALL_HINT}"
+            )
+
+
 def task_source(spec: TaskSpec) -> TaskSource:
     """``load_task_source``, once per distinct spec in this process (a dataset is read and hashed once)."""
     key = spec.model_dump_json()
@@ -163,6 +180,9 @@ def _addition_source(spec: TaskSpec) -> TaskSource:
     return TaskSource(spec, draw, problems - len(held), [task(i) for i in held])
 
 
+MAX_INTEGER_DIGITS = 100
+
+
 def last_integer(text: str) -> int | None:
     """The last integer written in ``text`` (``-12``, ``1,234``), or None.
 
@@ -175,7 +195,12 @@ def last_integer(text: str) -> int | None:
         if text[m.end() : m.end() + 2].startswith(".") and text[m.end() + 1 : m.end() + 2].isdigit():
             continue  # "74.5": a decimal, not an integer
         found = m.group()
-    return None if found is None else int(found.replace(",", ""))
+    if found is None:
+        return None
+    digits = found.replace(",", "")
+    if len(digits) > MAX_INTEGER_DIGITS:  # no answer is that long; int() of 5,000 digits raises ValueError
+        return None
+    return int(digits)
 
 
 # -- dataset --------------------------------------------------------------------------------------------------
@@ -439,6 +464,8 @@ __all__ = [
     "last_integer",
     "length_shaped",
     "load_task_source",
+    "needs_jail",
+    "require_jail",
     "reward",
     "run_code_tests",
     "verify_math",

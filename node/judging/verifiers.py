@@ -1,21 +1,21 @@
-"""Checkers for untrusted completions: math answers (math-verify) and Python programs (a sandbox).
+"""Checkers for untrusted completions: math answers (math-verify) and Python programs, both in the jail.
 
-Both run the untrusted part in another process, so that a completion cannot hang, crash or fill the memory of
-the node scoring it, and both are safe to call from any thread (math-verify's own ``signal.alarm`` timeouts only
-work in a main thread: here they run in the main thread of the helper process).
+Both run the untrusted part in a jailed process (node/judging/jail.py: bubblewrap namespaces, no network, no
+environment, a read-only view of the system and the Python installation, a private empty /tmp, uid 65534, CPU,
+memory, process and output limits), so that a completion cannot read the node's key, touch its files, reach the
+network, hang, fork or fill the memory of the node scoring it. Both are safe to call from any thread
+(math-verify's own ``signal.alarm`` timeouts only work in a main thread: here they run in the main thread of the
+helper process).
 
-- ``verify_math(ground_truth, text)``: one long-lived helper process per node (``python -c`` with math-verify),
-  one request at a time under a lock. A check that takes longer than ``MATH_DEADLINE_S`` kills the helper
-  (restarted on the next call) and counts as wrong.
-- ``run_code_tests(code, tests, timeout_s, memory_mb)``: each test case runs ``python -I main.py`` in a fresh
-  temporary directory, in new network and PID namespaces (``unshare --net --pid --fork --kill-child``): no
-  network, not even loopback, and every process it starts dies with it. Limits: wall clock ``timeout_s``, CPU
-  time ``ceil(timeout_s)``, address space ``memory_mb``, 16 MiB of output, no core files. As root, the program
-  runs as ``nobody`` (uid 65534) when that user can run the interpreter; otherwise (and when the node is not
-  root) it runs as root of a new user namespace (``--user --map-root-user``), which cannot raise its limits.
-  Not isolated: the filesystem. A program run without ``nobody`` can read and write what the node's user can;
-  volunteers scoring code should run the node as a dedicated user. Where no namespace can be made, code is
-  refused with an error saying what to enable, never run unsandboxed.
+- ``verify_math(ground_truth, text)``: one long-lived jailed helper process per node (``python -c`` with
+  math-verify), one request at a time under a lock. A check that takes longer than ``MATH_DEADLINE_S`` kills the
+  helper (restarted on the next call) and counts as wrong.
+- ``run_code_tests(code, tests, timeout_s, memory_mb)``: each test case runs ``python -I /code/main.py`` in a fresh
+  jail, the program's folder bound read-only at /code, stdin from the case, stdout to a file capped at 16 MiB.
+  Wall clock ``timeout_s`` (the whole process group is killed), CPU time ``ceil(timeout_s)``, memory
+  ``memory_mb``, 32 processes.
+
+Where the jail cannot run, both raise RuntimeError saying how to install it: nothing untrusted runs outside it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ import json
 import logging
 import math
 import os
-import resource
 import select
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,12 +33,16 @@ import threading
 import time
 from pathlib import Path
 
+from intellect_node.judging import jail
+
 logger = logging.getLogger(__name__)
 
 MATH_DEADLINE_S = 10.0
 """Longest one math check may take (math-verify's own per-step timeout inside the helper is 5 s)."""
 MATH_START_DEADLINE_S = 120.0
 MATH_MEMORY_BYTES = 4 << 30
+MATH_CPU_S = 3600
+"""CPU seconds of one helper process over its life (restarted when spent); each check also has its deadline."""
 OUTPUT_LIMIT_BYTES = 16 << 20
 NOBODY = 65534
 
@@ -72,6 +73,7 @@ class _MathHelper:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._run: jail.Run | None = None
         self._buf = b""
 
     def check(self, gold: str, text: str) -> bool:
@@ -93,13 +95,14 @@ class _MathHelper:
         if importlib.util.find_spec("math_verify") is None:
             raise RuntimeError("math rewards need math-verify: pip install math-verify")
         self._buf = b""
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _MATH_HELPER],
+        self._run = jail.Run(
+            [sys.executable, "-I", "-c", _MATH_HELPER],
+            jail.Limits(cpu_s=MATH_CPU_S, memory_bytes=MATH_MEMORY_BYTES, processes=8),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
-        resource.prlimit(self._proc.pid, resource.RLIMIT_AS, (MATH_MEMORY_BYTES, MATH_MEMORY_BYTES))
+        self._proc = self._run.proc
         try:
             ready = self._read_line(MATH_START_DEADLINE_S)
         except (TimeoutError, EOFError) as e:
@@ -128,10 +131,10 @@ class _MathHelper:
         return line.strip()
 
     def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+        if self._run is not None:
+            self._run.close()
+        self._run = None
+        self._proc = None
 
     def close(self) -> None:
         with self._lock:
@@ -152,64 +155,16 @@ def verify_math(ground_truth: str, text: str) -> bool:
 
 # -- code -----------------------------------------------------------------------------------------------------
 
-_LAUNCHER = rf"""
-import os, resource, sys
-mem, cpu, out, drop = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-for limit, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, out),
-                     (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(limit, (value, value))
-if drop:
-    os.setgroups([])
-    os.setgid({NOBODY})
-    os.setuid({NOBODY})
-os.execv(sys.executable, [sys.executable, "-I", "main.py"])
-"""
-
-_sandbox_lock = threading.Lock()
-_sandbox: tuple[list[str], bool] | None = None
-
-
-def sandbox() -> tuple[list[str], bool]:
-    """The ``unshare`` command line that isolates a test run, and whether the program drops to ``nobody``.
-
-    Probed once per process. Raises ``RuntimeError`` saying what to enable when no network namespace can be made.
-    """
-    global _sandbox
-    with _sandbox_lock:
-        if _sandbox is None:
-            _sandbox = _probe_sandbox()
-        return _sandbox
-
-
-def _probe_sandbox() -> tuple[list[str], bool]:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        raise RuntimeError("code rewards need `unshare` (util-linux) to run programs without network: install it")
-    base = [unshare, "--net", "--pid", "--fork", "--kill-child"]
-    userns = [unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
-    if os.geteuid() == 0 and subprocess.run([*base, "true"], capture_output=True, timeout=30).returncode == 0:
-        if _run_case(base, True, "print(1)", "", "1", 10.0, 256):
-            return base, True
-        logger.warning(
-            "code sandbox: %s cannot be run by nobody (uid %d), so programs under test run as root in a user "
-            "namespace: no network and no raising limits, but they can touch root-owned files. Install Python "
-            "where every user can read it, or run the node as an unprivileged user",
-            sys.executable,
-            NOBODY,
-        )
-    probe = subprocess.run([*userns, "true"], capture_output=True, timeout=30)
-    if probe.returncode == 0:
-        return userns, False
-    raise RuntimeError(
-        "code rewards need a network namespace and none could be made "
-        f"({probe.stderr.decode(errors='replace').strip()[:200]}): run the node as root, or enable unprivileged "
-        "user namespaces (sysctl kernel.unprivileged_userns_clone=1 and kernel.apparmor_restrict_unprivileged_userns=0"
-        "; in a container: --security-opt seccomp=unconfined, or --cap-add SYS_ADMIN)"
-    )
+def sandbox() -> jail.Status:
+    """The jail's state on this machine; raises ``RuntimeError`` saying what to install when it does not work."""
+    status = jail.probe()
+    if not status.works:
+        raise RuntimeError(f"code and math rewards need the jail ({status.error}): {jail.INSTALL_HINT}")
+    return status
 
 
 def run_code_tests(code: str, tests: tuple[tuple[str, str], ...], timeout_s: float, memory_mb: int) -> float:
-    """The fraction of ``tests`` (stdin, expected stdout) that ``code`` passes, each in its own sandbox run.
+    """The fraction of ``tests`` (stdin, expected stdout) that ``code`` passes, each in its own jail.
 
     A case passes when the program exits 0 within the limits and its stdout equals the expected output once
     trailing whitespace is stripped from every line and trailing empty lines are dropped. Blocks up to
@@ -217,8 +172,8 @@ def run_code_tests(code: str, tests: tuple[tuple[str, str], ...], timeout_s: flo
     """
     if not tests:
         return 0.0
-    prefix, drop = sandbox()
-    passed = sum(_run_case(prefix, drop, code, stdin, expected, timeout_s, memory_mb) for stdin, expected in tests)
+    sandbox()
+    passed = sum(_run_case(code, stdin, expected, timeout_s, memory_mb) for stdin, expected in tests)
     return passed / len(tests)
 
 
@@ -229,41 +184,25 @@ def _normalized(text: str) -> list[str]:
     return lines
 
 
-def _run_case(
-    prefix: list[str], drop: bool, code: str, stdin: str, expected: str, timeout_s: float, memory_mb: int
-) -> bool:
+def _run_case(code: str, stdin: str, expected: str, timeout_s: float, memory_mb: int) -> bool:
     with tempfile.TemporaryDirectory(prefix="intellect-code-") as tmp:
         work = Path(tmp)
-        (work / "main.py").write_text(code)
+        program = work / "code"
+        program.mkdir()
+        (program / "main.py").write_text(code)
         (work / "stdin").write_text(stdin)
-        if drop:
-            os.chmod(work, 0o755)
-            os.chown(work, NOBODY, NOBODY)
+        os.chmod(program, 0o755)
+        os.chmod(program / "main.py", 0o644)
+        limits = jail.Limits(cpu_s=math.ceil(timeout_s), memory_bytes=memory_mb << 20, file_bytes=OUTPUT_LIMIT_BYTES)
         with open(work / "stdin", "rb") as fin, open(work / "stdout", "wb") as fout:
-            cmd = [
-                *prefix,
-                sys.executable,
-                "-I",
-                "-c",
-                _LAUNCHER,
-                str(memory_mb << 20),
-                str(math.ceil(timeout_s)),
-                str(OUTPUT_LIMIT_BYTES),
-                "1" if drop else "0",
-            ]
-            proc = subprocess.Popen(
-                cmd, cwd=work, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL, start_new_session=True
-            )
+            run = jail.Run([sys.executable, "-I", "/code/main.py"], limits, [(str(program), "/code")],
+                           stdin=fin, stdout=fout, stderr=subprocess.DEVNULL)  # fmt: skip
             try:
-                rc = proc.wait(timeout=timeout_s)
+                rc = run.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 rc = None
             finally:
-                try:  # the whole group: unshare, and (through --kill-child) the PID namespace under it
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                run.close()  # the whole group, and what is left in its cgroup
         if rc != 0:
             return False
         with open(work / "stdout", "rb") as f:

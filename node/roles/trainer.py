@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from aiohttp import web
 from intellect_kernels.grpo import group_advantages, lr_factor
 from intellect_node import __version__
 from intellect_node.config import NodeConfig, RunConfig
+from intellect_node.judging.tasks import require_jail
 from intellect_node.judging.validator import Gate, Validator, task_reward
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import HttpServer
@@ -47,6 +49,7 @@ from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, Run
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_PER_NODE = 2
+REWARD_WORKERS = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
 
 
@@ -84,6 +87,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             self.spec = saved
         else:
             shutil.rmtree(self.weights_root, ignore_errors=True)  # a new run starts its weight history afresh
+        require_jail(self.spec.task)  # before any peer's completion is scored
         self.store = WeightStore(self.weights_root, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit, node_id=self.run_id,
@@ -112,7 +116,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims
         self.validator = Validator(self.spec, self.tokenizer, build_model(self.spec.model, self.tokenizer))
         self.validator_version = -1
-        self.pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]] = asyncio.Queue()
+        self.pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]] = asyncio.Queue()
+        """Admitted batches waiting for their verdict, with the slots still due."""
         self.pending_by_node: Counter[str] = Counter()
         self.banned: dict[str, str] = {}
         """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
@@ -128,6 +133,9 @@ class Trainer(ValidationPipeline, Checkpoints):
         if self.resumed is not None:
             self._restore(self.resumed)
         self._store_lock = threading.Lock()
+        self.reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix="rewards")
+        """Scoring (code tests and math checks run jailed programs) has threads of its own: a slow batch never
+        holds up checkpointing and publishing, which use the default executor."""
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
@@ -146,16 +154,29 @@ class Trainer(ValidationPipeline, Checkpoints):
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
 
-    def _check_contents(self, batch: RolloutBatch) -> list[Group]:
-        """Shape (node/judging/validator.py), assignment, and the rewards recomputed here."""
+    def _check_contents(self, batch: RolloutBatch) -> list[int]:
+        """Shape (node/judging/validator.py) and assignment: cheap, no untrusted program runs. Returns the slots."""
         self.validator.check_shape(batch)
-        groups = []
         for g in batch.groups:
             task = self.validator.task(batch, g.slot)
             if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
-            eos = int(self.tokenizer.eos_token_id)
-            rewards = [task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task) for c in g.completions]
+        return [g.slot for g in batch.groups]
+
+    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
+        """The groups of ``slots`` with rewards recomputed here (on the reward pool, after validation passed);
+        raises Rejected('reward_budget') once ``deadline`` (monotonic) passes between completions."""
+        eos = int(self.tokenizer.eos_token_id)
+        groups = []
+        for g in batch.groups:
+            if g.slot not in slots:
+                continue
+            task = self.validator.task(batch, g.slot)
+            rewards = []
+            for c in g.completions:
+                if time.monotonic() > deadline:
+                    raise Rejected("reward_budget", f"scoring took over {self.spec.verify.reward_budget_s:.0f}s")
+                rewards.append(task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task))
             groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
                                 batch.batch_index, g.slot))  # fmt: skip
         return groups
@@ -187,7 +208,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             # await let one signed batch in 16 times).
             self.gate.reserve(batch)
             try:
-                groups = await asyncio.to_thread(self._check_contents, batch)  # code rewards run programs
+                slots = await off_loop_if_large(len(body), self._check_contents, batch)
             except Rejected:
                 self.gate.release(batch)
                 raise
@@ -205,11 +226,11 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.envelopes[key] = data
         self.validating.add(key)
         self.ckpt.append(data)  # durable before the reply: an accepted batch survives a crash of the trainer
-        self.pending.put_nowait((batch, groups, data))
-        self.pending_by_node[node_id] += len(groups)
+        self.pending.put_nowait((batch, slots, data))
+        self.pending_by_node[node_id] += len(slots)
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
-        logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(groups))
-        return SubmitReply(ok=True, accepted_groups=len(groups), trainer_step=self.step, backlog=self._backlog())
+        logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(slots))
+        return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
 
     def _backlog(self) -> int:
         """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number
@@ -438,3 +459,4 @@ class Trainer(ValidationPipeline, Checkpoints):
             await self.membership.close()
             self.ckpt.close()
             self.engine.close()
+            self.reward_pool.shutdown(wait=False, cancel_futures=True)

@@ -135,7 +135,7 @@ class Checkpoints:
     banned: dict[str, str]
     idle_s: float
     queue: list[Group]
-    pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]]
+    pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]]
     pending_by_node: Counter[str]
     validating: set[BatchKey]
     envelopes: dict[BatchKey, bytes]
@@ -146,7 +146,7 @@ class Checkpoints:
     def _fresh_floor(self) -> int:
         raise NotImplementedError
 
-    def _check_contents(self, batch: RolloutBatch) -> list[Group]:
+    def _check_contents(self, batch: RolloutBatch) -> list[int]:
         raise NotImplementedError
 
     def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -199,7 +199,7 @@ class Checkpoints:
             try:
                 signer, body = open_envelope(data, RolloutBatch)
                 batch = decode_body(signer, body, RolloutBatch).message
-                groups = self._check_contents(batch)
+                due = self._check_contents(batch)
             except Rejected as e:  # it passed these checks once: only a changed task set can fail them
                 logger.warning("could not replay a spooled batch: %s", e)
                 continue
@@ -208,11 +208,11 @@ class Checkpoints:
                 continue
             seen.add(key)
             if slots is not None:
-                groups = [g for g in groups if g.slot in slots]
+                due = [slot for slot in due if slot in slots]
                 self._counted.add(key)
             if batch.version < self._fresh_floor():
-                stale += len(groups)
-                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                stale += len(due)
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(due))
                 continue
             self.gate.next_index[(batch.node_id, batch.version)] = max(
                 self.gate.next_index.get((batch.node_id, batch.version), 0), batch.batch_index + 1
@@ -220,9 +220,9 @@ class Checkpoints:
             self.envelopes[key] = data
             self.validating.add(key)
             self.ckpt.append(data)
-            self.pending.put_nowait((batch, groups, data))
-            self.pending_by_node[batch.node_id] += len(groups)
-            replayed += len(groups)
+            self.pending.put_nowait((batch, due, data))
+            self.pending_by_node[batch.node_id] += len(due)
+            replayed += len(due)
         if saved is not None or todo:
             self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale}
             logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -53,7 +54,8 @@ class ValidationPipeline:
     p2p: Any
     validator: Validator
     validator_version: int
-    pending: asyncio.Queue[tuple[RolloutBatch, list[Group], bytes]]
+    pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]]
+    reward_pool: ThreadPoolExecutor
     pending_by_node: Counter[str]
     validating: set[BatchKey]
     queue: list[Group]
@@ -68,6 +70,9 @@ class ValidationPipeline:
     _store_lock: threading.Lock
 
     def _fresh_floor(self) -> int:
+        raise NotImplementedError
+
+    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
         raise NotImplementedError
 
     def _load_validator(self, version: int) -> None:
@@ -115,24 +120,24 @@ class ValidationPipeline:
         """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch
         does here stops the loop: an unexpected error drops that batch (counted, logged), nobody is banned for it."""
         while True:
-            batch, groups, envelope = await self.pending.get()
+            batch, slots, envelope = await self.pending.get()
             try:
-                await self._validate_one(batch, groups, envelope)
+                await self._validate_one(batch, slots, envelope)
             except Exception:
                 self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
                 logger.exception("validation of node=%s version=%d batch=%d failed; batch dropped",
                                  batch.node_id, batch.version, batch.batch_index)  # fmt: skip
             finally:
                 self.validating.discard((batch.node_id, batch.version, batch.batch_index))
-                self.pending_by_node[batch.node_id] -= len(groups)
+                self.pending_by_node[batch.node_id] -= len(slots)
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
-    async def _validate_one(self, batch: RolloutBatch, groups: list[Group], envelope: bytes) -> None:
+    async def _validate_one(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
         if batch.node_id in self.banned:
-            self.metrics.inc("node_trainer_groups_dropped_banned_total", len(groups))
+            self.metrics.inc("node_trainer_groups_dropped_banned_total", len(slots))
             return
         if batch.version < self._fresh_floor():
-            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             return
         started = time.monotonic()
         remote = await self._remote_verdict(batch, envelope) if self.cfg.validators else None
@@ -145,7 +150,7 @@ class ValidationPipeline:
             try:
                 finding = await asyncio.to_thread(self._validate, batch)
             except Rejected as e:
-                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
                 logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
                 return
             verdict = finding.verdict(batch, envelope)
@@ -170,6 +175,12 @@ class ValidationPipeline:
                                batch.node_id, verdict.reason, len(dropped))  # fmt: skip
             return
         if batch.version < self._fresh_floor():  # went stale while it was being judged
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
+            return
+        groups = await self._scored(batch, slots)
+        if groups is None:
+            return
+        if batch.version < self._fresh_floor():  # went stale while it was being scored
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
             return
         self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
@@ -189,6 +200,30 @@ class ValidationPipeline:
         self.queue.extend(groups)
         self.queued_by_node[batch.node_id] += len(groups)
         self.queue_changed.set()
+
+
+    async def _scored(self, batch: RolloutBatch, slots: list[int]) -> list[Group] | None:
+        """Rewards, recomputed here only now that the batch passed validation, on the reward pool and within the
+        run's per-batch budget; None (counted, logged, nobody banned) when scoring fails or runs over."""
+        started = time.monotonic()
+        deadline = started + self.spec.verify.reward_budget_s
+        loop = asyncio.get_running_loop()
+        try:
+            groups = await loop.run_in_executor(self.reward_pool, self._score, batch, slots, deadline)
+        except Rejected as e:
+            self.metrics.inc("node_trainer_groups_unscored_total", len(slots), label=e.reason,
+                             help="validated groups dropped because scoring failed or ran over budget")  # fmt: skip
+            logger.warning("dropped batch node=%s version=%d batch=%d: %s", batch.node_id, batch.version,
+                           batch.batch_index, e)  # fmt: skip
+            return None
+        except Exception as e:  # a completion our scoring cannot take: the batch is dropped, the node goes on
+            self.metrics.inc("node_trainer_groups_unscored_total", len(slots), label="error")
+            logger.warning("could not score batch node=%s version=%d batch=%d: %r", batch.node_id, batch.version,
+                           batch.batch_index, e)  # fmt: skip
+            return None
+        self.metrics.inc("node_trainer_reward_seconds_total", time.monotonic() - started,
+                         help="time spent recomputing rewards")  # fmt: skip
+        return groups
 
     async def _verdicts(self, _request: web.Request) -> web.Response:
         """The newest signed verdicts, each a base64 envelope (check with intellect_protocol.envelope)."""

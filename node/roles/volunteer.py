@@ -16,6 +16,7 @@ import aiohttp
 
 from intellect_node import __version__
 from intellect_node.config import NodeConfig
+from intellect_node.judging.tasks import require_jail
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
@@ -145,6 +146,8 @@ class Volunteer(abc.ABC):
             self.status_url = f"http://{self.cfg.host}:{port}"
             self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
             spec = self.spec = await self._wait_for_spec()
+            if self.role in ("inference", "validator"):  # they score completions: code and math run jailed
+                require_jail(spec.task)
             keep = self.cfg.keep_versions or spec.train.async_level + 1
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
             self.follower = WeightFollower(

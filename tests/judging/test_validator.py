@@ -166,3 +166,17 @@ def test_the_gate_admits_each_batch_once_in_order_and_one_at_a_time_per_node() -
     assert refusal(first) == "duplicate" and refusal(second) == ""
     assert refusal(first, step=3) == "stale_version"
     assert refusal(_batch(0), step=-1) == "future_version"
+
+
+def test_a_cheating_batch_costs_the_validator_one_row_an_honest_one_every_row() -> None:
+    """Validation starts with one row the worker cannot predict and stops at the first failing part, so a batch
+    of bad rows costs one short forward pass; the benchmarks' exhaustive mode still measures every row."""
+    spec = _spec(4)
+    validator = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"s" * 32)  # a fixed first row: deterministic
+    honest = generate_batch(spec, MODEL, TOK, NODE, 0, 0)
+    n = sum(len(g.completions) for g in honest.groups)
+    assert validator.check(honest).ok and len(validator.check(honest).rederived) == n
+    cheat = generate_batch(spec, MODEL, TOK, NODE, 0, 0, greedy=True)
+    finding = validator.check(cheat)
+    assert finding.reason == "sampling" and len(finding.rederived) == 1
+    assert len(validator.check(cheat, exhaustive=True).rederived) == n
