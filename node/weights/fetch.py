@@ -41,6 +41,12 @@ PROBE_EVERY = 8
 """One pick in this many may go to an alternate not yet measured, so a faster source than the parent is found."""
 MANIFEST_WAIT_S = 6.0
 STALL_S = 30.0
+MIN_SHARD_BPS = 64 * 1024
+"""A shard must arrive at this rate at least, over its whole transfer (a parent that trickles a byte now and then
+never trips a per-read timeout): past ``SHARD_SLACK_S + size / MIN_SHARD_BPS`` the transfer is cut and the
+source blamed."""
+SHARD_SLACK_S = LONG_POLL_S + 10.0
+"""Room for a shard that is still arriving at the source (a long poll) before the rate applies."""
 """No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
 the caller asks the trainer's record again and fetches the newest version instead."""
 
@@ -234,7 +240,7 @@ class ShardFetcher:
                     heapq.heappush(pending, (index, shard))
 
         try:
-            async with asyncio.TaskGroup() as tasks:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())), asyncio.TaskGroup() as tasks:
                 for _ in range(min(self.parallel, max(1, len(missing)))):
                     tasks.create_task(worker())
         except BaseException as e:
@@ -243,6 +249,8 @@ class ShardFetcher:
                 rejected, _ = e.split(Rejected)
                 if rejected is not None:  # callers handle one Rejected, as from the manifest phase
                     raise rejected.exceptions[0] from None
+            if isinstance(e, TimeoutError):
+                raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s") from None
             raise
         self.store.finish(version)
         return manifest
@@ -270,7 +278,8 @@ class ShardFetcher:
         received = 0
         whole_from_src = have == 0
         try:
-            async with self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:
+            async with asyncio.timeout(SHARD_SLACK_S + (shard.size - have) / MIN_SHARD_BPS), \
+                    self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:  # fmt: skip
                 if resp.status in (404, 503):
                     logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
                                  resp.status, time.monotonic() - started)  # fmt: skip
@@ -314,7 +323,11 @@ class ShardFetcher:
                         return self._bad(version, shard, src, whole_from_src, vouched, "longer than the manifest says")
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
             self.store.part_closed(version, shard.name, verified=False)
-            if received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
+            if isinstance(e, TimeoutError):  # too slow (a whole-shard rate deadline, or silence): blamed
+                src.failed += 1
+                src.away_until = time.monotonic() + min(30.0, 5.0 * src.failed)
+                self.metrics.inc("node_weights_slow_sources_total", help="shard transfers cut for being too slow")
+            elif received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
                 src.away_until = time.monotonic() + 0.2
             else:
                 src.failed += 1

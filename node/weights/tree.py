@@ -38,12 +38,19 @@ def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> 
     return True  # a cycle in what others claim: treat as unusable
 
 
+MAX_CLAIMED_BPS = 1.25e9
+"""Upload rates a record may claim are read as at most this (10 Gbit/s): a claim orders candidates, it is not
+believed past what any volunteer has; what counts afterwards is the rate the fetcher measures."""
+
+
 def _usable(records: dict[str, NodeRecord], me: str, exclude: set[str] | frozenset[str]) -> list[NodeRecord]:
+    """Relays worth asking. Only the origin is at depth 0: a relay claiming it is lying to be chosen first."""
     return [
         r
         for nid, r in records.items()
         if nid != me and nid not in exclude and r.relay is not None and r.http_url and r.relay.depth < MAX_DEPTH
-    ]
+        and (r.relay.depth >= 1 or r.role == "trainer")
+    ]  # fmt: skip
 
 
 def _cand(r: NodeRecord, is_parent: bool = False) -> Candidate:
@@ -53,7 +60,7 @@ def _cand(r: NodeRecord, is_parent: bool = False) -> Candidate:
 
 def _order(r: NodeRecord) -> tuple[int, float]:
     assert r.relay is not None
-    return r.relay.depth, -r.relay.upload_bps
+    return r.relay.depth, -min(r.relay.upload_bps, MAX_CLAIMED_BPS)
 
 
 def parents(

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
@@ -315,3 +316,45 @@ def test_only_files_the_signed_manifest_names_are_served(tmp_path: Path) -> None
             return codes
 
     assert asyncio.run(main()) == [404, 404, 404, 200]
+
+
+def test_a_parent_that_trickles_is_cut_blamed_and_the_shards_come_from_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack: a parent chosen first sends a byte now and then, never silent long enough for a per-read
+    timeout, so the node never finished a version. Each shard now has a whole-transfer deadline."""
+    from intellect_node.weights import fetch
+
+    monkeypatch.setattr(fetch, "SHARD_SLACK_S", 1.0)
+    monkeypatch.setattr(fetch, "MIN_SHARD_BPS", 1e6)
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 2, _tensors(), shard_bytes=20_000)
+    manifest_bytes = (tmp_path / "origin" / "2" / MANIFEST_NAME).read_bytes()
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        if request.match_info["name"] == MANIFEST_NAME:
+            return web.Response(body=manifest_bytes)
+        resp = web.StreamResponse()
+        resp.content_length = 20_000
+        await resp.prepare(request)
+        for _ in range(20_000):
+            await resp.write(b"\0")
+            await asyncio.sleep(0.3)
+        return resp
+
+    async def main() -> tuple[WeightStore, Metrics, float]:
+        slow = HttpServer(Metrics(), lambda: {}, [web.get("/weights/{version}/{name}", trickle)])
+        slow_url = f"http://127.0.0.1:{await slow.start('127.0.0.1', 0)}"
+        metrics = Metrics()
+        started = asyncio.get_running_loop().time()
+        try:
+            async with _origin(tmp_path / "origin") as (url, _):
+                sources = [Candidate("t" * 32, slow_url, 1, True), Candidate("a" * 32, url, 0, False)]
+                store = await _fetch(tmp_path / "client", 2, sources, metrics, timeout=60)
+        finally:
+            await slow.close()
+        return store, metrics, asyncio.get_running_loop().time() - started
+
+    store, metrics, seconds = asyncio.run(main())
+    assert store.complete_versions() == [2]
+    assert metrics.counter("node_weights_slow_sources_total") >= 1
+    assert seconds < 30
