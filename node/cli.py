@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
     boot.add_argument("--validator", action="append", default=[], metavar="NODE_ID",
                       help="take verdicts from this validator (repeatable); else the trainer validates")  # fmt: skip
+    boot.add_argument("--invite-uses", type=int, default=100,
+                      help="invite-only runs (admission.policy = \"invite\"): nodes the printed invite admits")
+    boot.add_argument("--invite-days", type=float, default=7.0, help="invite-only runs: days the printed invite lasts")
 
     join = sub.add_parser("join", help="join a run as a volunteer")
     _node_args(join)
@@ -72,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
     join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
     join.add_argument("--no-relay", action="store_true", help="inference: do not serve weights to other nodes")
+    join.add_argument("--invite", help="the invite an invite-only run asks for (from its operator)")
+
+    invite = sub.add_parser("invite", help="mint an invite to the run whose key is in --data-dir (invite-only runs)")
+    invite.add_argument("--data-dir", type=Path, help="the trainer's data dir (its node.key is the run key)")
+    invite.add_argument("--uses", type=int, default=1, help="how many distinct nodes may join with it (default 1)")
+    invite.add_argument("--days", type=float, default=7.0, help="how long it is valid (default 7 days)")
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
@@ -127,6 +136,9 @@ def _main(args: argparse.Namespace) -> None:
         run_config = load_run_config(args.config, args.overrides)  # validate before starting anything
         sys.exit(run_demo(args, run_config))
 
+    if args.command == "invite":
+        _invite(args)
+        return
     _setup_logging(args.log_level)
     fields = dict(
         host=args.host,
@@ -152,12 +164,15 @@ def _main(args: argparse.Namespace) -> None:
             checkpoint_every=args.checkpoint_every,
             fresh=args.fresh,
             peers=args.peers,
+            invite_uses=args.invite_uses,
+            invite_days=args.invite_days,
         )
         _bootstrap(node, run)
     elif args.command == "join":
         node = NodeConfig(
-            **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay
-        )
+            **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay,
+            invite=args.invite,
+        )  # fmt: skip
         if args.role == "relay":
             from intellect_node.roles.relay_node import RelayNode
 
@@ -170,6 +185,19 @@ def _main(args: argparse.Namespace) -> None:
             from intellect_node.roles.inference import InferenceNode
 
             run_until_signalled(InferenceNode(node).run())
+
+
+def _invite(args: argparse.Namespace) -> None:
+    from intellect_node.config import default_data_dir
+    from intellect_node.roles.admission import mint_invite
+    from intellect_protocol.identity import Identity
+
+    key = (args.data_dir or default_data_dir()) / "node.key"
+    if not key.exists():
+        sys.exit(f"intellect-node: no run key at {key}; give the trainer's --data-dir")
+    run_key = Identity.from_private_bytes(key.read_bytes())
+    token = mint_invite(run_key, args.uses, args.days)
+    print(f"--run-id {run_key.node_id} --invite {token}")
 
 
 def _bootstrap(node: NodeConfig, run: RunConfig) -> None:

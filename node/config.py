@@ -13,7 +13,15 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import ModelSpec, RunSpec, SamplingSpec, TaskSpec, TrainSpec, VerifySpec
+from intellect_protocol.messages import (
+    AdmissionSpec,
+    ModelSpec,
+    RunSpec,
+    SamplingSpec,
+    TaskSpec,
+    TrainSpec,
+    VerifySpec,
+)
 from intellect_protocol.tasks import ARITHMETIC_ALPHABET
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
@@ -37,11 +45,14 @@ class RunConfig(BaseModel):
     train: TrainSpec = TrainSpec()
     verify: VerifySpec = VerifySpec()
     """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
+    admission: AdmissionSpec = AdmissionSpec()
+    """Who may take part (open with probation, allowlist, invite) and the proof of work asked of new keys."""
 
     def spec(self, run_id: str, created: float = 0.0) -> RunSpec:
         """The signed-to-be RunSpec of this run under ``run_id`` (the trainer's key; any id for local use)."""
         return RunSpec(run_id=run_id, name=self.name, created=created, seed=self.seed, model=self.model,
-                       task=self.task, sampling=self.sampling, train=self.train, verify=self.verify)  # fmt: skip
+                       task=self.task, sampling=self.sampling, train=self.train, verify=self.verify,
+                       admission=self.admission)  # fmt: skip
 
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:
@@ -114,6 +125,12 @@ class NodeConfig(BaseModel):
     """Weight versions kept on disk (default: the run's async_level + 1)."""
     max_disk_gb: Annotated[float, Field(gt=0)] | None = None
     """Disk budget for weights; older versions go first, the newest is always kept."""
+    invite: Annotated[str, Field(max_length=1024)] | None = None
+    """Join: the invite (from the run's operator) a run with ``admission.policy = "invite"`` asks for."""
+    invite_uses: Annotated[int, Field(ge=1, le=1_000_000)] = 100
+    """Bootstrap of an invite-only run: how many nodes the printed join line's invite admits."""
+    invite_days: Annotated[float, Field(gt=0, le=3650)] = 7.0
+    """Bootstrap of an invite-only run: how long the printed invite is valid."""
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -193,6 +193,38 @@ class VerifySpec(BaseModel):
     over budget is dropped, counted and logged, not trained on and nobody banned."""
 
 
+class AdmissionSpec(BaseModel):
+    """Who may take part, and how much a newcomer may ask of the trainer before it has earned trust.
+
+    Keys are free, so bans alone deter nobody: under ``open`` anyone may join but a new key is on probation (every
+    completion checked, one batch pending at a time, all newcomers together a small share of the trainer's queue)
+    until ``probation_batches`` of its batches passed; ``allowlist`` admits the node ids listed; ``invite`` admits
+    nodes whose record carries an invite signed by the run key (``intellect-node invite``), valid until it
+    expires and for at most its number of distinct nodes. ``pow_bits`` > 0 asks every new identity for a
+    proof of work: SHA-256 of ``"<run id>/<node id>/<nonce>"`` with that many leading zero bits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    policy: Literal["open", "allowlist", "invite"] = "open"
+    allowlist: Annotated[list[NodeId], Field(max_length=200)] = []
+    probation_batches: Annotated[int, Field(ge=0, le=100_000)] = 4
+    probation_pending: Annotated[int, Field(ge=1, le=64)] = 1
+    probation_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.25
+    """Of the trainer's pending validation capacity, the share all keys on probation may hold together."""
+    pow_bits: Annotated[int, Field(ge=0, le=32)] = 0
+
+
+class Invite(WireModel):
+    """An invitation to a run, signed by the run key: what ``--invite`` carries (base64url of the envelope)."""
+
+    KIND: ClassVar[str] = "invite"
+    CHANNEL: ClassVar[Channel] = Channel.INVITE
+    run_id: NodeId
+    token_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    expires: float
+    uses: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+    """How many distinct node ids may join with it."""
+
+
 class RunSpec(WireModel):
     """Everything a joining node needs to take part in a run; signed by the run key."""
 
@@ -208,6 +240,7 @@ class RunSpec(WireModel):
     sampling: SamplingSpec = SamplingSpec()
     train: TrainSpec = TrainSpec()
     verify: VerifySpec = VerifySpec()
+    admission: AdmissionSpec = AdmissionSpec()
 
 
 class RelayInfo(BaseModel):
@@ -243,6 +276,10 @@ class NodeRecord(WireModel):
     software: Annotated[str, Field(max_length=64)] = ""
     relay: RelayInfo | None = None
     """Present when the node serves weight shards to others."""
+    invite: Annotated[bytes, Field(max_length=Channel.INVITE.value)] = b""
+    """A run-key-signed Invite envelope, for runs whose admission policy is ``invite``."""
+    pow_nonce: U63 = 0
+    """Proof of work on this identity, for runs that ask for one (``AdmissionSpec.pow_bits``)."""
 
 
 class ShardEntry(BaseModel):

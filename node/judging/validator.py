@@ -236,9 +236,10 @@ class Validator:
             finding.rewards.append(rewards)
 
     @torch.no_grad()
-    def check(self, batch: RolloutBatch, exhaustive: bool = False) -> Finding:
+    def check(self, batch: RolloutBatch, exhaustive: bool = False, full: bool = False) -> Finding:
         """Every check, cheapest first; the model must hold exactly ``batch.version``. Stops at the first failing
-        part unless ``exhaustive`` (the benchmarks measure every completion)."""
+        part unless ``exhaustive`` (the benchmarks measure every completion); ``full`` ignores spot checks (a key on
+        probation has every completion checked)."""
         finding = Finding()
         try:
             self.check_shape(batch)
@@ -255,7 +256,7 @@ class Validator:
             for j, c in enumerate(g.completions)
         ]
         finding.completions = len(rows)
-        chosen = self.spot_check(batch, len(rows))
+        chosen = list(range(len(rows))) if full else self.spot_check(batch, len(rows))
         if exhaustive or len(chosen) < 2:
             parts = [chosen[i : i + ROWS_PER_PREFILL] for i in range(0, len(chosen), ROWS_PER_PREFILL)]
         else:  # one row the worker cannot predict first, alone: a cheater costs us one short forward pass

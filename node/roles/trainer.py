@@ -36,6 +36,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
+from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import VERDICTS_KEPT, ValidationPipeline
@@ -49,6 +50,9 @@ from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, Run
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_PER_NODE = 2
+MAX_PENDING_BATCHES = 64
+"""Admitted batches waiting for a verdict, all nodes together; past this the trainer answers busy (producers
+resend). Keys on probation share ``admission.probation_share`` of it."""
 REWARD_WORKERS = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
 
@@ -95,6 +99,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.origin.path = lambda: [self.run_id]
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.registry = NodeRegistry(self.membership)
+        self.admission = Admission(self.spec.admission, self.run_id)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or local_engine)(self.spec, self.tokenizer)
@@ -140,8 +145,17 @@ class Trainer(ValidationPipeline, Checkpoints):
     # ---- peer boundary -------------------------------------------------------------------------------
 
     async def _is_member(self, node_id: str) -> bool:
-        """Whether a node may hold one of the origin's relay slots: it has a valid record in the run."""
-        return node_id not in self.banned and await self.registry.registered(node_id) is not None
+        """Whether a node may hold one of the origin's relay slots: admitted, with a valid record in the run."""
+        if node_id in self.banned:
+            return False
+        record = await self.registry.registered(node_id)
+        if record is None:
+            return False
+        try:
+            self.admission.check(record)
+        except Rejected:
+            return False
+        return True
 
     def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
@@ -193,6 +207,7 @@ class Trainer(ValidationPipeline, Checkpoints):
                 raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
             if node_id in self.banned:
                 raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
+            self.admission.check(record)
             self.received_by_node[node_id] += 1
             batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
@@ -200,9 +215,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
             self.gate.check(batch, self.step, newest=self.published)
-            queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
-            if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
-                raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
+            self._check_capacity(node_id)
             # Reserved before the first await: the same batch on another stream, or this node's next one, is
             # refused until this one is admitted or refused (a duplicate check and an admission separated by an
             # await let one signed batch in 16 times).
@@ -231,6 +244,23 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
         logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(slots))
         return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
+
+    def _check_capacity(self, node_id: str) -> None:
+        """Bounded, fair work: per node, for keys on probation together, and for everybody."""
+        queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
+        if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
+            raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
+        if len(self.validating) >= MAX_PENDING_BATCHES:
+            raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
+        a = self.spec.admission
+        if self.admission.on_probation(node_id):
+            mine = sum(1 for key in self.validating if key[0] == node_id)
+            if mine >= a.probation_pending:
+                raise Rejected("busy", f"a new node may have {a.probation_pending} batch(es) judged at once until "
+                                       f"{a.probation_batches} passed")  # fmt: skip
+            newcomers = sum(1 for key in self.validating if self.admission.on_probation(key[0]))
+            if newcomers >= max(1, int(a.probation_share * MAX_PENDING_BATCHES)):
+                raise Rejected("busy", "the trainer is judging many new nodes' batches; send again shortly")
 
     def _backlog(self) -> int:
         """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number
@@ -408,6 +438,12 @@ class Trainer(ValidationPipeline, Checkpoints):
             await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
         self.published = self.step
 
+    def _invite_arg(self) -> str:
+        """An invite-only run's join line carries a fresh invite (``--invite-uses`` nodes, ``--invite-days``)."""
+        if self.spec.admission.policy != "invite":
+            return ""
+        return f" --invite {mint_invite(self.identity, self.cfg.invite_uses, self.cfg.invite_days)}"
+
     async def _join_dht(self) -> list[str]:
         """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
         peers = self.cfg.peers or getattr(self, "_saved_peers", [])
@@ -445,7 +481,7 @@ class Trainer(ValidationPipeline, Checkpoints):
                 {
                     "p2p_maddrs": self.maddrs,
                     "status_url": self.status_url,
-                    "join": f"intellect-node join --role inference {peers} --run-id {self.run_id}",
+                    "join": f"intellect-node join --role inference {peers} --run-id {self.run_id}{self._invite_arg()}",
                 },
             )
             async with asyncio.TaskGroup() as tasks:

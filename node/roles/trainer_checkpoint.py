@@ -32,6 +32,7 @@ import torch
 from intellect_node.judging.validator import Gate
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
+from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.messages import RolloutBatch, RunSpec
@@ -130,6 +131,7 @@ class Checkpoints:
     ckpt: CheckpointDir
     metrics: Metrics
     registry: NodeRegistry
+    admission: Admission
     gate: Gate
     history: list[dict[str, Any]]
     banned: dict[str, str]
@@ -170,6 +172,7 @@ class Checkpoints:
             "gate": dict(self.gate.next_index),
             "idle_s": self.idle_s,
             "rewards_seen": list(self._rewards_seen),
+            "admission": self.admission.state(),
             "peers": self.registry.peer_addresses(self.run_id),
             "batches": {k: self.envelopes[k] for k in due if k in self.envelopes},
             "due": due,
@@ -183,6 +186,7 @@ class Checkpoints:
         self.gate.next_index = dict(saved["gate"])
         self.idle_s = float(saved["idle_s"])
         self._rewards_seen = list(saved["rewards_seen"])
+        self.admission.restore(saved.get("admission", {}))
         self._saved_peers: list[str] = list(saved["peers"])
         logger.info("resuming run %s from its checkpoint at step %d", self.run_id, self.step)
 

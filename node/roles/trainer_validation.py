@@ -29,6 +29,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import request, validate_protocol
 from intellect_node.policy.engine import BatchKey, Group
 from intellect_node.policy.model import load_weights
+from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.weights.files import load_checkpoint
 from intellect_node.weights.store import WeightStore
@@ -50,6 +51,7 @@ class ValidationPipeline:
     identity: Identity
     metrics: Metrics
     registry: NodeRegistry
+    admission: Admission
     store: WeightStore
     p2p: Any
     validator: Validator
@@ -85,10 +87,10 @@ class ValidationPipeline:
         load_weights(self.validator.model, tensors)
         self.validator_version = version
 
-    def _validate(self, batch: RolloutBatch) -> Finding:
+    def _validate(self, batch: RolloutBatch, full: bool = False) -> Finding:
         if self.validator_version != batch.version:
             self._load_validator(batch.version)
-        return self.validator.check(batch)
+        return self.validator.check(batch, full=full)
 
     async def _remote_verdict(self, batch: RolloutBatch, envelope: bytes) -> tuple[Verdict, bytes] | None:
         """A trusted validator's signed verdict on exactly these bytes; None if none could give one."""
@@ -140,7 +142,10 @@ class ValidationPipeline:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             return
         started = time.monotonic()
-        remote = await self._remote_verdict(batch, envelope) if self.cfg.validators else None
+        # a key on probation has every completion checked: with spot checks on, here (a validator node checks its
+        # own share); with every completion checked anyway, wherever
+        newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
+        remote = await self._remote_verdict(batch, envelope) if self.cfg.validators and not newcomer else None
         if remote is not None:
             verdict, sealed = remote
             self.metrics.inc("node_trainer_remote_verdicts_total", help="verdicts from validator nodes")
@@ -148,7 +153,7 @@ class ValidationPipeline:
             if self.cfg.validators:
                 self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no validator")
             try:
-                finding = await asyncio.to_thread(self._validate, batch)
+                finding = await asyncio.to_thread(self._validate, batch, newcomer)
             except Rejected as e:
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
                 logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
@@ -184,6 +189,7 @@ class ValidationPipeline:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
             return
         self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
+        self.admission.batch_passed(batch.node_id)
         self.accepted_by_node[batch.node_id] += len(groups)
         self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
         key = (batch.node_id, batch.version, batch.batch_index)

@@ -26,6 +26,7 @@ from intellect_node.weights.files import HTTP_TIMEOUT
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
+from intellect_protocol.admission import invite_envelope, solve_pow
 from intellect_protocol.messages import NodeRecord, Role, RunSpec
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ class Volunteer(abc.ABC):
         self.http = HttpServer(self.metrics, self.status, self.server.routes() if self.server else [])
         self.follower: WeightFollower | None = None
         self.spec: RunSpec | None = None
+        self.pow_nonce = 0
+        try:
+            self.invite = invite_envelope(node.invite) if node.invite else b""
+        except ValueError as e:
+            raise SystemExit(f"--invite: {e}; copy the whole token the run's operator gave you") from None
         self.status_url = ""
         self.maddrs: list[str] = []
 
@@ -77,6 +83,8 @@ class Volunteer(abc.ABC):
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=self.follower.relay_info() if self.follower is not None else None,
+            invite=self.invite,
+            pow_nonce=self.pow_nonce,
         )
 
     async def publish(self) -> None:
@@ -127,6 +135,18 @@ class Volunteer(abc.ABC):
             "--peers against the line the trainer printed, and that the trainer is still running"
         )
 
+    async def _prove_identity(self, spec: RunSpec) -> None:
+        """What the run's admission policy asks of this identity: its proof of work (computed once per run), and
+        the invite given on the command line."""
+        a = spec.admission
+        if a.policy == "invite" and not self.invite:
+            raise SystemExit("this run admits invited nodes only: ask its operator for an invite and join with "
+                             "--invite TOKEN")  # fmt: skip
+        if a.pow_bits:
+            started = time.monotonic()
+            self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, self.identity.node_id, a.pow_bits)
+            logger.info("proof of work bits=%d seconds=%.2f", a.pow_bits, time.monotonic() - started)
+
     async def trainer(self) -> NodeRecord | None:
         """The trainer's current record; None while it cannot be read (the caller waits and asks again)."""
         try:
@@ -146,6 +166,7 @@ class Volunteer(abc.ABC):
             self.status_url = f"http://{self.cfg.host}:{port}"
             self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
             spec = self.spec = await self._wait_for_spec()
+            await self._prove_identity(spec)
             if self.role in ("inference", "validator"):  # they score completions: code and math run jailed
                 require_jail(spec.task)
             keep = self.cfg.keep_versions or spec.train.async_level + 1
