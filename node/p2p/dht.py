@@ -215,7 +215,7 @@ class Membership:
                 if spec is not None and time.monotonic() - last_spec > SPEC_TTL_S / 3:
                     await self.publish_spec(spec)
                     last_spec = time.monotonic()
-            except (TimeoutError, OSError) as e:
+            except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
                 self.metrics.inc("node_dht_publish_failures_total")
                 logger.warning("could not republish the DHT record: %s", e)
             await asyncio.sleep(REPUBLISH_S)

@@ -324,7 +324,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.metrics.set("node_trainer_weight_version", version)
         try:
             await self.membership.publish_record(self.record())
-        except (TimeoutError, OSError) as e:  # the periodic republish will try again
+        except Exception as e:  # timeouts, daemon errors: the periodic republish will try again
             logger.warning("could not announce version %d in the DHT: %r", version, e)
 
     def record(self) -> NodeRecord:

@@ -74,7 +74,7 @@ class NodeRegistry:
         DHT that does not answer) never empties a working registry; a record leaves only once it is stale."""
         try:
             fresh = await self.membership.get_nodes()
-        except (TimeoutError, OSError) as e:
+        except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             logger.warning("could not refresh the node registry from the DHT: %r", e)
             fresh = {}
         merged = dict(self.records)

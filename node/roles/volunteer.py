@@ -90,7 +90,7 @@ class Volunteer(abc.ABC):
     async def publish(self) -> None:
         try:
             await self.membership.publish_record(self.record())
-        except (TimeoutError, OSError) as e:
+        except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             logger.warning("could not publish the DHT record: %s", e)
 
     async def publish_on_change(self) -> None:
@@ -151,7 +151,7 @@ class Volunteer(abc.ABC):
         """The trainer's current record; None while it cannot be read (the caller waits and asks again)."""
         try:
             return await self.membership.get_trainer()
-        except (TimeoutError, OSError) as e:
+        except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             self.metrics.inc("node_dht_read_failures_total")
             logger.warning("could not read the trainer's record from the DHT: %r", e)
             return None

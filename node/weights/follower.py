@@ -137,7 +137,7 @@ class WeightFollower:
         self._read_at = now
         try:
             fresh = await self.membership.get_nodes()
-        except (TimeoutError, OSError) as e:  # plan with what was read before; the next call reads again
+        except Exception as e:  # timeouts, daemon errors: plan with what was read before; the next call reads again
             self.metrics.inc("node_dht_read_failures_total")
             logger.debug("could not read the node records: %r", e)
             fresh = {}
