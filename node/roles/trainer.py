@@ -39,7 +39,7 @@ from intellect_node.policy.model import build_model, build_tokenizer, encode_pro
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
 from intellect_node.roles.trainer_registry import NodeRegistry
-from intellect_node.roles.trainer_validation import VERDICTS_KEPT, ValidationPipeline
+from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
 from intellect_node.runtime import announce
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
@@ -121,7 +121,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims
         self.validator = Validator(self.spec, self.tokenizer, build_model(self.spec.model, self.tokenizer))
         self.validator_version = -1
-        self.pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]] = asyncio.Queue()
+        self.pending = PendingBatches()
         """Admitted batches waiting for their verdict, with the slots still due."""
         self.pending_by_node: Counter[str] = Counter()
         self.banned: dict[str, str] = {}

@@ -17,7 +17,6 @@ second, different version with a number the swarm has already seen.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import os
@@ -34,6 +33,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
+from intellect_node.roles.trainer_validation import PendingBatches
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.messages import RolloutBatch, RunSpec
 
@@ -137,7 +137,7 @@ class Checkpoints:
     banned: dict[str, str]
     idle_s: float
     queue: list[Group]
-    pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]]
+    pending: PendingBatches
     pending_by_node: Counter[str]
     validating: set[BatchKey]
     envelopes: dict[BatchKey, bytes]

@@ -43,6 +43,33 @@ VERDICTS_KEPT = 256
 VALIDATE_TIMEOUT_S = 120.0
 
 
+PendingBatch = tuple[RolloutBatch, list[int], bytes]
+"""An admitted batch, the slots still due, and its envelope as the producer signed it."""
+
+
+class PendingBatches:
+    """Admitted batches waiting for a verdict. ``get(prefer)`` takes one of the version the validator's model
+    holds when there is one: a producer alternating versions must not force a weight reload per batch."""
+
+    def __init__(self) -> None:
+        self._items: list[PendingBatch] = []
+        self._added = asyncio.Event()
+
+    def put_nowait(self, item: PendingBatch) -> None:
+        self._items.append(item)
+        self._added.set()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    async def get(self, prefer: int = -1) -> PendingBatch:
+        while not self._items:
+            self._added.clear()
+            await self._added.wait()
+        at = next((i for i, item in enumerate(self._items) if item[0].version == prefer), 0)
+        return self._items.pop(at)
+
+
 class ValidationPipeline:
     # what the pipeline uses of the trainer (set in Trainer.__init__)
     cfg: NodeConfig
@@ -56,7 +83,7 @@ class ValidationPipeline:
     p2p: Any
     validator: Validator
     validator_version: int
-    pending: asyncio.Queue[tuple[RolloutBatch, list[int], bytes]]
+    pending: PendingBatches
     reward_pool: ThreadPoolExecutor
     pending_by_node: Counter[str]
     validating: set[BatchKey]
@@ -122,7 +149,7 @@ class ValidationPipeline:
         """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch
         does here stops the loop: an unexpected error drops that batch (counted, logged), nobody is banned for it."""
         while True:
-            batch, slots, envelope = await self.pending.get()
+            batch, slots, envelope = await self.pending.get(prefer=self.validator_version)
             try:
                 await self._validate_one(batch, slots, envelope)
             except Exception:

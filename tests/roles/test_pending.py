@@ -1,0 +1,32 @@
+"""The trainer's queue of batches awaiting a verdict prefers the version its validator holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+from intellect_node.roles.trainer_validation import PendingBatches
+from intellect_protocol.messages import RolloutBatch, RolloutGroup
+
+
+def _batch(version: int, index: int) -> RolloutBatch:
+    group = RolloutGroup(slot=0, prompt_ids=[1], completions=[[2]], logprobs=[[-0.1]], proofs=[[]])
+    return RolloutBatch(run_id="a" * 32, node_id="b" * 32, version=version, batch_index=index, groups=[group])
+
+
+def test_a_producer_alternating_versions_costs_one_reload_per_version_not_per_batch() -> None:
+    async def main() -> list[int]:
+        pending = PendingBatches()
+        for i in range(6):
+            pending.put_nowait((_batch(i % 2, i), [], b""))
+        loaded, order = -1, []
+        while pending.qsize():
+            batch, _, _ = await pending.get(prefer=loaded)
+            loaded = batch.version
+            order.append(batch.version)
+        waiter = asyncio.ensure_future(pending.get())
+        await asyncio.sleep(0)
+        pending.put_nowait((_batch(7, 0), [], b""))
+        order.append((await waiter)[0].version)
+        return order
+
+    assert asyncio.run(main()) == [0, 0, 0, 1, 1, 1, 7]
