@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -354,6 +355,11 @@ async def cheaters(swarm: Swarm, until: float) -> Outcome:
         "made-up proofs": lambda k: swarm.fake_batch(k, version, 0),
     }  # fmt: skip
     keys = {name: Identity.generate() for name in kinds}
+    batches = {name: kinds[name](keys[name]) for name in kinds}
+    for name, k in keys.items():  # a "cheat" whose tokens equal the honest draw is honest data: not counted
+        honest = generate_batch(spec, model, swarm.tok, k.node_id, version, 0)
+        if [g.completions for g in honest.groups] == [g.completions for g in batches[name].groups]:
+            del batches[name]
     for k in keys.values():
         swarm.register(k)
     await asyncio.sleep(1.0)
@@ -361,18 +367,20 @@ async def cheaters(swarm: Swarm, until: float) -> Outcome:
     p2p = await swarm.client.replicate_p2p()
     replies = {}
     try:
-        for name, make in kinds.items():
-            reply = await submit(p2p, swarm.trainer_peer, swarm.run_id, seal(keys[name], make(keys[name])),
-                                 swarm.run_id)  # fmt: skip
+        for name, batch in batches.items():
+            reply = await submit(p2p, swarm.trainer_peer, swarm.run_id, seal(keys[name], batch), swarm.run_id)
             replies[name] = "admitted" if reply.ok else reply.reason
     finally:
         await p2p.shutdown()
     await asyncio.sleep(max(0.0, until - time.monotonic()))
     status = swarm.status()
-    bad = sum(status["accepted_groups_by_node"].get(k.node_id, 0) for k in keys.values())
-    banned = sum(k.node_id in status["banned"] for k in keys.values())
-    return Outcome("cheating producers (5 kinds)", "bad data accepted", bad > 0,
-                   f"{banned}/5 banned; at the door {replies}", bad)
+    cheats = [keys[name] for name in batches]
+    bad = sum(status["accepted_groups_by_node"].get(k.node_id, 0) for k in cheats)
+    banned = sum(k.node_id in status["banned"] for k in cheats)
+    noop = sorted(set(kinds) - set(batches))
+    return Outcome(f"cheating producers ({len(cheats)} kinds)", "bad data accepted", bad > 0,
+                   f"{banned}/{len(cheats)} banned; at the door {replies}"
+                   + (f"; {noop} drew the honest tokens here, not sent" if noop else ""), bad)  # fmt: skip
 
 
 def _edited(batch: RolloutBatch) -> RolloutBatch:
@@ -454,6 +462,9 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
                            host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
         while steps(swarm) < 5:
             await asyncio.sleep(0.5)
+        # The attacker gets what CPU the swarm leaves (on a real deployment it is another machine): this process,
+        # and what it starts from now on (its libp2p daemons), at the lowest priority.
+        os.nice(19)
         control = await measure(swarm, args.window, lambda until: idle(swarm, until))
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         attacks: list[Callable[[float], Awaitable[Outcome]]] = [
@@ -476,6 +487,11 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             outcomes.append(outcome)
             print(f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
                   f"{outcome.detail}", flush=True)  # fmt: skip
+        after = await measure(swarm, args.window, lambda until: idle(swarm, until))
+        print(f"attack-free rate after the attacks: {after.rate:.2f} steps/s", flush=True)
+        baseline = (control.rate + after.rate) / 2
+        for o in outcomes:
+            o.rate = o.rate * control.rate / max(baseline, 1e-9)  # as a share of the mean attack-free rate
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
         if crashes:
             outcomes.append(Outcome("any attack", "node crashed", True, f"crashed: {crashes}"))

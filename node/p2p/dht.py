@@ -8,9 +8,12 @@ of ours refuse to store or return a record whose signature, signer or schema is 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
@@ -35,6 +38,8 @@ from intellect_protocol.records import (
 
 logger = logging.getLogger(__name__)
 DHT_TIMEOUT_S = 15.0
+DHT_THREADS = 4
+T = TypeVar("T")
 
 
 def check_spec(value: object, run_id: str) -> RunSpec:
@@ -114,6 +119,12 @@ class Membership:
         self.metrics = metrics
         self.dht: DHT | None = None
         self.maddrs: list[str] = []
+        self._executor = ThreadPoolExecutor(DHT_THREADS, thread_name_prefix="dht")
+        """DHT calls block a thread until hivemind answers (a timeout here does not free it): they get threads of
+        their own, so a slow or flooded DHT never holds up training, validation or publishing."""
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     async def start(self, host: str, port: int, peers: list[str]) -> list[str]:
         def _start() -> DHT:
@@ -151,13 +162,13 @@ class Membership:
         dht = self._require()
         return bool(
             await asyncio.wait_for(
-                asyncio.to_thread(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S
+                self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S
             )
         )
 
     async def _get(self, key: str) -> dict[object, object]:
         dht = self._require()
-        found = await asyncio.wait_for(asyncio.to_thread(dht.get, key, True), DHT_TIMEOUT_S)
+        found = await asyncio.wait_for(self._call(dht.get, key, True), DHT_TIMEOUT_S)
         if found is None or not isinstance(found.value, dict):
             return {}
         return {k: v.value for k, v in found.value.items()}
@@ -224,3 +235,4 @@ class Membership:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -35,6 +36,10 @@ MIN_SEND_BPS = 256 * 1024
 MAX_READING = 32
 """Streams being read at once, over all peers: bounds memory (each up to one frame) whatever peers do."""
 MAX_READING_PER_PEER = 2
+STRIKES = 3
+PENALTY_S = 60.0
+GARBAGE = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema"})
+"""Replies that say a frame was unusable as bytes (not a refusal of honest work): they count against the peer."""
 LARGE_FRAME = 256 * 1024
 """Frames past this size are opened (signature, decoding) in a thread, off the event loop."""
 
@@ -67,13 +72,24 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes:
     return await reader.readexactly(length)
 
 
+ENVELOPE_FIRST_BYTE = 0x85
+"""Every frame on these protocols is a signed envelope: a msgpack map of five entries (protocol/envelope.py)."""
+
+
 async def read_frame_within(reader: asyncio.StreamReader, limit: int) -> bytes:
     """A frame from a peer under deadlines: the header within ``HEADER_TIMEOUT_S``, the body at ``MIN_SEND_BPS``
-    or better. Raises TimeoutError for a peer that stalls or trickles."""
+    or better. Raises TimeoutError for a peer that stalls or trickles; a body that does not start as an envelope
+    is refused before the rest of it is read."""
     length = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER), HEADER_TIMEOUT_S), "big")
     if length > limit:
         raise Rejected("oversized", f"{length} bytes > limit of {limit}")
-    return await asyncio.wait_for(reader.readexactly(length), HEADER_TIMEOUT_S + length / MIN_SEND_BPS)
+    if length == 0:
+        raise Rejected("malformed", "an empty frame")
+    deadline = HEADER_TIMEOUT_S + length / MIN_SEND_BPS
+    first = await asyncio.wait_for(reader.readexactly(1), deadline)
+    if first[0] != ENVELOPE_FIRST_BYTE:
+        raise Rejected("malformed", "not a signed envelope")
+    return first + await asyncio.wait_for(reader.readexactly(length - 1), deadline)
 
 
 async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -104,7 +120,19 @@ class RolloutServer:
         self._reject = reject
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
         self._reading: dict[str, int] = {}
+        self._strikes: dict[str, list[float]] = {}
         self.refused_busy = 0
+
+    def _strike(self, peer: str) -> None:
+        now = time.monotonic()
+        if len(self._strikes) > 10_000:
+            self._strikes = {p: t for p, t in self._strikes.items() if t and now - t[-1] < PENALTY_S}
+        self._strikes[peer] = [t for t in self._strikes.get(peer, []) if now - t < PENALTY_S][-STRIKES:] + [now]
+
+    def _penalized(self, peer: str) -> bool:
+        """A peer that sent STRIKES unusable frames within PENALTY_S is refused unread until that has passed."""
+        recent = [t for t in self._strikes.get(peer, []) if time.monotonic() - t < PENALTY_S]
+        return len(recent) >= STRIKES
 
     async def start(self) -> None:
         await self._p2p.add_binary_stream_handler(self._name, self._on_stream)
@@ -121,7 +149,10 @@ class RolloutServer:
         peer = info.peer_id.to_base58()
         try:
             reply: WireModel | None = None
-            if sum(self._reading.values()) >= MAX_READING or self._reading.get(peer, 0) >= MAX_READING_PER_PEER:
+            if self._penalized(peer):
+                self.refused_busy += 1
+                reply = self._reject(Rejected("busy", "too many malformed frames from this peer; wait a minute"), peer)
+            elif sum(self._reading.values()) >= MAX_READING or self._reading.get(peer, 0) >= MAX_READING_PER_PEER:
                 self.refused_busy += 1
                 reply = self._reject(Rejected("busy", "too many streams open; send again shortly"), peer)
             else:
@@ -137,6 +168,8 @@ class RolloutServer:
                 if reply is None:
                     async with self._slots:
                         reply = await self._handle(data, peer)
+                if getattr(reply, "reason", "") in GARBAGE:
+                    self._strike(peer)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("stream from peer=%s broke: %r", peer, e)

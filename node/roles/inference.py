@@ -31,6 +31,8 @@ from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutG
 from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
+RETRY_SAME = frozenset({"busy", "unknown_signer"})
+"""Refusals that decide nothing about the batch (the trainer is full, or has not read our record yet)."""
 PAUSE_MAX_S = 10.0
 """A producer the trainer told to wait asks again after this long even without a new version: backpressure
 slows producers down, it must never leave the trainer waiting on paused producers."""
@@ -62,10 +64,13 @@ class InferenceNode(Volunteer):
     async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
         assert self.follower is not None
         target = trainer.weight_version
-        if target == self.loaded or target < 0:
+        if target <= self.loaded or target < 0:
+            # an older version is a stale record (a DHT replica behind, or one replayed): a trainer never reuses a
+            # version number, so going back would only get our batches refused as duplicates
+            if target < self.loaded:
+                self.metrics.inc("node_inference_older_versions_ignored_total",
+                                 help="trainer records announcing a version older than the one loaded")  # fmt: skip
             return
-        if target < self.loaded:
-            logger.warning("the trainer announces version %d, older than ours (%d): it restarted", target, self.loaded)
         started = time.monotonic()
         manifest = await self.follower.sync(target)
         tensors = await asyncio.to_thread(load_checkpoint, self.store.folder(target), manifest)
@@ -121,26 +126,40 @@ class InferenceNode(Volunteer):
                                batch.version, batch.batch_index, e)  # fmt: skip
                 await asyncio.sleep(POLL_S)
                 continue
-            if not reply.ok and reply.reason == "busy":  # our previous attempt is still being checked there
+            if not reply.ok and reply.reason in RETRY_SAME:  # nothing decided about this batch: the same, later
+                self.metrics.inc("node_inference_batches_deferred_total", label=reply.reason)
                 await asyncio.sleep(POLL_S)
                 continue
-            unsent = None
             current = batch.version == self.loaded  # the index counts batches of the loaded version
-            if current:
-                self.batch_index = max(self.batch_index, batch.batch_index + 1)
             self.batches_sent += 1
             self.metrics.inc("node_inference_batches_sent_total")
             if reply.ok:
+                unsent = None
                 self.batches_accepted += 1
+                if current:
+                    self.batch_index = max(self.batch_index, batch.batch_index + 1)
                 if reply.backlog >= 2 * spec.train.batch_groups:
                     paused_at, paused_since = self.loaded, time.monotonic()
                 continue
             self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
             self.metrics.inc("node_inference_batches_refused_total", label=reply.reason)
             logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
-            if reply.reason in ("duplicate", "out_of_order") and reply.next_index >= 0 and current:
-                self.batch_index = reply.next_index  # we restarted, or lost a reply: continue where it expects
-            elif reply.reason in ("stale_version", "duplicate", "out_of_order", "backlog_full"):
+            if reply.reason == "backlog_full":  # kept, and sent again when the trainer has room
+                paused_at, paused_since = self.loaded, time.monotonic()
+                continue
+            unsent = None
+            if reply.reason in ("duplicate", "out_of_order") and reply.next_index >= 0:
+                if current:
+                    self.batch_index = reply.next_index  # we restarted, or lost a reply: continue where it expects
+            elif reply.reason == "stale_version":
+                if current:  # our weights are too old: wait for a newer version
+                    paused_at, paused_since = self.loaded, time.monotonic()
+            elif reply.reason == "banned":
+                logger.error("the trainer banned this node (%s); it produces nothing more for this run", reply.detail)
+                await asyncio.Event().wait()
+            else:  # refused for good: the next batch, and a pause
+                if current:
+                    self.batch_index = max(self.batch_index, batch.batch_index + 1)
                 paused_at, paused_since = self.loaded, time.monotonic()
 
 

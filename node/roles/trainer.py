@@ -138,6 +138,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         if self.resumed is not None:
             self._restore(self.resumed)
         self._store_lock = threading.Lock()
+        self.validation_pool = ThreadPoolExecutor(1, thread_name_prefix="validation")
+        """The validator's model: one batch at a time, on a thread of its own (never behind DHT calls)."""
         self.reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix="rewards")
         """Scoring (code tests and math checks run jailed programs) has threads of its own: a slow batch never
         holds up checkpointing and publishing, which use the default executor."""
@@ -496,3 +498,4 @@ class Trainer(ValidationPipeline, Checkpoints):
             self.ckpt.close()
             self.engine.close()
             self.reward_pool.shutdown(wait=False, cancel_futures=True)
+            self.validation_pool.shutdown(wait=False, cancel_futures=True)

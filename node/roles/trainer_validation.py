@@ -85,6 +85,7 @@ class ValidationPipeline:
     validator_version: int
     pending: PendingBatches
     reward_pool: ThreadPoolExecutor
+    validation_pool: ThreadPoolExecutor
     pending_by_node: Counter[str]
     validating: set[BatchKey]
     queue: list[Group]
@@ -180,7 +181,8 @@ class ValidationPipeline:
             if self.cfg.validators:
                 self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no validator")
             try:
-                finding = await asyncio.to_thread(self._validate, batch, newcomer)
+                loop = asyncio.get_running_loop()
+                finding = await loop.run_in_executor(self.validation_pool, self._validate, batch, newcomer)
             except Rejected as e:
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
                 logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)

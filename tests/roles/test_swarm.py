@@ -163,8 +163,9 @@ async def _submit(swarm: Swarm, data: bytes) -> SubmitReply:
         await p2p.shutdown()
 
 
-async def _send_frame(swarm: Swarm, frame: bytes) -> SubmitReply:
-    p2p = await swarm.client.replicate_p2p()
+async def _send_frame(swarm: Swarm, frame: bytes, p2p: Any = None) -> SubmitReply:
+    own = p2p is None
+    p2p = p2p or await swarm.client.replicate_p2p()
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(
             PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)
@@ -176,7 +177,8 @@ async def _send_frame(swarm: Swarm, frame: bytes) -> SubmitReply:
         assert reply.signer_id == swarm.run_id
         return reply.message
     finally:
-        await p2p.shutdown()
+        if own:
+            await p2p.shutdown()
 
 
 def _rejections(swarm: Swarm) -> dict[str, float]:
@@ -213,9 +215,19 @@ def test_tampered_and_malformed_and_oversized_input_is_rejected(swarm: Swarm) ->
         "oversized": (Channel.ROLLOUT_BATCH.value + 1).to_bytes(HEADER, "big"),  # refused before the body is read
     }
     before = _rejections(swarm)
-    for reason, frame in cases.items():
-        reply = asyncio.run(_send_frame(swarm, frame))
-        assert not reply.ok and reply.reason == reason
+
+    async def attack() -> list[SubmitReply]:
+        """From a peer of its own: three unusable frames put it in the penalty box (refused unread a minute)."""
+        from hivemind.p2p import P2P
+
+        attacker = await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            return [await _send_frame(swarm, frame, attacker) for frame in [*cases.values(), cases["malformed"]]]
+        finally:
+            await attacker.shutdown()
+
+    replies = asyncio.run(attack())
+    assert [r.reason for r in replies] == [*cases, "busy"] and not any(r.ok for r in replies)
     after = _rejections(swarm)
     assert all(after[r] == before.get(r, 0) + 1 for r in cases)
     assert swarm.trainer.proc.poll() is None
