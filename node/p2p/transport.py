@@ -36,6 +36,7 @@ MIN_SEND_BPS = 256 * 1024
 MAX_READING = 32
 """Streams being read at once, over all peers: bounds memory (each up to one frame) whatever peers do."""
 MAX_READING_PER_PEER = 2
+LINGER_S = 5.0
 STRIKES = 3
 PENALTY_S = 60.0
 GARBAGE = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema"})
@@ -171,6 +172,9 @@ class RolloutServer:
                 if getattr(reply, "reason", "") in GARBAGE:
                     self._strike(peer)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
+            # Close only once the peer has read the reply and closed its side (or after LINGER_S): closing at
+            # once after the write lost the reply's body now and then (the daemon dropped what it had not sent).
+            await asyncio.wait_for(reader.read(1), LINGER_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("stream from peer=%s broke: %r", peer, e)
         finally:

@@ -138,7 +138,7 @@ class InferenceNode(Volunteer):
                 self.batches_accepted += 1
                 if current:
                     self.batch_index = max(self.batch_index, batch.batch_index + 1)
-                if reply.backlog >= 2 * spec.train.batch_groups:
+                if reply.backlog >= max(2, spec.train.async_level) * spec.train.batch_groups:  # enough to train on
                     paused_at, paused_since = self.loaded, time.monotonic()
                 continue
             self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1

@@ -50,6 +50,8 @@ from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, Run
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_PER_NODE = 2
+"""A node may have this many training steps' worth of rollout groups queued, or ``async_level`` steps' worth if
+more: what the trainer can use before they go stale."""
 MAX_PENDING_BATCHES = 64
 """Admitted batches waiting for a verdict, all nodes together; past this the trainer answers busy (producers
 resend). Keys on probation share ``admission.probation_share`` of it."""
@@ -250,7 +252,7 @@ class Trainer(ValidationPipeline, Checkpoints):
     def _check_capacity(self, node_id: str) -> None:
         """Bounded, fair work: per node, for keys on probation together, and for everybody."""
         queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
-        if queued >= MAX_QUEUED_PER_NODE * self.spec.train.batch_groups:
+        if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
             raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
         if len(self.validating) >= MAX_PENDING_BATCHES:
             raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
