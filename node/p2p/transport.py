@@ -39,8 +39,9 @@ MAX_READING_PER_PEER = 2
 LINGER_S = 5.0
 STRIKES = 3
 PENALTY_S = 60.0
-GARBAGE = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema"})
-"""Replies that say a frame was unusable as bytes (not a refusal of honest work): they count against the peer."""
+PENALIZED = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema", "banned"})
+"""Replies that say a frame was unusable, or came from a banned key: they count against the peer that sent it
+(never a refusal honest work can get)."""
 LARGE_FRAME = 256 * 1024
 """Frames past this size are opened (signature, decoding) in a thread, off the event loop."""
 
@@ -169,7 +170,7 @@ class RolloutServer:
                 if reply is None:
                     async with self._slots:
                         reply = await self._handle(data, peer)
-                if getattr(reply, "reason", "") in GARBAGE:
+                if getattr(reply, "reason", "") in PENALIZED:
                     self._strike(peer)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
             # Close only once the peer has read the reply and closed its side (or after LINGER_S): closing at

@@ -212,6 +212,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             if node_id in self.banned:
                 raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
             self.admission.check(record)
+            self._check_capacity(node_id)  # before decoding: a flood from one key costs a signature check each
             self.received_by_node[node_id] += 1
             batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
@@ -219,7 +220,6 @@ class Trainer(ValidationPipeline, Checkpoints):
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
             self.gate.check(batch, self.step, newest=self.published)
-            self._check_capacity(node_id)
             # Reserved before the first await: the same batch on another stream, or this node's next one, is
             # refused until this one is admitted or refused (a duplicate check and an admission separated by an
             # await let one signed batch in 16 times).
