@@ -254,17 +254,19 @@ class Trainer(ValidationPipeline, Checkpoints):
         queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
         if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
             raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
-        if len(self.validating) >= MAX_PENDING_BATCHES:
-            raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
         a = self.spec.admission
+        newcomer_slots = max(1, int(a.probation_share * MAX_PENDING_BATCHES))
+        newcomers = sum(1 for key in self.validating if self.admission.on_probation(key[0]))
         if self.admission.on_probation(node_id):
             mine = sum(1 for key in self.validating if key[0] == node_id)
             if mine >= a.probation_pending:
                 raise Rejected("busy", f"a new node may have {a.probation_pending} batch(es) judged at once until "
                                        f"{a.probation_batches} passed")  # fmt: skip
-            newcomers = sum(1 for key in self.validating if self.admission.on_probation(key[0]))
-            if newcomers >= max(1, int(a.probation_share * MAX_PENDING_BATCHES)):
+            if newcomers >= newcomer_slots:
                 raise Rejected("busy", "the trainer is judging many new nodes' batches; send again shortly")
+        elif len(self.validating) - newcomers >= MAX_PENDING_BATCHES - newcomer_slots:
+            # trusted nodes together leave the newcomers' share free: a busy swarm still lets new nodes in
+            raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
 
     def _backlog(self) -> int:
         """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number
