@@ -142,6 +142,11 @@ def steps(swarm: Swarm) -> int:
     return int(swarm.status()["step"])
 
 
+def published(swarm: Swarm) -> int:
+    """The newest version the trainer has published (a batch of a newer one is refused as from the future)."""
+    return int(swarm.status()["weight_version"])
+
+
 async def measure(swarm: Swarm, window: float, attack: Callable[[float], Awaitable[Outcome]],
                   prepare: Callable[[], Awaitable[None]] | None = None) -> Outcome:  # fmt: skip
     """Run ``attack`` for ``window`` seconds while counting the trainer's steps (after ``prepare``, not counted:
@@ -222,15 +227,21 @@ async def relay_squat(swarm: Swarm, until: float) -> Outcome:
                    f"{sent} requests: {granted} slots granted, {leaked} answers naming a child")
 
 
+async def fresh_peer(swarm: Swarm) -> P2P:
+    """A libp2p peer of the attacker's own for one attack (peer ids cost it nothing; a penalty earned by one
+    attack must not hide the next)."""
+    return await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
 async def warm_up(swarm: Swarm, key: Identity) -> None:
     """Register ``key`` and have the trainer look it up (an out-of-order batch it refuses), so what follows meets
     a trainer that knows the key."""
     swarm.register(key)
     assert swarm.client is not None
-    p2p = await swarm.client.replicate_p2p()
+    p2p = await fresh_peer(swarm)
     try:
         for _ in range(40):
-            early = seal(key, swarm.fake_batch(key, steps(swarm), 9))
+            early = seal(key, swarm.fake_batch(key, published(swarm), 9))
             reply = await submit(p2p, swarm.trainer_peer, swarm.run_id, early, swarm.run_id)
             if reply.reason != "unknown_signer":
                 return
@@ -247,7 +258,7 @@ async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
     sender = DUPLICATE_SENDER
     peers = [await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
                               host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(8)]  # fmt: skip
-    data = seal(sender, swarm.fake_batch(sender, steps(swarm), 0))  # the newest version, once the peers are up
+    data = seal(sender, swarm.fake_batch(sender, published(swarm), 0))  # the newest version, once the peers are up
     try:
         answers = await asyncio.gather(*(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id)
                                          for p in peers for _ in range(2)), return_exceptions=True)  # fmt: skip
@@ -289,7 +300,7 @@ async def envelope_bomb(swarm: Swarm, until: float) -> Outcome:
     """4 MiB frames of nested empty maps (~300 MB and 0.4 s on the event loop each, when decoded whole)."""
     bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x80" * (4 << 20)
     assert swarm.client is not None
-    p2p = await swarm.client.replicate_p2p()
+    p2p = await fresh_peer(swarm)
     sent = 0
     try:
         while time.monotonic() < until:
@@ -317,13 +328,13 @@ async def sybil_flood(swarm: Swarm, until: float, keys: int = 200) -> Outcome:
     """Hundreds of fresh keys, each registered and sending a batch that passes the door (made-up proofs)."""
     sybils = SYBILS[:keys]
     assert swarm.client is not None
-    p2p = await swarm.client.replicate_p2p()
+    p2p = await fresh_peer(swarm)
     replies: list[str] = []
     try:
         async def one(s: Identity) -> None:
             try:
                 reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
-                                     seal(s, swarm.fake_batch(s, steps(swarm), 0)), swarm.run_id)  # fmt: skip
+                                     seal(s, swarm.fake_batch(s, published(swarm), 0)), swarm.run_id)  # fmt: skip
                 replies.append("ok" if reply.ok else reply.reason)
             except DELIVERY_ERRORS:
                 replies.append("network")
@@ -348,14 +359,14 @@ async def submission_flood(swarm: Swarm, until: float) -> Outcome:
     """One registered key sending batches as fast as it can, the next index each time."""
     flooder = FLOODER
     assert swarm.client is not None
-    p2p = await swarm.client.replicate_p2p()
+    p2p = await fresh_peer(swarm)
     index = sent = 0
     reasons: dict[str, int] = {}
     try:
         while time.monotonic() < until:
             try:
                 reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
-                                     seal(flooder, swarm.fake_batch(flooder, steps(swarm), index)), swarm.run_id)
+                                     seal(flooder, swarm.fake_batch(flooder, published(swarm), index)), swarm.run_id)
             except DELIVERY_ERRORS:
                 continue
             sent += 1
@@ -377,7 +388,7 @@ async def cheaters(swarm: Swarm, until: float) -> Outcome:
     spec = RunSpec.model_validate(swarm.run.spec(swarm.run_id).model_dump())
     model = build_model(swarm.run.model, swarm.tok)
     assert swarm.client is not None
-    p2p = await swarm.client.replicate_p2p()
+    p2p = await fresh_peer(swarm)
     replies: dict[str, str] = {}
     sent: list[Identity] = []
     try:
