@@ -230,7 +230,8 @@ async def relay_squat(swarm: Swarm, until: float) -> Outcome:
 async def fresh_peer(swarm: Swarm) -> P2P:
     """A libp2p peer of the attacker's own for one attack (peer ids cost it nothing; a penalty earned by one
     attack must not hide the next)."""
-    return await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = swarm.ready["trainer"]["p2p_maddrs"][:1]
+    return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
 async def warm_up(swarm: Swarm, key: Identity) -> None:
