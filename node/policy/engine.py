@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 from intellect_kernels.grpo import LossStats, grpo_loss
 from intellect_kernels.logprobs import token_entropy, token_logprobs
-from intellect_node.policy.model import DTYPES, state_dict_for_export
+from intellect_node.policy.model import DTYPES, build_model, state_dict_for_export
 from intellect_protocol.messages import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -195,3 +196,15 @@ class PolicyEngine:
 
     def close(self) -> None:
         """Nothing to release in one process (node/policy/fsdp.py stops its other ranks here)."""
+
+
+EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
+"""How the trainer gets its engine: ``local_engine``, or a sharded one under torchrun (node/policy/fsdp.py)."""
+
+
+def local_engine(spec: RunSpec, tokenizer: Any) -> PolicyEngine:
+    """The policy in this process (node/policy/fsdp.py makes a sharded one under torchrun)."""
+    reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
+    if spec.train.kl_coef > 0:
+        reference = build_model(spec.model, tokenizer, torch.float32)
+    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32), reference)

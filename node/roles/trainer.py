@@ -17,7 +17,6 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +33,7 @@ from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
-from intellect_node.policy.engine import BatchKey, Group, Packed, PolicyEngine, pack_sequences
+from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
@@ -57,17 +56,6 @@ MAX_PENDING_BATCHES = 64
 resend). Keys on probation share ``admission.probation_share`` of it."""
 REWARD_WORKERS = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
-
-
-EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
-
-
-def local_engine(spec: RunSpec, tokenizer: Any) -> PolicyEngine:
-    """The policy in this process (node/policy/fsdp.py makes a sharded one under torchrun)."""
-    reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
-    if spec.train.kl_coef > 0:
-        reference = build_model(spec.model, tokenizer, torch.float32)
-    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32), reference)
 
 
 class Trainer(ValidationPipeline, Checkpoints):
