@@ -200,7 +200,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             if node_id in self.banned:
                 raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
             self.admission.check(record)
-            self._check_capacity(node_id)  # before decoding: a flood from one key costs a signature check each
+            self._check_room(node_id)  # before decoding: a flood costs a signature check per submission
             self.received_by_node[node_id] += 1
             batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
@@ -208,6 +208,9 @@ class Trainer(ValidationPipeline, Checkpoints):
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
             self.gate.check(batch, self.step, newest=self.published)
+            queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
+            if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
+                raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
             # Reserved before the first await: the same batch on another stream, or this node's next one, is
             # refused until this one is admitted or refused (a duplicate check and an admission separated by an
             # await let one signed batch in 16 times).
@@ -237,11 +240,9 @@ class Trainer(ValidationPipeline, Checkpoints):
         logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(slots))
         return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
 
-    def _check_capacity(self, node_id: str) -> None:
-        """Bounded, fair work: per node, for keys on probation together, and for everybody."""
-        queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
-        if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
-            raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
+    def _check_room(self, node_id: str) -> None:
+        """Bounded, fair work before anything is decoded: for keys on probation together, and for everybody (the
+        per-node backlog is checked after the header, so that a stale batch is told it is stale)."""
         a = self.spec.admission
         newcomer_slots = max(1, int(a.probation_share * MAX_PENDING_BATCHES))
         newcomers = sum(1 for key in self.validating if self.admission.on_probation(key[0]))
