@@ -23,6 +23,7 @@ import os
 import re
 import struct
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -123,7 +124,7 @@ class Checkpoints:
     """The trainer's side of checkpoints (a mixin of ``Trainer``): what a checkpoint holds besides the engine,
     restoring it, and replaying the batches accepted before a restart."""
 
-    # what this uses of the trainer (set in Trainer.__init__)
+    # what this uses of the trainer (set in Trainer.__init__, or its methods)
     spec: RunSpec
     run_id: str
     step: int
@@ -145,11 +146,8 @@ class Checkpoints:
     _rewards_seen: list[float]
     _counted: set[BatchKey]
 
-    def _fresh_floor(self) -> int:
-        raise NotImplementedError
-
-    def _check_contents(self, batch: RolloutBatch) -> list[int]:
-        raise NotImplementedError
+    _fresh_floor: Callable[[], int]
+    _check_contents: Callable[[RolloutBatch], list[int]]
 
     def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """The weights to publish and (when a checkpoint is due) a private copy of the engine's state, taken

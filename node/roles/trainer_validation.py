@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,7 +72,7 @@ class PendingBatches:
 
 
 class ValidationPipeline:
-    # what the pipeline uses of the trainer (set in Trainer.__init__)
+    # what the pipeline uses of the trainer (set in Trainer.__init__, or its methods)
     cfg: NodeConfig
     spec: RunSpec
     run_id: str
@@ -99,11 +100,8 @@ class ValidationPipeline:
     _counted: set[BatchKey]
     _store_lock: threading.Lock
 
-    def _fresh_floor(self) -> int:
-        raise NotImplementedError
-
-    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
-        raise NotImplementedError
+    _fresh_floor: Callable[[], int]
+    _score: Callable[[RolloutBatch, list[int], float], list[Group]]
 
     def _load_validator(self, version: int) -> None:
         self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them
