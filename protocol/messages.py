@@ -234,6 +234,10 @@ class RunSpec(WireModel):
     run_id: NodeId
     name: Annotated[str, Field(max_length=128)] = "intellect-run"
     created: float
+    epoch: U63 = 0
+    """Which start of the run this is: a fresh start (``--fresh``, or no checkpoint to resume) takes a new, larger
+    epoch and numbers versions from 0 again; a resume keeps it. With the epoch a version number names exactly one
+    set of weights forever, and a node never moves to an older epoch."""
     seed: U63
     model: ModelSpec
     task: TaskSpec = TaskSpec()
@@ -280,6 +284,8 @@ class NodeRecord(WireModel):
     """A run-key-signed Invite envelope, for runs whose admission policy is ``invite``."""
     pow_nonce: U63 = 0
     """Proof of work on this identity, for runs that ask for one (``AdmissionSpec.pow_bits``)."""
+    epoch: U63 = 0
+    """The run epoch of the weights this node holds (the trainer's: the current one)."""
 
 
 class ShardEntry(BaseModel):
@@ -300,6 +306,8 @@ class Manifest(WireModel):
     CHANNEL: ClassVar[Channel] = Channel.MANIFEST
     run_id: NodeId
     version: U31
+    epoch: U63 = 0
+    """The run epoch (RunSpec.epoch) this version belongs to."""
     created: float
     format: Literal["safetensors"] = "safetensors"
     shards: Annotated[list[ShardEntry], Field(min_length=1, max_length=4096)]
@@ -354,6 +362,8 @@ class RolloutBatch(WireModel):
     node_id: NodeId
     version: U31
     """The weight version that generated every completion in the batch."""
+    epoch: U63 = 0
+    """The run epoch of that version (RunSpec.epoch): a batch of another epoch is refused as wrong_epoch."""
     batch_index: U31
     """The producer's batch counter within ``version``; with node and version it fixes the assigned tasks."""
     groups: Annotated[list[RolloutGroup], Field(min_length=1, max_length=256)]

@@ -33,6 +33,8 @@ from intellect_protocol.tasks import sampling_seed
 logger = logging.getLogger(__name__)
 RETRY_SAME = frozenset({"busy", "unknown_signer"})
 """Refusals that decide nothing about the batch (the trainer is full, or has not read our record yet)."""
+DISK_RETRY_S = 5.0
+"""After a local disk error (full, out of file handles), the node waits this long before trying again."""
 PAUSE_MAX_S = 10.0
 """A producer the trainer told to wait asks again after this long even without a new version: backpressure
 slows producers down, it must never leave the trainer waiting on paused producers."""
@@ -101,12 +103,28 @@ class InferenceNode(Volunteer):
             if trainer is None or not trainer.p2p_maddrs:
                 await asyncio.sleep(POLL_S)
                 continue
+            if await self.follow_epoch(trainer):  # started over: version numbers, indices and maybe model are new
+                assert self.spec is not None
+                if self.spec.model != spec.model or self.spec.sampling != spec.sampling:
+                    tokenizer = build_tokenizer(self.spec.model)
+                    backend = make_backend(self.spec, tokenizer)
+                spec = self.spec
+                self.loaded, self.batch_index, unsent, paused_at = -1, 0, None, None
+            if trainer.epoch != spec.epoch:
+                await asyncio.sleep(POLL_S)
+                continue
             try:
                 await self._swap_weights(trainer, backend)
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
                 logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
                 await asyncio.sleep(POLL_S)
+                continue
+            except OSError as e:  # our disk (full?) or a version pruned under us: shed, wait, try again
+                self.metrics.inc("node_weights_fetch_failures_total", label="local_disk")
+                logger.error("could not store or load version %d: %r; free disk space under %s or lower "
+                             "--max-disk-gb", trainer.weight_version, e, self.store.root)  # fmt: skip
+                await asyncio.sleep(DISK_RETRY_S)
                 continue
             if paused_at is not None and (self.loaded != paused_at or time.monotonic() - paused_since > PAUSE_MAX_S):
                 paused_at = None
@@ -151,6 +169,8 @@ class InferenceNode(Volunteer):
             if reply.reason in ("duplicate", "out_of_order") and reply.next_index >= 0:
                 if current:
                     self.batch_index = reply.next_index  # we restarted, or lost a reply: continue where it expects
+            elif reply.reason == "wrong_epoch":  # the run was started over: the next record read says so
+                pass
             elif reply.reason == "stale_version":
                 if current:  # our weights are too old: wait for a newer version
                     paused_at, paused_since = self.loaded, time.monotonic()
@@ -204,6 +224,7 @@ def generate_batch(
         run_id=spec.run_id,
         node_id=node_id,
         version=version,
+        epoch=spec.epoch,
         batch_index=index,
         groups=[
             RolloutGroup(

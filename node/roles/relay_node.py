@@ -16,6 +16,7 @@ from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Role, RunSpec
 
 logger = logging.getLogger(__name__)
+DISK_RETRY_S = 5.0
 WATCH_S = 1.0
 """How often a relay reads the trainer's record: relays are many, and each read is a DHT lookup. A relay with a
 parent usually hears of a new version from it first (follower.watch_parent)."""
@@ -36,7 +37,9 @@ class RelayNode(Volunteer):
             target = f.announced if f.announced > max(self.version, failed_news) else -1
             if target < 0:
                 trainer = await self.trainer()
-                if trainer is not None and trainer.weight_version > self.version:
+                if trainer is not None and await self.follow_epoch(trainer):
+                    failed_news = -1
+                if trainer is not None and trainer.epoch == self.store.epoch and trainer.weight_version > self.version:
                     target = trainer.weight_version
             if target < 0:
                 try:
@@ -56,3 +59,10 @@ class RelayNode(Volunteer):
                 if target == f.announced:
                     failed_news = target
                 await asyncio.sleep(POLL_S)
+            except OSError as e:  # our disk is full: stop taking children, keep serving what is whole, try later
+                self.metrics.inc("node_weights_fetch_failures_total", label="local_disk")
+                logger.error("cannot store version %d: %r; relaying paused, free disk space under %s or lower "
+                             "--max-disk-gb", target, e, self.store.root)  # fmt: skip
+                f.disk_full_until = time.monotonic() + DISK_RETRY_S
+                self._publish_soon.set()
+                await asyncio.sleep(DISK_RETRY_S)

@@ -27,16 +27,16 @@ from intellect_kernels.grpo import group_advantages, lr_factor
 from intellect_node import __version__
 from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.judging.tasks import require_jail
-from intellect_node.judging.validator import Gate, Validator, task_reward
+from intellect_node.judging.validator import Gate, Validator
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
-from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
+from intellect_node.policy.model import build_model, build_tokenizer
 from intellect_node.roles.admission import Admission, mint_invite
-from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints
+from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
 from intellect_node.runtime import announce
@@ -73,16 +73,23 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.resumed: dict[str, Any] | None = self.ckpt.latest() if node.checkpoint_every else None
         if self.resumed is not None:
             saved = RunSpec.model_validate_json(self.resumed["spec"])
-            if saved.model_copy(update={"created": 0.0}) != self.spec.model_copy(update={"created": 0.0}):
+            same = {"created": 0.0, "epoch": 0}
+            if saved.model_copy(update=same) != self.spec.model_copy(update=same):
                 raise SystemExit(
                     f"{ckpt_root} holds run {self.run_id} at step {self.resumed['step']}, started with another run "
                     "config; give the same --config/--set to resume it, or --fresh to start the run over"
                 )
             self.spec = saved
-        else:
-            shutil.rmtree(self.weights_root, ignore_errors=True)  # a new run starts its weight history afresh
+        else:  # a new run epoch: versions count from 0 again, and the epoch tells the swarm they are new weights
+            self.spec = self.spec.model_copy(update={"epoch": next_epoch(node.data_dir / "epochs" / self.run_id)})
+            shutil.rmtree(self.weights_root, ignore_errors=True)
+            dropped = self.ckpt.drop_spools()
+            if dropped:
+                logger.warning("%d accepted batches of the run's previous start are dropped: the weights they "
+                               "were made with are gone (--checkpoint-every > 0 resumes instead)", dropped)  # fmt: skip
+            logger.info("run %s starts epoch %d", self.run_id, self.spec.epoch)
         require_jail(self.spec.task)  # before any peer's completion is scored
-        self.store = WeightStore(self.weights_root, self.run_id)
+        self.store = WeightStore(self.weights_root, self.run_id, self.spec.epoch)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit, node_id=self.run_id,
                                   members=self._is_member)  # fmt: skip
@@ -160,33 +167,6 @@ class Trainer(ValidationPipeline, Checkpoints):
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
 
-    def _check_contents(self, batch: RolloutBatch) -> list[int]:
-        """Shape (node/judging/validator.py) and assignment: cheap, no untrusted program runs. Returns the slots."""
-        self.validator.check_shape(batch)
-        for g in batch.groups:
-            task = self.validator.task(batch, g.slot)
-            if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
-                raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
-        return [g.slot for g in batch.groups]
-
-    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
-        """The groups of ``slots`` with rewards recomputed here (on the reward pool, after validation passed);
-        raises Rejected('reward_budget') once ``deadline`` (monotonic) passes between completions."""
-        eos = int(self.tokenizer.eos_token_id)
-        groups = []
-        for g in batch.groups:
-            if g.slot not in slots:
-                continue
-            task = self.validator.task(batch, g.slot)
-            rewards = []
-            for c in g.completions:
-                if time.monotonic() > deadline:
-                    raise Rejected("reward_budget", f"scoring took over {self.spec.verify.reward_budget_s:.0f}s")
-                rewards.append(task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task))
-            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
-                                batch.batch_index, g.slot))  # fmt: skip
-        return groups
-
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
         node_id = ""
         batch: RolloutBatch | None = None
@@ -207,6 +187,9 @@ class Trainer(ValidationPipeline, Checkpoints):
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
+            if batch.epoch != self.spec.epoch:
+                raise Rejected("wrong_epoch", f"made in run epoch {batch.epoch}; the run is at epoch {self.spec.epoch} "
+                               "(it was started over): read the run spec again")  # fmt: skip
             self.gate.check(batch, self.step, newest=self.published)
             queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
             if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
@@ -229,11 +212,19 @@ class Trainer(ValidationPipeline, Checkpoints):
             if batch is not None and e.reason in ("duplicate", "out_of_order"):
                 expected = self.gate.next_index.get((batch.node_id, batch.version), 0)
             return self.reject(e, peer, node_id, expected)
+        if self.cfg.checkpoint_every:  # durable (fsynced) before the reply: it survives a crash of the trainer
+            try:
+                await asyncio.to_thread(self.ckpt.append, data)
+            except OSError as e:  # disk full, out of file handles: nothing accepted, the producer sends it again
+                self.gate.release(batch)
+                self.metrics.inc("node_trainer_spool_failures_total", help="accepted batches that could not be spooled")
+                logger.error("cannot spool batch node=%s: %r; free disk space under %s", node_id, e, self.ckpt.root)
+                return self.reject(Rejected("busy", "the trainer cannot store batches right now; send again"), peer,
+                                   node_id)  # fmt: skip
         self.gate.admit(batch)
         key = (node_id, batch.version, batch.batch_index)
         self.envelopes[key] = data
         self.validating.add(key)
-        self.ckpt.append(data)  # durable before the reply: an accepted batch survives a crash of the trainer
         self.pending.put_nowait((batch, slots, data))
         self.pending_by_node[node_id] += len(slots)
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
@@ -301,7 +292,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         }
 
     def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes)
+        write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
+                         epoch=self.spec.epoch)  # fmt: skip
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
         with self._store_lock:
             self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
@@ -310,10 +302,22 @@ class Trainer(ValidationPipeline, Checkpoints):
         """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
         if meta is not None:
             started = time.monotonic()
-            await asyncio.to_thread(self.ckpt.write, version, meta)
-            self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
-            self.metrics.set("node_trainer_checkpoint_step", version)
-        await asyncio.to_thread(self._publish, version, tensors)
+            try:
+                await asyncio.to_thread(self.ckpt.write, version, meta)
+                self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
+                self.metrics.set("node_trainer_checkpoint_step", version)
+            except OSError as e:  # the spools since the last checkpoint stay: nothing accepted is lost
+                self.metrics.inc("node_trainer_persist_failures_total", label="checkpoint")
+                logger.error("could not write checkpoint %d: %r; training goes on, free disk space under %s",
+                             version, e, self.ckpt.root)  # fmt: skip
+        try:
+            await asyncio.to_thread(self._publish, version, tensors)
+        except OSError as e:  # the swarm keeps generating on the last version; the next step tries again
+            self.metrics.inc("node_trainer_persist_failures_total", label="publish")
+            logger.error("could not publish version %d: %r; free disk space under %s (or lower --keep-versions)",
+                         version, e, self.weights_root)  # fmt: skip
+            shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
+            return
         self.published = version
         self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
         self.metrics.set("node_trainer_weight_version", version)
@@ -330,6 +334,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             p2p_maddrs=self.maddrs[:8],
             http_url=self.status_url,
             weight_version=max(self.published, 0),
+            epoch=self.spec.epoch,
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=RelayInfo(
@@ -397,6 +402,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             "role": "trainer",
             "node_id": self.identity.node_id,
             "run_id": self.run_id,
+            "epoch": self.spec.epoch,
             "step": self.step,
             "weight_version": self.published,
             "max_steps": self.cfg.max_steps,
@@ -453,7 +459,8 @@ class Trainer(ValidationPipeline, Checkpoints):
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
         await self._publish_current()
-        self.ckpt.start_spool(self.step)
+        if self.cfg.checkpoint_every:  # without checkpoints there is no resume, and nothing to spool for one
+            self.ckpt.start_spool(self.step)
         self._replay(self.resumed)
         self.resumed = None  # the engine state in it is no longer needed
         server: RolloutServer | None = None

@@ -12,18 +12,26 @@ Layout under ``<data_dir>/checkpoints/<run_id>/``:
   and logged (stale by then, or failing checks), never silently dropped.
 
 Invariant: checkpoint ``n`` is durable before version ``n`` is published, so a resumed trainer never publishes a
-second, different version with a number the swarm has already seen.
+second, different version with a number the swarm has already seen. A start without a checkpoint to resume is a
+new run epoch (``RunSpec.epoch``, kept in ``<data_dir>/epochs/<run_id>``, always larger than the last): its
+version numbers start at 0 again, and the epoch tells the swarm that they name other weights.
+
+Durability: a batch's spool record is fsynced before the trainer answers ok; checkpoints, published shards and
+manifests are fsynced before they are renamed into place, and the directory after the rename.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import re
 import struct
+import threading
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +43,7 @@ from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import PendingBatches
+from intellect_node.weights.files import fsync_dir
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.messages import RolloutBatch, RunSpec
 
@@ -46,11 +55,33 @@ MAX_ENVELOPE = 256 * 2**20
 KEEP = 2
 
 
+def next_epoch(path: Path) -> int:
+    """A new run epoch: the time in microseconds, or one more than the last epoch recorded at ``path`` if the
+    clock is behind it; recorded (fsynced) before it is used."""
+    last = 0
+    try:
+        last = int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        pass
+    epoch = max(time.time_ns() // 1000, last + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return epoch
+
+
 class CheckpointDir:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._spool: IO[bytes] | None = None
+        self._lock = threading.Lock()
+        """Appends run on a worker thread; rotation on the event loop."""
         self.spool_step = -1
 
     def steps(self) -> list[int]:
@@ -69,10 +100,15 @@ class CheckpointDir:
     def write(self, step: int, state: dict[str, Any]) -> Path:
         path = self.root / f"step-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            torch.save(state, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not also keep the half-written file
+            raise
         os.replace(tmp, path)
+        fsync_dir(self.root)
         for old in self.steps()[:-KEEP]:
             (self.root / f"step-{old:08d}.pt").unlink(missing_ok=True)
         oldest = self.steps()[0]
@@ -85,39 +121,79 @@ class CheckpointDir:
 
     def start_spool(self, step: int) -> None:
         """Batches accepted from now on go to ``spool-<step>.bin`` (called when checkpoint ``step`` is taken)."""
-        if self._spool is not None:
-            self._spool.close()
-        self.spool_step = step
-        self._spool = open(self.root / f"spool-{step:08d}.bin", "ab")
+        with self._lock:
+            if self._spool is not None:
+                self._spool.close()
+                self._spool = None
+            self.spool_step = step
+            path = self.root / f"spool-{step:08d}.bin"
+            if path.exists():  # a restart at the same step: a torn last record (a crash mid-append) goes first
+                whole = sum(_LEN.size + size for size in self._records(path))
+                if whole != path.stat().st_size:
+                    logger.warning("%s: dropping a torn last record (%d bytes)", path.name, path.stat().st_size - whole)
+                    os.truncate(path, whole)
+            self._spool = open(path, "ab")
+            fsync_dir(self.root)
 
     def append(self, envelope: bytes) -> None:
-        if self._spool is None:
-            raise RuntimeError("start_spool() first")
-        self._spool.write(_LEN.pack(len(envelope)) + envelope)
-        self._spool.flush()  # survives the process being killed; the OS writes it out
+        """Append one accepted batch and make it durable (fsync) before returning; raises OSError (disk full)
+        without leaving a partial record behind as far as the file system lets us."""
+        with self._lock:
+            if self._spool is None:
+                raise RuntimeError("start_spool() first")
+            at = self._spool.tell()
+            try:
+                self._spool.write(_LEN.pack(len(envelope)) + envelope)
+                self._spool.flush()
+                os.fsync(self._spool.fileno())
+            except OSError:
+                try:
+                    self._spool.truncate(at)  # what was written of a failed record goes
+                    self._spool.seek(at)
+                except (OSError, ValueError):
+                    pass
+                raise
 
-    def spooled_since(self, step: int) -> list[bytes]:
-        """Every envelope in spools from ``step`` on, oldest first; a torn last record is ignored."""
-        out: list[bytes] = []
-        spools = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _SPOOL.match(p.name)))
-        for n, path in spools:
+    def spools(self) -> list[tuple[int, Path]]:
+        return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _SPOOL.match(p.name)))
+
+    def spooled_since(self, step: int) -> Iterator[bytes]:
+        """Every envelope in spools from ``step`` on, oldest first, read one record at a time; a torn last
+        record is ignored."""
+        for n, path in self.spools():
             if n < step:
                 continue
-            data = path.read_bytes()
-            at = 0
-            while at + _LEN.size <= len(data):
-                (size,) = _LEN.unpack_from(data, at)
-                if size > MAX_ENVELOPE or at + _LEN.size + size > len(data):
-                    logger.warning("%s ends with a torn record (%d bytes ignored)", path.name, len(data) - at)
-                    break
-                out.append(data[at + _LEN.size : at + _LEN.size + size])
-                at += _LEN.size + size
-        return out
+            with open(path, "rb") as f:
+                while len(head := f.read(_LEN.size)) == _LEN.size:
+                    (size,) = _LEN.unpack(head)
+                    data = f.read(size) if size <= MAX_ENVELOPE else b""
+                    if len(data) != size or size > MAX_ENVELOPE:
+                        logger.warning("%s ends with a torn record (ignored)", path.name)
+                        break
+                    yield data
+
+    def drop_spools(self) -> int:
+        """Delete every spool (a new run epoch: their batches were made on weights that are gone); returns how
+        many batches they held."""
+        count = 0
+        for _, path in self.spools():
+            count += sum(1 for _ in self._records(path))
+            path.unlink(missing_ok=True)
+        return count
+
+    def _records(self, path: Path) -> Iterator[int]:
+        with open(path, "rb") as f:
+            while len(head := f.read(_LEN.size)) == _LEN.size:
+                (size,) = _LEN.unpack(head)
+                if size > MAX_ENVELOPE or len(f.read(size)) != size:
+                    return
+                yield size
 
     def close(self) -> None:
-        if self._spool is not None:
-            self._spool.close()
-            self._spool = None
+        with self._lock:
+            if self._spool is not None:
+                self._spool.close()
+                self._spool = None
 
 
 class Checkpoints:
@@ -191,19 +267,23 @@ class Checkpoints:
     def _replay(self, saved: dict[str, Any] | None) -> None:
         """Batches accepted before a restart go through validation again: those of the checkpoint (only their
         groups still due) and every one spooled since. What went stale meanwhile is counted and logged."""
-        todo: list[tuple[bytes, list[int] | None]] = []
-        if saved is not None:
-            todo += [(env, saved["due"].get(key)) for key, env in saved["batches"].items()]
-        todo += [(env, None) for env in self.ckpt.spooled_since(self.step)]
+        todo: Iterator[tuple[bytes, list[int] | None]] = itertools.chain(
+            ((env, saved["due"].get(key)) for key, env in saved["batches"].items()) if saved is not None else (),
+            ((env, None) for env in self.ckpt.spooled_since(self.step)),
+        )
         seen: set[BatchKey] = set()
-        replayed = stale = 0
+        replayed = stale = unreadable = 0
         for data, slots in todo:
             try:
                 signer, body = open_envelope(data, RolloutBatch)
                 batch = decode_body(signer, body, RolloutBatch).message
+                if batch.epoch != self.spec.epoch:
+                    raise Rejected("wrong_epoch", f"a batch of run epoch {batch.epoch}")
                 due = self._check_contents(batch)
-            except Rejected as e:  # it passed these checks once: only a changed task set can fail them
-                logger.warning("could not replay a spooled batch: %s", e)
+            except Exception as e:  # it passed these checks once: only a changed task set (or a bad disk) fails
+                unreadable += 1
+                self.metrics.inc("node_trainer_replay_failures_total", help="spooled batches not replayable")
+                logger.warning("could not replay a spooled batch: %r", e)
                 continue
             key = (batch.node_id, batch.version, batch.batch_index)
             if key in seen or batch.node_id in self.banned:
@@ -221,10 +301,11 @@ class Checkpoints:
             )
             self.envelopes[key] = data
             self.validating.add(key)
-            self.ckpt.append(data)
+            # not spooled again: it stays in its spool, which is kept until a checkpoint holding it is taken
             self.pending.put_nowait((batch, due, data))
             self.pending_by_node[batch.node_id] += len(due)
             replayed += len(due)
-        if saved is not None or todo:
-            self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale}
+        if saved is not None or replayed or stale or unreadable:
+            self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale,
+                                "unreadable_batches": unreadable}  # fmt: skip
             logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)

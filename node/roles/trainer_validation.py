@@ -25,11 +25,11 @@ from typing import Any
 from aiohttp import web
 
 from intellect_node.config import NodeConfig
-from intellect_node.judging.validator import Finding, Validator
+from intellect_node.judging.validator import Finding, Validator, task_reward
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import request, validate_protocol
 from intellect_node.policy.engine import BatchKey, Group
-from intellect_node.policy.model import load_weights
+from intellect_node.policy.model import encode_prompt, load_weights
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.weights.files import load_checkpoint
@@ -100,8 +100,37 @@ class ValidationPipeline:
     _counted: set[BatchKey]
     _store_lock: threading.Lock
 
+    tokenizer: Any
+
     _fresh_floor: Callable[[], int]
-    _score: Callable[[RolloutBatch, list[int], float], list[Group]]
+
+    def _check_contents(self, batch: RolloutBatch) -> list[int]:
+        """Shape (node/judging/validator.py) and assignment: cheap, no untrusted program runs. Returns the slots."""
+        self.validator.check_shape(batch)
+        for g in batch.groups:
+            task = self.validator.task(batch, g.slot)
+            if g.prompt_ids != encode_prompt(self.tokenizer, task.prompt):
+                raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
+        return [g.slot for g in batch.groups]
+
+    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
+        """The groups of ``slots`` with rewards recomputed here (on the reward pool, after validation passed);
+        raises Rejected('reward_budget') once ``deadline`` (monotonic) passes between completions."""
+        eos = int(self.tokenizer.eos_token_id)
+        groups = []
+        for g in batch.groups:
+            if g.slot not in slots:
+                continue
+            task = self.validator.task(batch, g.slot)
+            rewards = []
+            for c in g.completions:
+                if time.monotonic() > deadline:
+                    raise Rejected("reward_budget", f"scoring took over {self.spec.verify.reward_budget_s:.0f}s")
+                rewards.append(task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task))
+            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
+                                batch.batch_index, g.slot))  # fmt: skip
+        return groups
+
 
     def _load_validator(self, version: int) -> None:
         self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them

@@ -72,6 +72,8 @@ class ValidatorNode(Volunteer):
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
             if batch.node_id != node_id_of(signer):
                 raise Rejected("signer_mismatch", "batch not signed by its producer")
+            if self.spec is None or batch.epoch != self.spec.epoch:
+                raise Rejected("wrong_epoch", f"batch of run epoch {batch.epoch}; this validator follows another")
             deadline = time.monotonic() + 30.0
             while batch.version not in self.store.complete_versions() and time.monotonic() < deadline:
                 if batch.version < min(self.store.complete_versions(), default=-1):
@@ -104,8 +106,15 @@ class ValidatorNode(Volunteer):
                 trainer = await self.trainer()
                 if trainer is not None:
                     self.trainer_peers = {m.rsplit("/p2p/", 1)[-1] for m in trainer.p2p_maddrs if "/p2p/" in m}
+                    if await self.follow_epoch(trainer):  # started over: a new spec, new weights
+                        assert self.spec is not None
+                        spec = self.spec
+                        async with self._lock:
+                            tokenizer = build_tokenizer(spec.model)
+                            self.validator = Validator(spec, tokenizer, build_model(spec.model, tokenizer))
+                            self.loaded = -1
                 newest = max(self.store.complete_versions(), default=-1)
-                if trainer is None or trainer.weight_version <= newest:
+                if trainer is None or trainer.epoch != spec.epoch or trainer.weight_version <= newest:
                     await asyncio.sleep(POLL_S)
                     continue
                 # every version rollouts may still claim, not only the newest (relays keep that many)
@@ -113,9 +122,9 @@ class ValidatorNode(Volunteer):
                 for version in range(first, trainer.weight_version + 1):
                     try:
                         await self.follower.sync(version)
-                    except (TimeoutError, Rejected, aiohttp.ClientError) as e:
+                    except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
                         self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                        logger.warning("could not fetch version %d: %s", version, e)
+                        logger.warning("could not fetch version %d: %r", version, e)
                         await asyncio.sleep(POLL_S)
         finally:
             await server.close()

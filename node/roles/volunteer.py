@@ -80,6 +80,7 @@ class Volunteer(abc.ABC):
             p2p_maddrs=self.maddrs[:8],
             http_url=self.status_url,
             weight_version=self.version,
+            epoch=self.store.epoch or 0,
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=self.follower.relay_info() if self.follower is not None else None,
@@ -107,6 +108,7 @@ class Volunteer(abc.ABC):
             "role": self.role,
             "node_id": self.identity.node_id,
             "run_id": self.run_id,
+            "epoch": self.store.epoch,
             "weight_version": self.version,
             "versions_held": self.store.complete_versions(),
             "relay": {
@@ -156,6 +158,36 @@ class Volunteer(abc.ABC):
             logger.warning("could not read the trainer's record from the DHT: %r", e)
             return None
 
+    async def follow_epoch(self, trainer: NodeRecord) -> bool:
+        """Follow the run into a newer epoch (the trainer started it over: its versions count from 0 again and
+        name other weights): the new signed spec replaces ours and every version of the old epoch is deleted.
+        True when that happened. A record of an older epoch (a replay, a DHT replica behind) changes nothing; the
+        caller acts on the trainer's record only once its epoch is ours."""
+        assert self.spec is not None
+        if trainer.epoch <= self.spec.epoch:
+            if trainer.epoch < self.spec.epoch:
+                self.metrics.inc("node_older_epoch_records_ignored_total",
+                                 help="trainer records of an earlier start of the run")  # fmt: skip
+            return False
+        try:
+            spec = await self.membership.get_spec()
+        except Exception as e:  # a DHT that times out: the next look tries again
+            logger.debug("could not read the run spec: %r", e)
+            return False
+        if spec is None or spec.epoch != trainer.epoch:
+            return False  # the spec of the new epoch has not reached the replicas we asked yet
+        if self.role in ("inference", "validator"):
+            require_jail(spec.task)
+        logger.warning("the run was started over (epoch %d -> %d): dropping the old versions and following the new "
+                       "ones", self.spec.epoch, spec.epoch)  # fmt: skip
+        self.metrics.inc("node_epochs_followed_total", help="times the run was started over and this node followed")
+        self.spec = spec
+        self.store.set_epoch(spec.epoch)
+        if self.follower is not None:
+            self.follower.announced = -1
+        self._publish_soon.set()
+        return True
+
     @abc.abstractmethod
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         """The role's own loop (generate rollouts, or only relay)."""
@@ -166,6 +198,7 @@ class Volunteer(abc.ABC):
             self.status_url = f"http://{self.cfg.host}:{port}"
             self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
             spec = self.spec = await self._wait_for_spec()
+            self.store.set_epoch(spec.epoch)  # versions held from an earlier start of the run are deleted
             await self._prove_identity(spec)
             if self.role in ("inference", "validator"):  # they score completions: code and math run jailed
                 require_jail(spec.task)

@@ -186,11 +186,15 @@ class ShardFetcher:
                     async with self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:
                         if resp.status == 200:
                             data = await read_limited(resp, Channel.MANIFEST.value)
-                            verify_manifest(data, self.store.run_id, version)
+                            verify_manifest(data, self.store.run_id, version, self.store.epoch)
                             return data
                 except (TimeoutError, aiohttp.ClientError):
                     src.failed += 1
-                except Rejected as e:  # a forged or broken manifest: never acted on, its source banned
+                except Rejected as e:
+                    if e.reason == "wrong_epoch":  # a node still on the run's previous start: not a liar, just behind
+                        src.failed += 1
+                        continue
+                    # a forged or broken manifest: never acted on, its source banned
                     logger.warning("banned source=%s: manifest of version %d: %s", src.node_id, version, e)
                     self.metrics.inc("node_relay_bans_total")
                     self.banned[src.node_id] = time.monotonic() + self.ban_s
@@ -249,6 +253,9 @@ class ShardFetcher:
                 rejected, _ = e.split(Rejected)
                 if rejected is not None:  # callers handle one Rejected, as from the manifest phase
                     raise rejected.exceptions[0] from None
+                local, _ = e.split(OSError)  # our disk (full, or out of file handles): the caller sheds load
+                if local is not None:
+                    raise _first(local) from None
             if isinstance(e, TimeoutError):
                 raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s") from None
             raise
@@ -372,3 +379,9 @@ class ShardFetcher:
                 logger.warning("banned source=%s for %.0fs: shard %s %s", src.node_id, self.ban_s, shard.name, why)
             self.banned[src.node_id] = time.monotonic() + self.ban_s
         return False
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group

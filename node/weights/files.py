@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -41,6 +42,24 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def fsync_file(path: Path) -> None:
+    """Make ``path``'s bytes durable (written data survives a power loss once this returns)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in directory ``path`` durable: a rename or a new file in it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def checkpoint_digest(shards: list[ShardEntry]) -> str:
     return hashlib.sha256(b"".join(bytes.fromhex(s.sha256) for s in shards)).hexdigest()
 
@@ -59,9 +78,17 @@ def _split(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str,
 
 
 def write_checkpoint(
-    root: Path, identity: Identity, run_id: str, version: int, tensors: dict[str, torch.Tensor], shard_bytes: int
+    root: Path,
+    identity: Identity,
+    run_id: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    shard_bytes: int,
+    epoch: int = 0,
 ) -> Manifest:
-    """Write ``tensors`` as version ``version`` under ``root`` with a manifest signed by ``identity``."""
+    """Write ``tensors`` as version ``version`` of run epoch ``epoch`` under ``root`` with a manifest signed by
+    ``identity``. Every shard and the manifest are fsynced before the folder is renamed into place, and the
+    rename is made durable: after a power loss a complete-looking version is a whole one."""
     final = root / str(version)
     tmp = root / f"{version}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,23 +97,29 @@ def write_checkpoint(
     for i, part in enumerate(_split(tensors, shard_bytes)):
         name = f"shard-{i:05d}.safetensors"
         save_file(part, str(tmp / name))
+        fsync_file(tmp / name)
         entries.append(ShardEntry(name=name, size=(tmp / name).stat().st_size, sha256=sha256_file(tmp / name)))
     manifest = Manifest(
         run_id=run_id,
         version=version,
+        epoch=epoch,
         created=time.time(),
         shards=entries,
         total_size=sum(e.size for e in entries),
         checkpoint_sha256=checkpoint_digest(entries),
     )
     (tmp / MANIFEST_NAME).write_bytes(seal(identity, manifest))
+    fsync_file(tmp / MANIFEST_NAME)
+    fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    fsync_dir(root)
     return manifest
 
 
-def verify_manifest(data: bytes, run_id: str, version: int | None = None) -> Manifest:
-    """The manifest in ``data`` if the run key signed it (and it is ``version``); raises Rejected otherwise."""
+def verify_manifest(data: bytes, run_id: str, version: int | None = None, epoch: int | None = None) -> Manifest:
+    """The manifest in ``data`` if the run key signed it (and it is ``version`` of run epoch ``epoch``); raises
+    Rejected otherwise."""
     signed = open_signed(data, Manifest)
     if signed.signer_id != run_id:
         raise Rejected("foreign_manifest", f"signed by {signed.signer_id}, not by the run key {run_id}")
@@ -94,6 +127,9 @@ def verify_manifest(data: bytes, run_id: str, version: int | None = None) -> Man
         raise Rejected("wrong_run", f"manifest of run {signed.message.run_id}")
     if version is not None and signed.message.version != version:
         raise Rejected("wrong_version", f"asked for {version}, manifest says {signed.message.version}")
+    if epoch is not None and signed.message.epoch != epoch:
+        raise Rejected("wrong_epoch", f"version {signed.message.version} of run epoch {signed.message.epoch}, "
+                       f"not of the current epoch {epoch}")  # fmt: skip
     if checkpoint_digest(signed.message.shards) != signed.message.checkpoint_sha256:
         raise Rejected("schema", "checkpoint_sha256 does not match the shard digests")
     return signed.message

@@ -105,6 +105,8 @@ class WeightFollower:
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
         self.news = asyncio.Event()
         """Set when ``announced`` grows."""
+        self.disk_full_until = 0.0
+        """Until then (monotonic) the node announces no free slot: its disk could not take the last version."""
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
@@ -122,7 +124,8 @@ class WeightFollower:
             depth=self.depth,
             parent=self.parent,
             slots_total=self.server.slots,
-            slots_free=self.server.slots_free() if self.path else 0,  # no children while cut off from the origin
+            # no children while cut off from the origin, or while our disk cannot take new versions
+            slots_free=self.server.slots_free() if self.path and time.monotonic() > self.disk_full_until else 0,
             upload_bps=self.server.upload_bps(),
             versions=self.store.complete_versions()[-16:],
             fetching=self.fetching,
@@ -440,7 +443,8 @@ class WeightFollower:
                         await asyncio.sleep(KEEPALIVE_S)  # an older node without /relay/next: the DHT will do
                         continue
                     version = int(resp.headers.get(VERSION_HEADER, "-1"))
-                    verify_manifest(await read_limited(resp, Channel.MANIFEST.value), self.run_id, version)
+                    data = await read_limited(resp, Channel.MANIFEST.value)
+                    verify_manifest(data, self.run_id, version, self.store.epoch)
             except Rejected as e:  # a parent that passes on a forged or broken manifest: counted, not believed
                 self.metrics.inc("node_relay_news_rejected_total", label=e.reason, help="version news not believed")
                 logger.warning("news from parent %s not believed: %s", c.node_id[:8], e)

@@ -10,6 +10,10 @@ Layout (plain static files, servable by any HTTP server once complete)::
 
 Invariant: a file named as a shard is always one whose size and SHA-256 matched the signed manifest, so the
 shard server may hand out any such file at once (pipelined relaying), and a restarted node keeps them.
+
+A store holds one run epoch (``RunSpec.epoch``): only manifests of that epoch are accepted, and moving to a newer
+epoch (the trainer started the run over) deletes every version of the old one, which would otherwise share
+version numbers with different weights.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from intellect_node.weights.files import MANIFEST_NAME, sha256_file, verify_manifest
+from intellect_node.weights.files import MANIFEST_NAME, fsync_dir, fsync_file, sha256_file, verify_manifest
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, ShardEntry
 
@@ -47,9 +51,11 @@ class Growing:
 
 
 class WeightStore:
-    def __init__(self, root: Path, run_id: str) -> None:
+    def __init__(self, root: Path, run_id: str, epoch: int | None = None) -> None:
         self.root = root
         self.run_id = run_id
+        self.epoch = epoch
+        """The run epoch held (None: any, for tools that read a single folder)."""
         root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, Manifest] = {}
         self._names: dict[int, frozenset[str]] = {}
@@ -58,6 +64,32 @@ class WeightStore:
         self._growing: dict[tuple[int, str], Growing] = {}
         self._begun = asyncio.Event()
         """Pulsed (set, then replaced) whenever a version starts arriving."""
+        if epoch is not None:
+            self._drop_other_epochs()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Hold run epoch ``epoch`` from now on: every version of another epoch is deleted (never served again)."""
+        if epoch == self.epoch:
+            return
+        logger.info("run epoch %s -> %d: dropping the versions of the old epoch", self.epoch, epoch)
+        self.epoch = epoch
+        for version in [*self._verified, *{k[0] for k in self._growing}]:
+            self.abandon(version)
+        self._manifests.clear()
+        self._names.clear()
+        self._drop_other_epochs()
+        self.added()
+
+    def _drop_other_epochs(self) -> None:
+        for folder in list(self.root.iterdir()):
+            if not folder.name.split(".")[0].isdigit():
+                continue
+            try:
+                data = (folder / MANIFEST_NAME).read_bytes()
+                verify_manifest(data, self.run_id, int(folder.name.split(".")[0]), self.epoch)
+            except (OSError, Rejected) as e:
+                logger.info("removing %s: %s", folder.name, getattr(e, "detail", e))
+                shutil.rmtree(folder, ignore_errors=True)
 
     # ---- reading (the shard server) -----------------------------------------------------------------
 
@@ -82,7 +114,7 @@ class WeightStore:
             data = self.manifest_bytes(version)
             if data is None:
                 return None
-            self._manifests[version] = verify_manifest(data, self.run_id, version)
+            self._manifests[version] = verify_manifest(data, self.run_id, version, self.epoch)
         return self._manifests[version]
 
     def listed(self, version: int, name: str) -> bool:
@@ -172,17 +204,22 @@ class WeightStore:
 
         Shards already on disk from an earlier run are re-hashed once and kept if they match.
         """
-        manifest = verify_manifest(manifest_data, self.run_id, version)
+        manifest = verify_manifest(manifest_data, self.run_id, version, self.epoch)
         if (self.folder(version) / MANIFEST_NAME).exists():
-            held = verify_manifest((self.folder(version) / MANIFEST_NAME).read_bytes(), self.run_id, version)
-            if held.checkpoint_sha256 == manifest.checkpoint_sha256:
+            try:
+                held: Manifest | None = verify_manifest(
+                    (self.folder(version) / MANIFEST_NAME).read_bytes(), self.run_id, version, self.epoch
+                )
+            except Rejected:
+                held = None
+            if held is not None and held.checkpoint_sha256 == manifest.checkpoint_sha256:
                 self._manifests[version] = held
                 self._names.pop(version, None)
                 return held, []
             shutil.rmtree(self.folder(version))  # the run restarted and reused this version number
         partial = self.partial(version)
         old = partial / MANIFEST_NAME
-        if old.exists() and verify_manifest(old.read_bytes(), self.run_id, version) != manifest:
+        if old.exists() and _held(old, self.run_id, version, self.epoch) != manifest:
             shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
         (partial / MANIFEST_NAME).write_bytes(manifest_data)
@@ -231,6 +268,7 @@ class WeightStore:
             growing.pulse()
 
     def mark_verified(self, version: int, name: str) -> None:
+        fsync_file(self.part_path(version, name))  # a name without .part is a promise that the bytes are whole
         self.part_path(version, name).rename(self.partial(version) / name)
         self._verified.setdefault(version, set()).add(name)
         event = self._arrived.pop((version, name), None)
@@ -244,7 +282,10 @@ class WeightStore:
         partial = self.partial(version)
         for leftover in partial.glob("*.part"):
             leftover.unlink()
+        fsync_file(partial / MANIFEST_NAME)
+        fsync_dir(partial)
         partial.rename(self.folder(version))
+        fsync_dir(self.root)
         self._verified.pop(version, None)
         self.added()  # waiters re-check: a version they wait for may now be known to be skipped
         for key in [k for k in self._arrived if k[0] == version]:
@@ -278,3 +319,11 @@ class WeightStore:
             stem = p.name.split(".")[0]
             if stem.isdigit() and int(stem) < newest and int(stem) not in self._verified:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _held(path: Path, run_id: str, version: int, epoch: int | None) -> Manifest | None:
+    """The manifest of a version in progress kept on disk, if it is still one this store accepts."""
+    try:
+        return verify_manifest(path.read_bytes(), run_id, version, epoch)
+    except (OSError, Rejected):
+        return None

@@ -44,12 +44,15 @@ believed past what any volunteer has; what counts afterwards is the rate the fet
 
 
 def _usable(records: dict[str, NodeRecord], me: str, exclude: set[str] | frozenset[str]) -> list[NodeRecord]:
-    """Relays worth asking. Only the origin is at depth 0: a relay claiming it is lying to be chosen first."""
+    """Relays worth asking. Only the origin is at depth 0: a relay claiming it is lying to be chosen first. A
+    node holding another run epoch than the trainer's (it has not noticed a restart yet) serves nothing usable."""
+    trainers = [r.epoch for r in records.values() if r.role == "trainer" and r.node_id == r.run_id]
+    epoch = max(trainers, default=None)
     return [
         r
         for nid, r in records.items()
         if nid != me and nid not in exclude and r.relay is not None and r.http_url and r.relay.depth < MAX_DEPTH
-        and (r.relay.depth >= 1 or r.role == "trainer")
+        and (r.relay.depth >= 1 or r.role == "trainer") and (epoch is None or r.epoch == epoch)
     ]  # fmt: skip
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from intellect_node.launch import NodeProcess
-from intellect_node.roles.trainer_checkpoint import CheckpointDir
+from intellect_node.roles.trainer_checkpoint import CheckpointDir, next_epoch
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 
 STEPS = 9
 KILL_AT = 4
@@ -93,8 +94,11 @@ def test_the_spool_returns_every_whole_record_and_ignores_a_torn_tail(tmp_path: 
     ckpt.close()
     with open(tmp_path / "spool-00000005.bin", "ab") as f:
         f.write(b"\x00\x00\x01\x00partial")  # a record cut by a crash
-    assert ckpt.spooled_since(3) == [b"a" * 10, b"b" * 20, b"c" * 30]
-    assert ckpt.spooled_since(4) == [b"b" * 20, b"c" * 30]
+    assert list(ckpt.spooled_since(3)) == [b"a" * 10, b"b" * 20, b"c" * 30]
+    assert list(ckpt.spooled_since(4)) == [b"b" * 20, b"c" * 30]
+    ckpt.start_spool(5)  # a restart at the same step: the torn tail goes, so what is appended now stays readable
+    ckpt.append(b"d" * 5)
+    assert list(ckpt.spooled_since(5)) == [b"b" * 20, b"c" * 30, b"d" * 5]
     ckpt.write(4, {"step": 4})
     ckpt.write(5, {"step": 5})
     ckpt.write(6, {"step": 6})
@@ -102,3 +106,59 @@ def test_the_spool_returns_every_whole_record_and_ignores_a_torn_tail(tmp_path: 
     latest = ckpt.latest()
     assert latest is not None and latest["step"] == 6
     assert not (tmp_path / "spool-00000003.bin").exists()  # covered by the kept checkpoints
+
+
+def test_a_new_epoch_is_larger_than_the_last_even_when_the_clock_is_behind(tmp_path: Path) -> None:
+    path = tmp_path / "epochs" / "run"
+    first = next_epoch(path)
+    path.write_text(str(first + 10**12))  # a clock set back by ~11 days since
+    assert next_epoch(path) == first + 10**12 + 1
+
+
+def test_a_run_started_over_gets_a_new_epoch_and_the_swarm_follows_it(tmp_path: Path) -> None:
+    """Issue 13 item 1: ``--fresh`` numbers versions from 0 again. Before epochs, the inference node kept its old
+    copy of version N (trusted by number), generated on it, and died on a pruned folder; now it sees the new epoch,
+    drops the old versions and its batches are trained on again."""
+    logs = tmp_path / "logs"
+    data = tmp_path / "trainer"
+    boot = ["bootstrap", "--data-dir", str(data), "--max-steps", "3", "--p2p-port", "0"]
+    nodes: list[NodeProcess] = []
+    try:
+        first = NodeProcess("trainer", boot, logs)
+        nodes.append(first)
+        ready = first.wait_ready(timeout=120)
+        worker = NodeProcess(
+            "inference",
+            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(tmp_path / "inference")],
+            logs,
+        )  # fmt: skip
+        nodes.append(worker)
+        worker_ready = worker.wait_ready(timeout=120)
+        first.wait_for_line("STEP 3 ", timeout=300)
+        old_epoch = _status(ready["status_url"])["epoch"]
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(timeout=30)
+
+        # the same key, started over; it rejoins the DHT through the worker, which still runs
+        again = [*boot, "--fresh", "--peers", worker_ready["p2p_maddrs"][0]]
+        second = NodeProcess("trainer-2", again, logs)
+        nodes.append(second)
+        ready2 = second.wait_ready(timeout=120)
+        second.wait_for_line("STEP 3 ", timeout=300)
+        status = _status(ready2["status_url"])
+        assert status["epoch"] > old_epoch
+        assert status["accepted_groups_by_node"].get(worker_ready["node_id"], 0) > 0, status
+        assert worker.proc.poll() is None, worker.tail()
+        mine = _status(worker_ready["status_url"])
+        assert mine["epoch"] == status["epoch"]
+        # only the new epoch's weights are left on the worker: an old version N can never pass for the new one
+        root = tmp_path / "inference" / "weights" / ready["run_id"]
+        held = [p for p in root.iterdir() if p.name.isdigit()]
+        assert held
+        for folder in held:
+            manifest = verify_manifest((folder / MANIFEST_NAME).read_bytes(), ready["run_id"], int(folder.name))
+            assert manifest.epoch == status["epoch"]
+    finally:
+        for node in reversed(nodes):
+            node.stop()

@@ -189,8 +189,10 @@ def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
             membership = Membership(forger, ready["run_id"], Metrics())
             await membership.start("127.0.0.1", 0, ready["p2p_maddrs"][:1])
             try:
+                trainer = await membership.get_trainer()
+                assert trainer is not None
                 relay = RelayInfo(depth=1, slots_total=8, slots_free=8, versions=[0])
-                record = NodeRecord(run_id=ready["run_id"], node_id=forger.node_id, role="relay",
+                record = NodeRecord(run_id=ready["run_id"], node_id=forger.node_id, role="relay", epoch=trainer.epoch,
                                     http_url=f"http://127.0.0.1:{port}", updated=time.time(), relay=relay)  # fmt: skip
                 assert await membership.publish_record(record)
                 victim = c.start_relay("relay-victim")
