@@ -218,7 +218,7 @@ def _bootstrap(node: NodeConfig, run: RunConfig) -> None:
         if placement.rank == 0:
             trainer = Trainer(node, run, fsdp.sharded_engine)
             try:
-                run_until_signalled(trainer.run())
+                run_until_signalled(trainer.run(), hard_exit=False)  # the ranks are shut down below
             finally:
                 trainer.engine.close()
         else:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Coroutine
 from typing import Any
 
@@ -30,8 +32,12 @@ def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None
     print(READY_PREFIX + json.dumps(ready), flush=True)
 
 
-def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on uvloop; SIGINT/SIGTERM cancel it, so its ``finally`` blocks drain and close."""
+def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True) -> None:
+    """Run ``main`` on uvloop; SIGINT/SIGTERM cancel it, so its ``finally`` blocks drain and close.
+
+    With ``hard_exit`` the process then ends at once (``os._exit``) with 0, or 1 after an error: a thread still
+    blocked on a DHT process that a signal to the whole process group has killed must not keep the node alive
+    (the interpreter joins its worker threads at exit, and would wait on that one forever)."""
 
     async def _runner() -> None:
         task = asyncio.ensure_future(main)
@@ -43,10 +49,33 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         except asyncio.CancelledError:
             logger.info("stopped by signal")
 
+    code = 0
     try:
-        import uvloop
+        try:
+            import uvloop
 
-        uvloop.run(_runner())
-    except ImportError:
-        asyncio.run(_runner())
-    sys.stdout.flush()
+            uvloop.run(_runner())
+        except ImportError:
+            asyncio.run(_runner())
+    except SystemExit as e:
+        if not hard_exit:
+            raise
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 1
+    except (ValueError, OSError) as e:
+        if not hard_exit:
+            raise
+        print(f"intellect-node: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        if not hard_exit:
+            raise
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if hard_exit:
+        logging.shutdown()
+        os._exit(code)

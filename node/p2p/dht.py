@@ -3,6 +3,11 @@
 Each node runs a hivemind DHT peer (its own process plus the go-libp2p daemon). Values under this run's keys
 are signed envelopes (see ``protocol/records.py`` and docs/dht.md); ``RecordValidator`` makes every DHT peer
 of ours refuse to store or return a record whose signature, signer or schema is wrong, and readers check again.
+
+The DHT process dies with the node however the node dies (it watches its parent, and kills the go-libp2p daemon
+on the way out), and is started before the node listens on any socket, so it never holds the node's ports. The
+libp2p identity and port are kept in the node's data dir: a restarted node has the same multiaddr, so the join
+line its operator printed, and every peer's routing table, stay valid.
 """
 
 from __future__ import annotations
@@ -10,16 +15,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from intellect_node.p2p.metrics import Metrics
@@ -39,7 +49,68 @@ from intellect_protocol.records import (
 logger = logging.getLogger(__name__)
 DHT_TIMEOUT_S = 15.0
 DHT_THREADS = 4
+PARENT_POLL_S = 0.5
+SHUTDOWN_S = 5.0
+"""How long closing waits for the DHT process before it is killed (with its daemon)."""
 T = TypeVar("T")
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid``'s descendants, then ``pid`` (never raises)."""
+    try:
+        proc = psutil.Process(pid)
+        family = [*proc.children(recursive=True), proc]
+    except psutil.Error:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """In a child process: once the parent is gone (killed with SIGKILL, say, so that it could clean nothing up),
+    kill this process's own children (the go-libp2p daemon) and exit. Polls the parent pid: the kernel's
+    parent-death signal is tied to the thread that forked, which is not the process's lifetime."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+class _NodeDHT(DHT):
+    """hivemind's DHT process, which dies with the node process."""
+
+    def run(self) -> None:
+        die_with_parent()
+        super().run()
+
+
+async def _rebootstrap(maddrs: list[str], _dht: DHT, node: Any) -> int:
+    """Inside the DHT process: connect to the peers at ``maddrs``, add those that answer to the routing table and
+    look up our neighbours again. Returns how many answered."""
+    answered = 0
+    for maddr in maddrs:
+        try:
+            peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[-1])
+            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr.rsplit("/p2p/", 1)[0])]), 5)
+            if await asyncio.wait_for(node.protocol.call_ping(peer), 5) is not None:
+                answered += 1
+        except Exception as e:  # unreachable, or a malformed address from a record: the next one
+            logger.debug("re-bootstrap through %s failed: %r", maddr[:80], e)
+    if answered:
+        await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), 10)
+    return answered
 
 
 def check_spec(value: object, run_id: str) -> RunSpec:
@@ -126,18 +197,40 @@ class Membership:
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def start(self, host: str, port: int, peers: list[str]) -> list[str]:
-        def _start() -> DHT:
-            return DHT(
+    async def start(self, host: str, port: int, peers: list[str], state_dir: Path | None = None) -> list[str]:
+        """Join the DHT (alone when ``peers`` is empty). With ``state_dir``, the libp2p key is kept there
+        (``p2p.key``), and with ``port`` 0 the port of the last start is tried first (``p2p.port``)."""
+        identity_path = None
+        saved_port = 0
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            identity_path = state_dir / "p2p.key"
+            try:
+                saved_port = int((state_dir / "p2p.port").read_text()) if port == 0 else 0
+            except (OSError, ValueError):
+                saved_port = 0
+
+        def _start(at: int) -> DHT:
+            extra: dict[str, Any] = {}
+            if identity_path is not None:
+                extra = {"identity_path": str(identity_path), "check_if_identity_free": False}
+            return _NodeDHT(
                 initial_peers=peers or None,
                 start=True,
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                host_maddrs=[f"/ip4/{host}/tcp/{at}"],
                 record_validators=[RecordValidator(self.run_id)],
                 startup_timeout=30,
+                **extra,
             )
 
         try:
-            dht = await asyncio.to_thread(_start)
+            try:
+                dht = await asyncio.to_thread(_start, saved_port or port)
+            except Exception:
+                if not saved_port:
+                    raise
+                logger.info("the p2p port of the last start (%d) is taken; using another", saved_port)
+                dht = await asyncio.to_thread(_start, port)
         except Exception as e:
             hint = (
                 "check the multiaddr (copy it from the line `intellect-node bootstrap` printed) and that "
@@ -148,7 +241,21 @@ class Membership:
             raise SystemExit(f"could not start the DHT peer: {e}; {hint}") from None
         self.dht = dht
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if identity_path is not None and state_dir is not None:
+            os.chmod(identity_path, 0o600)
+            ports = [m.rsplit("/tcp/", 1)[-1].split("/")[0] for m in self.maddrs if "/tcp/" in m]
+            if ports and ports[0].isdigit():
+                (state_dir / "p2p.port").write_text(ports[0])
         return self.maddrs
+
+    async def rebootstrap(self, maddrs: list[str]) -> int:
+        """Reconnect a node cut off from the DHT (its only contact restarted, say) through ``maddrs``: the
+        trainer's last known addresses and saved peers. Returns how many of them answered."""
+        dht = self._require()
+        fn = functools.partial(_rebootstrap, [m for m in maddrs if "/p2p/" in m][:16])
+        answered = await asyncio.wait_for(self._call(dht.run_coroutine, fn), DHT_TIMEOUT_S + 30)
+        self.metrics.inc("node_dht_rebootstraps_total", help="times this node re-joined the DHT through known peers")
+        return int(answered)
 
     def _require(self) -> DHT:
         if self.dht is None:
@@ -232,7 +339,25 @@ class Membership:
             await asyncio.sleep(REPUBLISH_S)
 
     async def close(self) -> None:
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
-            self.dht = None
+        """Stop the DHT process within SHUTDOWN_S, whatever state it is in (already killed by a signal sent to the
+        whole process group, or hung): what is left of it and its daemon is killed."""
+        dht, self.dht = self.dht, None
+        if dht is not None:
+            pid = dht.pid
+            daemons: list[psutil.Process] = []
+            try:
+                daemons = psutil.Process(pid).children(recursive=True) if pid else []
+            except psutil.Error:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.to_thread(dht.shutdown), SHUTDOWN_S)
+            except (Exception, TimeoutError) as e:
+                logger.warning("the DHT process did not stop in %.0fs (%r); killing it", SHUTDOWN_S, e)
+            if pid:
+                _kill_tree(pid)
+            for p in daemons:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -132,6 +132,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self._counted: set[BatchKey] = set()
         self._persisting: asyncio.Task[None] | None = None
         self.resume_info: dict[str, int] | None = None
+        self.validators_missing: list[str] = []
         if self.resumed is not None:
             self._restore(self.resumed)
         self._store_lock = threading.Lock()
@@ -414,6 +415,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
             "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
             "banned": self.banned,
+            "validators_missing": self.validators_missing,
             "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
             "pending_validation": self.pending.qsize(),
             "resumed": self.resume_info,
@@ -448,13 +450,14 @@ class Trainer(ValidationPipeline, Checkpoints):
     async def _join_dht(self) -> list[str]:
         """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
         peers = self.cfg.peers or getattr(self, "_saved_peers", [])
+        state = self.cfg.data_dir
         if not self.cfg.peers and peers:
             try:
-                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers)
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state)
             except SystemExit as e:
                 logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
-                               "alone: nodes reconnect when given this trainer's new address", e)  # fmt: skip
-        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [])
+                               "alone: nodes reconnect to this address (kept across restarts)", e)  # fmt: skip
+        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state)
 
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
@@ -465,9 +468,9 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.resumed = None  # the engine state in it is no longer needed
         server: RolloutServer | None = None
         try:
+            self.maddrs = await self._join_dht()  # first: the DHT process must not inherit a listening socket
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.status_url = f"http://{self.cfg.host}:{port}"
-            self.maddrs = await self._join_dht()
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()
@@ -490,6 +493,7 @@ class Trainer(ValidationPipeline, Checkpoints):
                 tasks.create_task(self.membership.republish_forever(self.record, self.spec))
                 tasks.create_task(self.train_forever())
                 tasks.create_task(self.validate_forever())
+                tasks.create_task(self.watch_validators())
         finally:
             if server is not None:
                 await server.close()

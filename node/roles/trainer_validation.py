@@ -42,6 +42,7 @@ from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
 logger = logging.getLogger(__name__)
 VERDICTS_KEPT = 256
 VALIDATE_TIMEOUT_S = 120.0
+VALIDATOR_WARN_S = 30.0
 
 
 PendingBatch = tuple[RolloutBatch, list[int], bytes]
@@ -131,6 +132,28 @@ class ValidationPipeline:
                                 batch.batch_index, g.slot))  # fmt: skip
         return groups
 
+
+    validators_missing: list[str]
+
+    async def watch_validators(self) -> None:
+        """Say loudly, and keep saying it, when validators named with ``--validator`` are not in the run (the
+        trainer then validates every batch itself): a log line every VALIDATOR_WARN_S, a gauge, /status."""
+        if not self.cfg.validators:
+            return
+        while True:
+            try:
+                found = {r.node_id for r in await self.registry.validators(self.cfg.validators)}
+            except Exception as e:  # a DHT that does not answer: say so next time
+                logger.debug("could not read the validators' records: %r", e)
+                found = set()
+            self.validators_missing = sorted(set(self.cfg.validators) - found)
+            self.metrics.set("node_trainer_validators_missing", len(self.validators_missing),
+                             help="validators named with --validator that have no record in the run")  # fmt: skip
+            if self.validators_missing:
+                logger.warning("validator(s) %s named with --validator are not in the run's DHT: this trainer "
+                               "validates their share itself; start them with the trainer's current join line "
+                               "(--role validator)", ", ".join(v[:12] for v in self.validators_missing))  # fmt: skip
+            await asyncio.sleep(VALIDATOR_WARN_S)
 
     def _load_validator(self, version: int) -> None:
         self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them

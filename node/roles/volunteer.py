@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from intellect_protocol.messages import NodeRecord, Role, RunSpec
 logger = logging.getLogger(__name__)
 POLL_S = 0.25
 """How often to look at the trainer's record while waiting for something to do."""
+REBOOTSTRAP_S = 20.0
 
 
 class Volunteer(abc.ABC):
@@ -66,6 +68,9 @@ class Volunteer(abc.ABC):
             raise SystemExit(f"--invite: {e}; copy the whole token the run's operator gave you") from None
         self.status_url = ""
         self.maddrs: list[str] = []
+        self._trainer_seen = time.monotonic()
+        self._trainer_maddrs: list[str] = []
+        self._rebootstrapped = -math.inf
 
     @property
     def version(self) -> int:
@@ -150,13 +155,29 @@ class Volunteer(abc.ABC):
             logger.info("proof of work bits=%d seconds=%.2f", a.pow_bits, time.monotonic() - started)
 
     async def trainer(self) -> NodeRecord | None:
-        """The trainer's current record; None while it cannot be read (the caller waits and asks again)."""
+        """The trainer's current record; None while it cannot be read (the caller waits and asks again). After
+        REBOOTSTRAP_S without it, the node re-joins the DHT through the trainer's last known address and --peers:
+        a restarted trainer keeps its address, but a node whose only DHT contact it was is cut off meanwhile."""
+        record = None
         try:
-            return await self.membership.get_trainer()
+            record = await self.membership.get_trainer()
         except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             self.metrics.inc("node_dht_read_failures_total")
             logger.warning("could not read the trainer's record from the DHT: %r", e)
-            return None
+        now = time.monotonic()
+        if record is not None:
+            self._trainer_seen = now
+            self._trainer_maddrs = list(record.p2p_maddrs)
+        elif now - self._trainer_seen > REBOOTSTRAP_S and now - self._rebootstrapped > REBOOTSTRAP_S:
+            self._rebootstrapped = now
+            known = [*self._trainer_maddrs, *self.cfg.peers]
+            try:
+                answered = await self.membership.rebootstrap(known)
+                logger.warning("no trainer record for %.0fs: re-joined the DHT through %d of %d known peers",
+                               now - self._trainer_seen, answered, len(known))  # fmt: skip
+            except Exception as e:
+                logger.warning("could not re-join the DHT through the known peers: %r", e)
+        return record
 
     async def follow_epoch(self, trainer: NodeRecord) -> bool:
         """Follow the run into a newer epoch (the trainer started it over: its versions count from 0 again and
@@ -194,9 +215,11 @@ class Volunteer(abc.ABC):
 
     async def run(self) -> None:
         try:
+            # the DHT process first: it must not inherit a listening socket (it would hold the port after a crash)
+            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers,
+                                                      self.cfg.data_dir)  # fmt: skip
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.status_url = f"http://{self.cfg.host}:{port}"
-            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers)
             spec = self.spec = await self._wait_for_spec()
             self.store.set_epoch(spec.epoch)  # versions held from an earlier start of the run are deleted
             await self._prove_identity(spec)
