@@ -229,7 +229,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.pending.put_nowait((batch, slots, data))
         self.pending_by_node[node_id] += len(slots)
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
-        logger.debug("received batch node=%s version=%d groups=%d", node_id, batch.version, len(slots))
+        self.ledger("acked", key, len(slots))
         return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
 
     def _check_room(self, node_id: str) -> None:
@@ -263,6 +263,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         stale = [g for g in self.queue if g.version < floor]
         if stale:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
+            for g in stale:
+                self.ledger("stale", g.key, 1)
         self.queue = [g for g in self.queue if g.version >= floor]
         self.gate.forget_before(floor)
         n = self.spec.train.batch_groups
@@ -359,6 +361,8 @@ class Trainer(ValidationPipeline, Checkpoints):
             self.idle_s += idle
             started = time.monotonic()
             stats = await asyncio.to_thread(self._train_step, groups)
+            for g in groups:  # logged with the step they went into (step + 1 once it is counted below)
+                self.ledger("trained", g.key, 1)
             versions = [g.version for g in groups]
             due = bool(every) and (self.step + 1) % every == 0
             tensors, engine_state = await asyncio.to_thread(self._snapshot, due)
@@ -418,28 +422,12 @@ class Trainer(ValidationPipeline, Checkpoints):
             "validators_missing": self.validators_missing,
             "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
             "pending_validation": self.pending.qsize(),
+            "outstanding_groups": len(self.queue) + sum(self.pending_by_node.values()),
             "resumed": self.resume_info,
             "history": self.history,
         }
 
     # ---- lifecycle -----------------------------------------------------------------------------------
-
-    async def _publish_current(self) -> None:
-        """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
-        was published before the restart). Versions a previous life published beyond the checkpoint (possible
-        with checkpoint_every > 1) keep their numbers: training continues from the checkpoint as the next one."""
-        newest = max(self.store.complete_versions(), default=-1)
-        if newest > self.step:
-            lost = newest - self.step
-            logger.warning("versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
-                           "training are lost and the next version is %d", self.step + 1, newest, self.step, lost,
-                           newest + 1)  # fmt: skip
-            self.step = newest
-            self.published = newest
-            return
-        if newest < self.step:
-            await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
-        self.published = self.step
 
     def _invite_arg(self) -> str:
         """An invite-only run's join line carries a fresh invite (``--invite-uses`` nodes, ``--invite-days``)."""

@@ -22,6 +22,7 @@ manifests are fsynced before they are renamed into place, and the directory afte
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import logging
@@ -44,6 +45,7 @@ from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import PendingBatches
 from intellect_node.weights.files import fsync_dir
+from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.messages import RolloutBatch, RunSpec
 
@@ -224,6 +226,10 @@ class Checkpoints:
 
     _fresh_floor: Callable[[], int]
     _check_contents: Callable[[RolloutBatch], list[int]]
+    ledger: Callable[[str, BatchKey, int], None]
+    published: int
+    store: WeightStore
+    _publish: Callable[[int, dict[str, torch.Tensor]], None]
 
     def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """The weights to publish and (when a checkpoint is due) a private copy of the engine's state, taken
@@ -295,6 +301,7 @@ class Checkpoints:
             if batch.version < self._fresh_floor():
                 stale += len(due)
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(due))
+                self.ledger("stale", key, len(due))
                 continue
             self.gate.next_index[(batch.node_id, batch.version)] = max(
                 self.gate.next_index.get((batch.node_id, batch.version), 0), batch.batch_index + 1
@@ -309,3 +316,20 @@ class Checkpoints:
             self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale,
                                 "unreadable_batches": unreadable}  # fmt: skip
             logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)
+
+    async def _publish_current(self) -> None:
+        """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
+        was published before the restart). Versions a previous life published beyond the checkpoint (possible
+        with checkpoint_every > 1) keep their numbers: training continues from the checkpoint as the next one."""
+        newest = max(self.store.complete_versions(), default=-1)
+        if newest > self.step:
+            lost = newest - self.step
+            logger.warning("versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
+                           "training are lost and the next version is %d", self.step + 1, newest, self.step, lost,
+                           newest + 1)  # fmt: skip
+            self.step = newest
+            self.published = newest
+            return
+        if newest < self.step:
+            await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
+        self.published = self.step

@@ -40,6 +40,10 @@ from intellect_protocol.identity import Identity
 from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
 
 logger = logging.getLogger(__name__)
+ledger_log = logging.getLogger("intellect_node.ledger")
+"""One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
+unscorable): ``LEDGER <event> <epoch> <node> <version> <index> <groups> <step>``. benchmarks/chaos.py adds these up
+across a trainer's lives to find accepted rollouts that were lost."""
 VERDICTS_KEPT = 256
 VALIDATE_TIMEOUT_S = 120.0
 VALIDATOR_WARN_S = 30.0
@@ -134,6 +138,11 @@ class ValidationPipeline:
 
 
     validators_missing: list[str]
+    step: int
+
+    def ledger(self, event: str, key: BatchKey, groups: int) -> None:
+        if groups > 0 and ledger_log.isEnabledFor(logging.INFO):
+            ledger_log.info("LEDGER %s %d %s %d %d %d %d", event, self.spec.epoch, *key, groups, self.step)
 
     async def watch_validators(self) -> None:
         """Say loudly, and keep saying it, when validators named with ``--validator`` are not in the run (the
@@ -213,11 +222,14 @@ class ValidationPipeline:
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
     async def _validate_one(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
+        key = (batch.node_id, batch.version, batch.batch_index)
         if batch.node_id in self.banned:
             self.metrics.inc("node_trainer_groups_dropped_banned_total", len(slots))
+            self.ledger("banned", key, len(slots))
             return
         if batch.version < self._fresh_floor():
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
+            self.ledger("stale", key, len(slots))
             return
         started = time.monotonic()
         # a key on probation has every completion checked: with spot checks on, here (a validator node checks its
@@ -235,6 +247,7 @@ class ValidationPipeline:
                 finding = await loop.run_in_executor(self.validation_pool, self._validate, batch, newcomer)
             except Rejected as e:
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
+                self.ledger("stale", key, len(slots))
                 logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
                 return
             verdict = finding.verdict(batch, envelope)
@@ -244,6 +257,7 @@ class ValidationPipeline:
         if not verdict.ok:
             self.metrics.inc("node_validator_rejected_total", label=verdict.reason, help="batches failing checks")
             self.rejected_by_node[batch.node_id] += 1
+            self.ledger("invalid", key, len(slots))
             logger.warning(
                 "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
                 batch.node_id, batch.version, batch.batch_index, verdict.reason, verdict.detail,
@@ -255,23 +269,27 @@ class ValidationPipeline:
                 self.queued_by_node.pop(batch.node_id, None)
                 self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
                 self.metrics.inc("node_trainer_groups_dropped_banned_total", len(dropped))
+                for g in dropped:
+                    self.ledger("banned", g.key, 1)
                 logger.warning("banned node=%s for the run: %s (%d queued groups dropped)",
                                batch.node_id, verdict.reason, len(dropped))  # fmt: skip
             return
         if batch.version < self._fresh_floor():  # went stale while it was being judged
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
+            self.ledger("stale", key, len(slots))
             return
         groups = await self._scored(batch, slots)
         if groups is None:
+            self.ledger("unscorable", key, len(slots))
             return
         if batch.version < self._fresh_floor():  # went stale while it was being scored
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
+            self.ledger("stale", key, len(groups))
             return
         self.metrics.inc("node_validator_accepted_total", help="batches passing every check")
         self.admission.batch_passed(batch.node_id)
         self.accepted_by_node[batch.node_id] += len(groups)
         self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
-        key = (batch.node_id, batch.version, batch.batch_index)
         if key in self._counted:  # replayed after a resume: its rewards are already in the curve
             self._counted.discard(key)
         else:
@@ -281,6 +299,7 @@ class ValidationPipeline:
             kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
             self.metrics.inc("node_trainer_groups_filtered_total", len(groups) - len(kept),
                              help="groups dropped by the online filter (all rewards equal)")  # fmt: skip
+            self.ledger("filtered", key, len(groups) - len(kept))
             groups = kept
         self.queue.extend(groups)
         self.queued_by_node[batch.node_id] += len(groups)

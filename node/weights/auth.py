@@ -15,6 +15,7 @@ the run knows.
 
 from __future__ import annotations
 
+import email.utils
 import re
 import secrets
 import time
@@ -42,9 +43,13 @@ Members = Callable[[str], Awaitable[bool]]
 """Whether a node id belongs to the run (has a valid record); may read the DHT."""
 
 
-def signed_headers(identity: Identity, method: str, path: str, server_id: str) -> dict[str, str]:
-    """The headers that prove ``identity`` sends this request to ``server_id``."""
-    stamp = f"{time.time():.3f}"
+def signed_headers(
+    identity: Identity, method: str, path: str, server_id: str, clock_offset: float = 0.0
+) -> dict[str, str]:
+    """The headers that prove ``identity`` sends this request to ``server_id``. ``clock_offset``: how far the
+    server's clock is ahead of ours (learned from its answers' Date header; see ``server_clock_offset``), so that a
+    node whose clock is off still signs a time the server accepts."""
+    stamp = f"{time.time() + clock_offset:.3f}"
     nonce = secrets.token_hex(8)
     message = f"{method} {path} {server_id} {stamp} {nonce}".encode()
     return {
@@ -52,6 +57,18 @@ def signed_headers(identity: Identity, method: str, path: str, server_id: str) -
         KEY_HEADER: identity.public_key.hex(),
         AUTH_HEADER: f"{stamp}:{nonce}:{identity.sign(KIND, message).hex()}",
     }
+
+
+def server_clock_offset(date_header: str | None) -> float | None:
+    """How far a server's clock is ahead of ours, from the Date header of its answer (1 s resolution); None when
+    there is none or it is absurd (over a day off)."""
+    if not date_header:
+        return None
+    try:
+        offset = email.utils.parsedate_to_datetime(date_header).timestamp() - time.time()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return offset if abs(offset) < 86400 else None
 
 
 class Refused(Exception):

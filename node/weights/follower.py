@@ -21,7 +21,7 @@ import aiohttp
 
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, signed_headers
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, server_clock_offset, signed_headers
 from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.files import verify_manifest
 from intellect_node.weights.relay import LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
@@ -54,6 +54,7 @@ CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
 ATTACH_BODY_LIMIT = 64 * 1024
 MEMBER_REFRESH_S = 2.0
+CLOCK_TOLERANCE_S = 5.0
 
 
 class WeightFollower:
@@ -105,6 +106,8 @@ class WeightFollower:
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
         self.news = asyncio.Event()
         """Set when ``announced`` grows."""
+        self._clock: dict[str, float] = {}
+        """How far each node we attach to has its clock ahead of ours (only when over CLOCK_TOLERANCE_S)."""
         self.disk_full_until = 0.0
         """Until then (monotonic) the node announces no free slot: its disk could not take the last version."""
 
@@ -252,7 +255,7 @@ class WeightFollower:
         if self.session is None:
             return
         session = self.session
-        headers = signed_headers(self.identity, "DELETE", "/relay/attach", c.node_id)
+        headers = signed_headers(self.identity, "DELETE", "/relay/attach", c.node_id, self._clock.get(c.node_id, 0.0))
 
         async def detach() -> None:
             try:
@@ -270,9 +273,14 @@ class WeightFollower:
         """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
         The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
         assert self.session is not None
-        headers = signed_headers(self.identity, "POST", "/relay/attach", c.node_id)
+        headers = signed_headers(self.identity, "POST", "/relay/attach", c.node_id, self._clock.get(c.node_id, 0.0))
         try:
             async with self.session.post(f"{c.url}/relay/attach", headers=headers, timeout=ATTACH_TIMEOUT) as resp:
+                offset = server_clock_offset(resp.headers.get("Date"))
+                if offset is not None:  # a clock far from the parent's would fail its time window: sign in its time
+                    self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
+                    if len(self._clock) > 4096:
+                        self._clock.clear()
                 body: object = None
                 if resp.status in (200, 409, 503):
                     try:
