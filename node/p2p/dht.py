@@ -16,6 +16,7 @@ import asyncio
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ PARENT_POLL_S = 0.5
 SHUTDOWN_S = 5.0
 """How long closing waits for the DHT process before it is killed (with its daemon)."""
 T = TypeVar("T")
+_CLOCK = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
 
 
 def _kill_tree(pid: int) -> None:
@@ -238,6 +240,14 @@ class Membership:
                 if peers
                 else f"check that {host}:{port} is free (--p2p-port)"
             )
+            skew = _CLOCK.search(str(e))
+            if skew:  # hivemind refuses peers whose clocks differ by more than a few seconds
+                ahead = float(skew.group(1)) - float(skew.group(2))
+                raise SystemExit(
+                    f"this machine's clock is {abs(ahead):.0f} s {'ahead of' if ahead > 0 else 'behind'} the run's "
+                    "peers, and the DHT accepts a few seconds at most: turn on time sync (`timedatectl set-ntp true`, "
+                    "or install chrony) and join again"
+                ) from None
             raise SystemExit(f"could not start the DHT peer: {e}; {hint}") from None
         self.dht = dht
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]

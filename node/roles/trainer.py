@@ -133,6 +133,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self._persisting: asyncio.Task[None] | None = None
         self.resume_info: dict[str, int] | None = None
         self.validators_missing: list[str] = []
+        self._shed_at = -1e9
         if self.resumed is not None:
             self._restore(self.resumed)
         self._store_lock = threading.Lock()
@@ -215,7 +216,11 @@ class Trainer(ValidationPipeline, Checkpoints):
             return self.reject(e, peer, node_id, expected)
         if self.cfg.checkpoint_every:  # durable (fsynced) before the reply: it survives a crash of the trainer
             try:
-                await asyncio.to_thread(self.ckpt.append, data)
+                try:
+                    await asyncio.to_thread(self.ckpt.append, data)
+                except OSError:
+                    await asyncio.to_thread(self._shed_disk)
+                    await asyncio.to_thread(self.ckpt.append, data)
             except OSError as e:  # disk full, out of file handles: nothing accepted, the producer sends it again
                 self.gate.release(batch)
                 self.metrics.inc("node_trainer_spool_failures_total", help="accepted batches that could not be spooled")
@@ -295,39 +300,17 @@ class Trainer(ValidationPipeline, Checkpoints):
         }
 
     def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
-                         epoch=self.spec.epoch)  # fmt: skip
+        try:
+            write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
+                             epoch=self.spec.epoch)  # fmt: skip
+        except Exception:
+            shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
+            self._shed_disk()
+            write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
+                             epoch=self.spec.epoch)  # fmt: skip
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
         with self._store_lock:
             self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
-
-    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
-        """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
-        if meta is not None:
-            started = time.monotonic()
-            try:
-                await asyncio.to_thread(self.ckpt.write, version, meta)
-                self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
-                self.metrics.set("node_trainer_checkpoint_step", version)
-            except OSError as e:  # the spools since the last checkpoint stay: nothing accepted is lost
-                self.metrics.inc("node_trainer_persist_failures_total", label="checkpoint")
-                logger.error("could not write checkpoint %d: %r; training goes on, free disk space under %s",
-                             version, e, self.ckpt.root)  # fmt: skip
-        try:
-            await asyncio.to_thread(self._publish, version, tensors)
-        except OSError as e:  # the swarm keeps generating on the last version; the next step tries again
-            self.metrics.inc("node_trainer_persist_failures_total", label="publish")
-            logger.error("could not publish version %d: %r; free disk space under %s (or lower --keep-versions)",
-                         version, e, self.weights_root)  # fmt: skip
-            shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
-            return
-        self.published = version
-        self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
-        self.metrics.set("node_trainer_weight_version", version)
-        try:
-            await self.membership.publish_record(self.record())
-        except Exception as e:  # timeouts, daemon errors: the periodic republish will try again
-            logger.warning("could not announce version %d in the DHT: %r", version, e)
 
     def record(self) -> NodeRecord:
         return NodeRecord(
@@ -378,8 +361,12 @@ class Trainer(ValidationPipeline, Checkpoints):
             self.history.append(stats)
             meta = None
             if engine_state is not None:
-                meta = {**self._checkpoint_meta(), "engine": engine_state}
-                self.ckpt.start_spool(self.step)
+                try:  # batches accepted from now on go to the next spool; if it cannot be made, no checkpoint now
+                    self.ckpt.start_spool(self.step)
+                    meta = {**self._checkpoint_meta(), "engine": engine_state}
+                except OSError as e:
+                    self.metrics.inc("node_trainer_persist_failures_total", label="spool")
+                    logger.error("cannot start a new spool (%r): checkpoint %d skipped", e, self.step)
             previous = self._persisting
             if previous is not None:  # versions go out in order; the step above did not wait for this
                 await previous

@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import struct
 import threading
 import time
@@ -38,7 +39,9 @@ from typing import IO, Any
 
 import torch
 
+from intellect_node.config import NodeConfig
 from intellect_node.judging.validator import Gate
+from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
 from intellect_node.roles.admission import Admission
@@ -47,12 +50,14 @@ from intellect_node.roles.trainer_validation import PendingBatches
 from intellect_node.weights.files import fsync_dir
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
-from intellect_protocol.messages import RolloutBatch, RunSpec
+from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{8})\.pt$")
 _SPOOL = re.compile(r"^spool-(\d{8})\.bin$")
 _LEN = struct.Struct(">I")
+SHED_EVERY_S = 5.0
+"""On a full disk the trainer drops old files at most this often (every failing write asks)."""
 MAX_ENVELOPE = 256 * 2**20
 KEEP = 2
 
@@ -99,6 +104,24 @@ class CheckpointDir:
                 logger.warning("checkpoint %s is unreadable (%r); trying an older one", path, e)
         return None
 
+    def shed(self) -> int:
+        """Make room on a full disk: keep only the newest checkpoint (and the spools it needs). Returns the bytes
+        freed."""
+        freed = 0
+        for old in self.steps()[:-1]:
+            path = self.root / f"step-{old:08d}.pt"
+            freed += path.stat().st_size if path.exists() else 0
+            path.unlink(missing_ok=True)
+        for tmp in self.root.glob("*.tmp"):
+            freed += tmp.stat().st_size
+            tmp.unlink(missing_ok=True)
+        steps = self.steps()
+        for n, path in self.spools():
+            if steps and n < steps[0]:
+                freed += path.stat().st_size
+                path.unlink(missing_ok=True)
+        return freed
+
     def write(self, step: int, state: dict[str, Any]) -> Path:
         path = self.root / f"step-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
@@ -124,18 +147,17 @@ class CheckpointDir:
     def start_spool(self, step: int) -> None:
         """Batches accepted from now on go to ``spool-<step>.bin`` (called when checkpoint ``step`` is taken)."""
         with self._lock:
-            if self._spool is not None:
-                self._spool.close()
-                self._spool = None
-            self.spool_step = step
             path = self.root / f"spool-{step:08d}.bin"
             if path.exists():  # a restart at the same step: a torn last record (a crash mid-append) goes first
                 whole = sum(_LEN.size + size for size in self._records(path))
                 if whole != path.stat().st_size:
                     logger.warning("%s: dropping a torn last record (%d bytes)", path.name, path.stat().st_size - whole)
                     os.truncate(path, whole)
-            self._spool = open(path, "ab")
+            spool = open(path, "ab")  # raises OSError on a full disk: the old spool then stays the one in use
             fsync_dir(self.root)
+            if self._spool is not None:
+                self._spool.close()
+            self._spool, self.spool_step = spool, step
 
     def append(self, envelope: bytes) -> None:
         """Append one accepted batch and make it durable (fsync) before returning; raises OSError (disk full)
@@ -230,6 +252,12 @@ class Checkpoints:
     published: int
     store: WeightStore
     _publish: Callable[[int, dict[str, torch.Tensor]], None]
+    _store_lock: threading.Lock
+    _shed_at: float
+    cfg: NodeConfig
+    weights_root: Path
+    membership: Membership
+    record: Callable[[], NodeRecord]
 
     def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """The weights to publish and (when a checkpoint is due) a private copy of the engine's state, taken
@@ -333,3 +361,48 @@ class Checkpoints:
         if newest < self.step:
             await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
         self.published = self.step
+
+    def _shed_disk(self) -> None:
+        """A full disk: keep one published version and one checkpoint, so that training can go on in what we
+        already use (a disk filled by something else gives back nothing)."""
+        if time.monotonic() - self._shed_at < SHED_EVERY_S:
+            return
+        self._shed_at = time.monotonic()
+        with self._store_lock:
+            self.store.prune(1)
+        freed = self.ckpt.shed()
+        self.metrics.inc("node_trainer_disk_sheds_total", help="times a full disk made the trainer drop old files")
+        logger.warning("disk full under %s: kept only the newest version and checkpoint (%d bytes of old "
+                       "checkpoints freed); free disk space", self.cfg.data_dir, freed)  # fmt: skip
+
+    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
+        """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
+        if meta is not None:
+            started = time.monotonic()
+            try:
+                try:
+                    await asyncio.to_thread(self.ckpt.write, version, meta)
+                except Exception:
+                    await asyncio.to_thread(self._shed_disk)
+                    await asyncio.to_thread(self.ckpt.write, version, meta)
+                self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
+                self.metrics.set("node_trainer_checkpoint_step", version)
+            except Exception as e:  # disk full (torch.save says RuntimeError): the spools since the last stay
+                self.metrics.inc("node_trainer_persist_failures_total", label="checkpoint")
+                logger.error("could not write checkpoint %d: %r; training goes on, free disk space under %s",
+                             version, e, self.ckpt.root)  # fmt: skip
+        try:
+            await asyncio.to_thread(self._publish, version, tensors)
+        except Exception as e:  # disk full, say: the swarm keeps generating on the last version; the next step retries
+            self.metrics.inc("node_trainer_persist_failures_total", label="publish")
+            logger.error("could not publish version %d: %r; free disk space under %s (or lower --keep-versions)",
+                         version, e, self.weights_root)  # fmt: skip
+            shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
+            return
+        self.published = version
+        self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
+        self.metrics.set("node_trainer_weight_version", version)
+        try:
+            await self.membership.publish_record(self.record())
+        except Exception as e:  # timeouts, daemon errors: the periodic republish will try again
+            logger.warning("could not announce version %d in the DHT: %r", version, e)

@@ -10,13 +10,14 @@ fault: the source does not have the shard yet, or has no free slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -74,6 +75,8 @@ class Source:
     """It answered 503 (no free slot) last time."""
     away_until: float = 0.0
     """Not asked before this time: no slot, not there yet, or unreachable."""
+    active: set[asyncio.Timeout] = field(default_factory=set)
+    """The deadlines of transfers from it in flight: ``abort_source`` brings them forward to now."""
 
     def score(self) -> float:
         base = self.bps if self.bps > 0 else 100e6 / (1 + self.depth)
@@ -139,6 +142,16 @@ class ShardFetcher:
         now = time.monotonic()
         self.banned = {n: t for n, t in self.banned.items() if t > now}
         return set(self.banned)
+
+    def abort_source(self, node_id: str) -> None:
+        """Cut every transfer from ``node_id`` now (the follower left it: a partition that drops packets would
+        otherwise hold them until their deadline); the shards go back to the queue for other sources."""
+        src = self.sources.get(node_id)
+        if src is None:
+            return
+        now = asyncio.get_running_loop().time()
+        for limit in list(src.active):
+            limit.reschedule(now)
 
     async def refresh_now(self) -> None:
         """Re-plan the sources at once (the follower found a reason the current parent cannot serve)."""
@@ -285,7 +298,8 @@ class ShardFetcher:
         received = 0
         whole_from_src = have == 0
         try:
-            async with asyncio.timeout(SHARD_SLACK_S + (shard.size - have) / MIN_SHARD_BPS), \
+            async with asyncio.timeout(SHARD_SLACK_S + (shard.size - have) / MIN_SHARD_BPS) as limit, \
+                    _tracked(src.active, limit), \
                     self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:  # fmt: skip
                 if resp.status in (404, 503):
                     logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
@@ -385,3 +399,12 @@ def _first(group: BaseException) -> BaseException:
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]
     return group
+
+
+@contextlib.asynccontextmanager
+async def _tracked(active: set[asyncio.Timeout], limit: asyncio.Timeout) -> AsyncIterator[None]:
+    active.add(limit)
+    try:
+        yield
+    finally:
+        active.discard(limit)

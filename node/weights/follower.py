@@ -232,6 +232,8 @@ class WeightFollower:
         self._parent = None
         self.path = []
         self._avoid[c.node_id] = time.monotonic() + avoid_s
+        if self.fetcher is not None:  # what is in flight from it stops now, not at its deadline
+            self.fetcher.abort_source(c.node_id)
         self._detach_soon(c)
         self._publish_soon()
 
