@@ -4,10 +4,12 @@ process group), and a restarted node keeps its libp2p identity and port, so the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -108,6 +110,58 @@ def test_a_volunteer_exits_within_seconds_on_sigterm_and_its_dht_goes_with_it(tm
         again_ready = again.wait_ready(timeout=120)
         peer = relay_ready["p2p_maddrs"][0].rsplit("/p2p/", 1)[1]
         assert again_ready["p2p_maddrs"][0].endswith(f"/p2p/{peer}")
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_validator_that_joined_before_a_restart_still_judges_for_the_restarted_trainer(tmp_path: Path) -> None:
+    """Issue 13 item 8, as an operator met it: trainer started, validator joined, trainer restarted (before any
+    checkpoint) with ``--validator <its id>``, an inference node joined with the printed line. The validator's DHT
+    contact was the trainer; the trainer keeps its address, so the validator is back in the run and judges."""
+    data = tmp_path / "t"
+    boot = ["bootstrap", "--data-dir", str(data), "--checkpoint-every", "0", "--max-steps", "6"]
+    nodes: list[NodeProcess] = []
+    try:
+        first = NodeProcess("trainer", boot, tmp_path / "logs")
+        nodes.append(first)
+        ready = first.wait_ready(timeout=120)
+        validator = NodeProcess(
+            "validator",
+            ["join", "--role", "validator", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
+             "--data-dir", str(tmp_path / "v")],
+            tmp_path / "logs",
+        )  # fmt: skip
+        nodes.append(validator)
+        validator_ready = validator.wait_ready(timeout=120)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=10)
+
+        second = NodeProcess("trainer-2", [*boot, "--validator", validator_ready["node_id"]], tmp_path / "logs")
+        nodes.append(second)
+        ready2 = second.wait_ready(timeout=120)
+        assert ready2["p2p_maddrs"] == ready["p2p_maddrs"]  # the join line printed before is still right
+        worker = NodeProcess(
+            "inference",
+            ["join", "--role", "inference", "--peers", ready2["p2p_maddrs"][0], "--run-id", ready2["run_id"],
+             "--data-dir", str(tmp_path / "i")],
+            tmp_path / "logs",
+        )  # fmt: skip
+        nodes.append(worker)
+        worker.wait_ready(timeout=120)
+        second.wait_for_line("STEP 6 ", timeout=300)
+        with urllib.request.urlopen(ready2["status_url"] + "/status", timeout=10) as resp:
+            status = json.load(resp)
+        assert status["validators_missing"] == []
+        assert _metric(ready2["status_url"], "node_trainer_remote_verdicts_total") > 0
     finally:
         for node in reversed(nodes):
             node.stop()

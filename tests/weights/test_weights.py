@@ -69,6 +69,29 @@ def test_prune_keeps_the_newest_within_the_disk_budget(tmp_path: Path) -> None:
     assert store.complete_versions() == [4]
 
 
+def test_a_store_holds_one_run_epoch_and_drops_the_others(tmp_path: Path) -> None:
+    """Issue 13 item 1: after the run was started over, version 3 names other weights. A node holding the old
+    epoch's version 3 (a volunteer rejoining with its old data dir) deletes it instead of trusting the number."""
+    old, new = 1_000, 2_000
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 3, _tensors(1, 2), shard_bytes=1 << 20, epoch=old)
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 5, _tensors(2, 2), shard_bytes=1 << 20, epoch=old)
+    (tmp_path / "7.partial").mkdir()  # a version of the old epoch half received
+    store = WeightStore(tmp_path, RUN, epoch=old)
+    assert store.complete_versions() == [3, 5]
+    store.set_epoch(new)
+    assert store.complete_versions() == [] and not (tmp_path / "7.partial").exists()
+    manifest_data = write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 3, _tensors(3, 2), 1 << 20, epoch=new)
+    data = (tmp_path / "origin" / "3" / MANIFEST_NAME).read_bytes()
+    assert store.begin(3, data)[0] == manifest_data
+    write_checkpoint(tmp_path / "stale", RUN_KEY, RUN, 4, _tensors(4, 2), 1 << 20, epoch=old)
+    with pytest.raises(Rejected, match="epoch"):  # a parent still on the old epoch is not believed
+        store.begin(4, (tmp_path / "stale" / "4" / MANIFEST_NAME).read_bytes())
+    # a store made at start-up for the new epoch drops what another epoch left there
+    write_checkpoint(tmp_path / "mixed", RUN_KEY, RUN, 1, _tensors(5, 2), 1 << 20, epoch=old)
+    write_checkpoint(tmp_path / "mixed", RUN_KEY, RUN, 2, _tensors(6, 2), 1 << 20, epoch=new)
+    assert WeightStore(tmp_path / "mixed", RUN, epoch=new).complete_versions() == [2]
+
+
 @contextlib.asynccontextmanager
 async def _origin(root: Path, **server_args: float) -> AsyncIterator[tuple[str, Metrics]]:
     metrics = Metrics()
