@@ -57,20 +57,6 @@ T = TypeVar("T")
 _CLOCK = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
 
 
-def _kill_tree(pid: int) -> None:
-    """Kill ``pid``'s descendants, then ``pid`` (never raises)."""
-    try:
-        proc = psutil.Process(pid)
-        family = [*proc.children(recursive=True), proc]
-    except psutil.Error:
-        return
-    for p in family:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-
-
 def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
     """In a child process: once the parent is gone (killed with SIGKILL, say, so that it could clean nothing up),
     kill this process's own children (the go-libp2p daemon) and exit. Polls the parent pid: the kernel's
@@ -353,19 +339,18 @@ class Membership:
         whole process group, or hung): what is left of it and its daemon is killed."""
         dht, self.dht = self.dht, None
         if dht is not None:
-            pid = dht.pid
-            daemons: list[psutil.Process] = []
+            family: list[psutil.Process] = []  # taken now: psutil refuses to signal a pid reused since
             try:
-                daemons = psutil.Process(pid).children(recursive=True) if pid else []
+                if dht.pid:
+                    proc = psutil.Process(dht.pid)
+                    family = [proc, *proc.children(recursive=True)]
             except psutil.Error:
                 pass
             try:
                 await asyncio.wait_for(asyncio.to_thread(dht.shutdown), SHUTDOWN_S)
             except (Exception, TimeoutError) as e:
                 logger.warning("the DHT process did not stop in %.0fs (%r); killing it", SHUTDOWN_S, e)
-            if pid:
-                _kill_tree(pid)
-            for p in daemons:
+            for p in family:  # what is left of it and its daemon
                 try:
                     p.kill()
                 except psutil.Error:

@@ -217,10 +217,12 @@ class Trainer(ValidationPipeline, Checkpoints):
         if self.cfg.checkpoint_every:  # durable (fsynced) before the reply: it survives a crash of the trainer
             try:
                 try:
-                    await asyncio.to_thread(self.ckpt.append, data)
+                    written = await asyncio.to_thread(self.ckpt.append, data)
                 except OSError:
                     await asyncio.to_thread(self._shed_disk)
-                    await asyncio.to_thread(self.ckpt.append, data)
+                    written = await asyncio.to_thread(self.ckpt.append, data)
+                while written != self.ckpt.spool_step:  # a checkpoint was taken meanwhile, without this batch
+                    written = await asyncio.to_thread(self.ckpt.append, data)
             except OSError as e:  # disk full, out of file handles: nothing accepted, the producer sends it again
                 self.gate.release(batch)
                 self.metrics.inc("node_trainer_spool_failures_total", help="accepted batches that could not be spooled")
@@ -309,6 +311,8 @@ class Trainer(ValidationPipeline, Checkpoints):
             write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
                              epoch=self.spec.epoch)  # fmt: skip
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
+        if self.ckpt.keep == 1:  # the disk was full: the newest two (the validator may still need the older)
+            keep = min(keep, 2)
         with self._store_lock:
             self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
 

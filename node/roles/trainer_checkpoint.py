@@ -89,6 +89,8 @@ class CheckpointDir:
         self._spool: IO[bytes] | None = None
         self._lock = threading.Lock()
         """Appends run on a worker thread; rotation on the event loop."""
+        self.keep = KEEP
+        """Checkpoints kept; one while the disk is under pressure (see Checkpoints._shed_disk)."""
         self.spool_step = -1
 
     def steps(self) -> list[int]:
@@ -134,7 +136,7 @@ class CheckpointDir:
             raise
         os.replace(tmp, path)
         fsync_dir(self.root)
-        for old in self.steps()[:-KEEP]:
+        for old in self.steps()[: -self.keep]:
             (self.root / f"step-{old:08d}.pt").unlink(missing_ok=True)
         oldest = self.steps()[0]
         for p in self.root.iterdir():  # spools older than the oldest kept checkpoint are covered by it
@@ -159,9 +161,10 @@ class CheckpointDir:
                 self._spool.close()
             self._spool, self.spool_step = spool, step
 
-    def append(self, envelope: bytes) -> None:
-        """Append one accepted batch and make it durable (fsync) before returning; raises OSError (disk full)
-        without leaving a partial record behind as far as the file system lets us."""
+    def append(self, envelope: bytes) -> int:
+        """Append one accepted batch and make it durable (fsync) before returning the step of the spool it went
+        to; raises OSError (disk full) without leaving a partial record behind as far as the file system lets
+        us. A caller that sees the spool rotated meanwhile appends again: the new checkpoint does not hold it."""
         with self._lock:
             if self._spool is None:
                 raise RuntimeError("start_spool() first")
@@ -177,6 +180,7 @@ class CheckpointDir:
                 except (OSError, ValueError):
                     pass
                 raise
+            return self.spool_step
 
     def spools(self) -> list[tuple[int, Path]]:
         return sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _SPOOL.match(p.name)))
@@ -368,6 +372,7 @@ class Checkpoints:
         if time.monotonic() - self._shed_at < SHED_EVERY_S:
             return
         self._shed_at = time.monotonic()
+        self.ckpt.keep = 1  # from now on: one checkpoint and one version, so the room freed here stays ours
         with self._store_lock:
             self.store.prune(1)
         freed = self.ckpt.shed()
