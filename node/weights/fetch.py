@@ -24,7 +24,7 @@ import aiohttp
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
-from intellect_node.weights.relay import LONG_POLL_S, VERIFIED_HEADER
+from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S, VERIFIED_HEADER
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
 from intellect_protocol.codec import Channel
@@ -195,8 +195,10 @@ class ShardFetcher:
             for src in sorted(self.sources.values(), key=lambda s: not s.is_parent):
                 if src.node_id in self.banned:
                     continue
-                try:
-                    async with self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:
+                try:  # under a deadline the follower can bring forward (abort_source): a parent cut off by a
+                    # partition that drops packets would hold the request for the whole read timeout
+                    async with asyncio.timeout(MANIFEST_POLL_S + 10) as limit, _tracked(src.active, limit), \
+                            self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:  # fmt: skip
                         if resp.status == 200:
                             data = await read_limited(resp, Channel.MANIFEST.value)
                             verify_manifest(data, self.store.run_id, version, self.store.epoch)
