@@ -275,8 +275,12 @@ def settle(swarm: Swarm, producers: list[str]) -> int:
         time.sleep(1)
         status = swarm.status()
     time.sleep(1)
-    status = swarm.status()
-    return int(status.get("outstanding_groups", 0)) if status else 0
+    for _ in range(5):  # a status read through `ip netns exec` can fail on a busy machine: ask again
+        status = swarm.status()
+        if status is not None:
+            return int(status.get("outstanding_groups", 0))
+        time.sleep(2)
+    raise RuntimeError("could not read the trainer's status at the end: what it still holds is unknown")
 
 
 def observe(swarm: Swarm, seconds: float, tick: float = 1.0, each: Any = None) -> None:
