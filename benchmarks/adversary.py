@@ -102,6 +102,13 @@ class Swarm:
     def trainer_peer(self) -> str:
         return str(self.ready["trainer"]["p2p_maddrs"][0]).rsplit("/p2p/", 1)[1]
 
+    @property
+    def epoch(self) -> int:
+        """The run epoch the trainer started (batches of another one are refused as wrong_epoch)."""
+        if not hasattr(self, "_epoch"):
+            self._epoch = int(self.status()["epoch"])
+        return self._epoch
+
     def status(self, name: str = "trainer") -> dict[str, Any]:
         with urllib.request.urlopen(self.ready[name]["status_url"] + "/status", timeout=10) as resp:
             data: dict[str, Any] = json.load(resp)
@@ -129,6 +136,7 @@ class Swarm:
                                        logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
                                        proofs=[proofs] * run.sampling.group_size))  # fmt: skip
         return RolloutBatch(run_id=self.run_id, node_id=identity.node_id, version=version, batch_index=index,
+                            epoch=self.epoch,
                             groups=groups)  # fmt: skip
 
     def close(self) -> None:
@@ -386,7 +394,7 @@ CHEATERS = {name: Identity.generate() for name in CHEATS}
 async def cheaters(swarm: Swarm, until: float) -> Outcome:
     """toploc_detect's cheating producers, each a registered key generating on the newest weights just before it
     sends (a cheat that happens to draw the honest tokens is honest data, and not sent)."""
-    spec = RunSpec.model_validate(swarm.run.spec(swarm.run_id).model_dump())
+    spec = RunSpec.model_validate({**swarm.run.spec(swarm.run_id).model_dump(), "epoch": swarm.epoch})
     model = build_model(swarm.run.model, swarm.tok)
     assert swarm.client is not None
     p2p = await fresh_peer(swarm)

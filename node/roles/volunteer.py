@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.25
 """How often to look at the trainer's record while waiting for something to do."""
 REBOOTSTRAP_S = 20.0
+"""Without a trainer record signed in the last this many seconds (it republishes every 8), a volunteer re-joins
+the DHT through the trainer's last known address and --peers."""
 
 
 class Volunteer(abc.ABC):
@@ -165,7 +167,8 @@ class Volunteer(abc.ABC):
             self.metrics.inc("node_dht_read_failures_total")
             logger.warning("could not read the trainer's record from the DHT: %r", e)
         now = time.monotonic()
-        if record is not None:
+        # a record the trainer has not renewed for a while is one our DHT peer still holds while cut off from it
+        if record is not None and time.time() - record.updated < REBOOTSTRAP_S:
             self._trainer_seen = now
             self._trainer_maddrs = list(record.p2p_maddrs)
         elif now - self._trainer_seen > REBOOTSTRAP_S and now - self._rebootstrapped > REBOOTSTRAP_S:

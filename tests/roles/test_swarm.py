@@ -59,6 +59,11 @@ class Swarm:
     def trainer_peer(self) -> str:
         return str(self.ready["p2p_maddrs"][0]).rsplit("/p2p/", 1)[1]
 
+    @property
+    def epoch(self) -> int:
+        """The run epoch the trainer started (batches of another one are refused as wrong_epoch)."""
+        return int(self.status()["epoch"])
+
     def status(self, url: str | None = None) -> dict[str, Any]:
         with urllib.request.urlopen((url or self.ready["status_url"]) + "/status", timeout=10) as resp:
             data: dict[str, Any] = json.load(resp)
@@ -130,7 +135,7 @@ def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swar
         assert trainer["accepted_groups_by_node"].get(ready["node_id"], 0) > 0
 
 
-def _batch(identity: Identity, run_id: str, version: int, batch_index: int) -> RolloutBatch:
+def _batch(identity: Identity, swarm: Swarm, version: int, batch_index: int) -> RolloutBatch:
     """A well-formed batch with exactly the tasks the run assigns to ``identity``, the right answers and made-up
     TOPLOC proofs (so only the tested check can fail)."""
     run = RunConfig()
@@ -150,9 +155,8 @@ def _batch(identity: Identity, run_id: str, version: int, batch_index: int) -> R
                 proofs=[made_up] * run.sampling.group_size,
             )
         )
-    return RolloutBatch(
-        run_id=run_id, node_id=identity.node_id, version=version, batch_index=batch_index, groups=groups
-    )
+    return RolloutBatch(run_id=swarm.run_id, node_id=identity.node_id, version=version, batch_index=batch_index,
+                        epoch=swarm.epoch, groups=groups)  # fmt: skip
 
 
 async def _submit(swarm: Swarm, data: bytes) -> SubmitReply:
@@ -188,7 +192,7 @@ def _rejections(swarm: Swarm) -> dict[str, float]:
 def test_batch_signed_by_unknown_key_is_rejected_and_counted(swarm: Swarm) -> None:
     before = _rejections(swarm).get("unknown_signer", 0)
     stranger = Identity.generate()
-    reply = asyncio.run(_submit(swarm, seal(stranger, _batch(stranger, swarm.run_id, STEPS, 0))))
+    reply = asyncio.run(_submit(swarm, seal(stranger, _batch(stranger, swarm, STEPS, 0))))
     assert not reply.ok and reply.reason == "unknown_signer"
     assert _rejections(swarm)["unknown_signer"] == before + 1
     assert 'node_trainer_batches_rejected_total{reason="unknown_signer"}' in swarm.metrics()
@@ -198,14 +202,14 @@ def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) ->
     # A registered node (its real key) replays work on version 0 while the trainer is at STEPS > async_level.
     worker_key = load_or_create(swarm.root / "inference-0" / "node.key")
     before = _rejections(swarm).get("stale_version", 0)
-    reply = asyncio.run(_submit(swarm, seal(worker_key, _batch(worker_key, swarm.run_id, 0, 10_000))))
+    reply = asyncio.run(_submit(swarm, seal(worker_key, _batch(worker_key, swarm, 0, 10_000))))
     assert not reply.ok and reply.reason == "stale_version"
     assert _rejections(swarm)["stale_version"] == before + 1
 
 
 def test_tampered_and_malformed_and_oversized_input_is_rejected(swarm: Swarm) -> None:
     worker_key = load_or_create(swarm.root / "inference-1" / "node.key")
-    env = msgpack.unpackb(seal(worker_key, _batch(worker_key, swarm.run_id, STEPS, 20_000)), raw=False)
+    env = msgpack.unpackb(seal(worker_key, _batch(worker_key, swarm, STEPS, 20_000)), raw=False)
     env["sig"] = bytes(64)
     tampered = msgpack.packb(env, use_bin_type=True)
     garbage = b"\xc1 this is not msgpack"
@@ -285,7 +289,7 @@ def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> N
     cheater = Identity.generate()
     _register(swarm, cheater)
     version = swarm.status()["step"]
-    reply = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 0))))
+    reply = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm, version, 0))))
     assert reply.ok, reply  # taken for validation
     deadline = time.time() + 60
     while cheater.node_id not in swarm.status()["banned"] and time.time() < deadline:
@@ -295,7 +299,7 @@ def test_a_registered_worker_that_cheats_is_caught_and_banned(swarm: Swarm) -> N
         v for v in map(lambda b: open_signed(b, Verdict), swarm.verdicts()) if v.message.node_id == cheater.node_id
     ]
     assert verdict and not verdict[-1].message.ok and verdict[-1].signer_id == swarm.validator_id
-    again = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm.run_id, version, 1))))
+    again = asyncio.run(_submit(swarm, seal(cheater, _batch(cheater, swarm, version, 1))))
     assert not again.ok and again.reason == "banned"
     assert cheater.node_id not in swarm.status()["accepted_groups_by_node"]
 
@@ -308,9 +312,9 @@ def test_one_signed_batch_sent_on_16_streams_at_once_is_admitted_once(swarm: Swa
     sender = Identity.generate()
     _register(swarm, sender)
     step = swarm.status()["step"]
-    early = asyncio.run(_submit(swarm, seal(sender, _batch(sender, swarm.run_id, step, 5))))
+    early = asyncio.run(_submit(swarm, seal(sender, _batch(sender, swarm, step, 5))))
     assert early.reason == "out_of_order"  # the trainer has looked the key up: every copy below gets that far
-    data = seal(sender, _batch(sender, swarm.run_id, step, 0))
+    data = seal(sender, _batch(sender, swarm, step, 0))
 
     async def flood() -> list[SubmitReply | BaseException]:
         peers = [await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -341,7 +345,7 @@ def test_a_producer_out_of_step_is_told_where_to_continue(swarm: Swarm) -> None:
     """A restarted producer that numbers its batches from the wrong place learns the index the trainer expects."""
     restarted = Identity.generate()
     _register(swarm, restarted)
-    reply = asyncio.run(_submit(swarm, seal(restarted, _batch(restarted, swarm.run_id, swarm.status()["step"], 3))))
+    reply = asyncio.run(_submit(swarm, seal(restarted, _batch(restarted, swarm, swarm.status()["step"], 3))))
     assert not reply.ok and reply.reason == "out_of_order" and reply.next_index == 0
 
 
@@ -352,7 +356,7 @@ def test_stalled_streams_from_one_peer_do_not_starve_honest_producers(swarm: Swa
 
     honest = Identity.generate()
     _register(swarm, honest)
-    data = seal(honest, _batch(honest, swarm.run_id, swarm.status()["step"], 0))
+    data = seal(honest, _batch(honest, swarm, swarm.status()["step"], 0))
 
     async def attack() -> tuple[list[bytes | None], SubmitReply]:
         attacker = await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
