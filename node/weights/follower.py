@@ -43,6 +43,8 @@ UNROOTED_GRACE_S = 5.0
 """How long a parent may be cut off from the origin (re-parenting itself) before its child looks elsewhere."""
 MAX_ATTACH_TRIES = 24
 RECORDS_MAX_AGE_S = 5.0
+SILENT_KEEPALIVES = 2
+"""Keep-alives in a row without a usable answer after which a node leaves its parent."""
 """With a parent, sources are planned from records read up to this long ago (alternates only need to be roughly
 right); without one, from a fresh read."""
 SLOW_FACTOR = 2.0
@@ -167,7 +169,9 @@ class WeightFollower:
         the fetcher saw it fail), then up to two nodes that hold the whole version, the origin last."""
         if self._parent is not None and self._parent.node_id in exclude:
             await self._drop_parent("it failed to serve", avoid_s=REFUSED_AVOID_S)
-        records = await self._records(max_age=RECORDS_MAX_AGE_S if self._parent is not None else 0.0)
+        # records read a few seconds ago will do even without a parent: after leaving one (a partition, say) a
+        # fresh DHT read can take many seconds while part of the DHT does not answer
+        records = await self._records(max_age=RECORDS_MAX_AGE_S)
         if self._parent is None:
             await self._choose(records, exclude)
         sources = [self._parent] if self._parent is not None else []
@@ -240,7 +244,8 @@ class WeightFollower:
     async def _leave(self, why: str, avoid_s: float) -> None:
         """Drop the parent (see keep_attached), choose a new one now, and let a running fetch pick it up."""
         await self._drop_parent(why, avoid_s)
-        await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher is not None else set())
+        records = await self._records(max_age=RECORDS_MAX_AGE_S)
+        await self._choose(records, self.fetcher._excluded() if self.fetcher is not None else set())
         if self.fetcher is not None:
             await self.fetcher.refresh_now()
 
@@ -398,7 +403,7 @@ class WeightFollower:
         if status != 200 or not _is_path(path):
             # unreachable, or an answer that holds no slot for us: three in a row and we look elsewhere
             self._unreachable += 1
-            if self._unreachable >= 3:
+            if self._unreachable >= SILENT_KEEPALIVES:
                 await self._leave(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
             return
         self._unreachable = 0
