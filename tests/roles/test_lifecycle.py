@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from intellect_node.launch import NodeProcess
+from intellect_node.launch import NodeProcess, join_argv
 
 
 def _free_port() -> int:
@@ -28,19 +28,17 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes still running (zombies count as gone) after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
+    """The processes still running after up to ``timeout`` seconds (waits on their exit, not on a clock)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if _running(p)]
+
+
+def _running(p: psutil.Process) -> bool:
+    """Not gone, and not a zombie waiting for a reaper (an orphan whose exit init has not collected yet)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_trainer_killed_alone_takes_its_dht_along_and_restarts_on_the_same_ports_and_identity(
@@ -85,12 +83,7 @@ def test_a_volunteer_exits_within_seconds_on_sigterm_and_its_dht_goes_with_it(tm
                               tmp_path / "logs")  # fmt: skip
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
-        relay = NodeProcess(
-            "relay",
-            ["join", "--role", "relay", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(tmp_path / "r")],
-            tmp_path / "logs",
-        )  # fmt: skip
+        relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r"), tmp_path / "logs")
         nodes.append(relay)
         relay_ready = relay.wait_ready(timeout=120)
         family = [psutil.Process(relay.proc.pid), *_descendants(relay.proc.pid)]
@@ -100,12 +93,7 @@ def test_a_volunteer_exits_within_seconds_on_sigterm_and_its_dht_goes_with_it(tm
         assert not _wait_gone(family, timeout=10)
 
         # it rejoins with the same data dir as the same libp2p peer
-        again = NodeProcess(
-            "relay-2",
-            ["join", "--role", "relay", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(tmp_path / "r")],
-            tmp_path / "logs",
-        )  # fmt: skip
+        again = NodeProcess("relay-2", join_argv("relay", ready, tmp_path / "r"), tmp_path / "logs")
         nodes.append(again)
         again_ready = again.wait_ready(timeout=120)
         peer = relay_ready["p2p_maddrs"][0].rsplit("/p2p/", 1)[1]
@@ -134,12 +122,7 @@ def test_a_validator_that_joined_before_a_restart_still_judges_for_the_restarted
         first = NodeProcess("trainer", boot, tmp_path / "logs")
         nodes.append(first)
         ready = first.wait_ready(timeout=120)
-        validator = NodeProcess(
-            "validator",
-            ["join", "--role", "validator", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(tmp_path / "v")],
-            tmp_path / "logs",
-        )  # fmt: skip
+        validator = NodeProcess("validator", join_argv("validator", ready, tmp_path / "v"), tmp_path / "logs")
         nodes.append(validator)
         validator_ready = validator.wait_ready(timeout=120)
         first.proc.send_signal(signal.SIGKILL)
@@ -149,12 +132,7 @@ def test_a_validator_that_joined_before_a_restart_still_judges_for_the_restarted
         nodes.append(second)
         ready2 = second.wait_ready(timeout=120)
         assert ready2["p2p_maddrs"] == ready["p2p_maddrs"]  # the join line printed before is still right
-        worker = NodeProcess(
-            "inference",
-            ["join", "--role", "inference", "--peers", ready2["p2p_maddrs"][0], "--run-id", ready2["run_id"],
-             "--data-dir", str(tmp_path / "i")],
-            tmp_path / "logs",
-        )  # fmt: skip
+        worker = NodeProcess("inference", join_argv("inference", ready2, tmp_path / "i"), tmp_path / "logs")
         nodes.append(worker)
         worker.wait_ready(timeout=120)
         second.wait_for_line("STEP 1 ", timeout=300)

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from intellect_node.launch import NodeProcess
+from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, next_epoch
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 
@@ -33,23 +33,26 @@ def _manifests(root: Path) -> dict[int, str]:
     }
 
 
+def _trainer_and_worker(
+    boot: list[str], tmp_path: Path, nodes: list[NodeProcess]
+) -> tuple[NodeProcess, dict[str, Any], NodeProcess, dict[str, Any]]:
+    """A trainer started with ``boot`` and an inference node joined with the line it printed (both in ``nodes``,
+    for the caller to stop)."""
+    first = NodeProcess("trainer", boot, tmp_path / "logs")
+    nodes.append(first)
+    ready = first.wait_ready(timeout=120)
+    worker = NodeProcess("inference", join_argv("inference", ready, tmp_path / "inference"), tmp_path / "logs")
+    nodes.append(worker)
+    return first, ready, worker, worker.wait_ready(timeout=120)
+
+
 def test_a_killed_trainer_resumes_and_the_swarm_catches_up(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     data = tmp_path / "trainer"
     boot = ["bootstrap", "--data-dir", str(data), "--max-steps", str(STEPS)]
     nodes: list[NodeProcess] = []
     try:
-        first = NodeProcess("trainer", boot, logs)
-        nodes.append(first)
-        ready = first.wait_ready(timeout=120)
-        worker = NodeProcess(
-            "inference",
-            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(tmp_path / "inference")],
-            logs,
-        )  # fmt: skip
-        nodes.append(worker)
-        worker_ready = worker.wait_ready(timeout=120)
+        first, ready, worker, worker_ready = _trainer_and_worker(boot, tmp_path, nodes)
         first.wait_for_line(f"STEP {KILL_AT} ", timeout=300)
         os.killpg(first.proc.pid, signal.SIGKILL)  # no chance to save anything on the way out
         first.proc.wait(timeout=30)
@@ -124,17 +127,7 @@ def test_a_run_started_over_gets_a_new_epoch_and_the_swarm_follows_it(tmp_path: 
     boot = ["bootstrap", "--data-dir", str(data), "--max-steps", "3", "--p2p-port", "0"]
     nodes: list[NodeProcess] = []
     try:
-        first = NodeProcess("trainer", boot, logs)
-        nodes.append(first)
-        ready = first.wait_ready(timeout=120)
-        worker = NodeProcess(
-            "inference",
-            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(tmp_path / "inference")],
-            logs,
-        )  # fmt: skip
-        nodes.append(worker)
-        worker_ready = worker.wait_ready(timeout=120)
+        first, ready, worker, worker_ready = _trainer_and_worker(boot, tmp_path, nodes)
         first.wait_for_line("STEP 3 ", timeout=300)
         old_epoch = _status(ready["status_url"])["epoch"]
         os.killpg(first.proc.pid, signal.SIGKILL)

@@ -207,6 +207,17 @@ def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) ->
     assert _rejections(swarm)["stale_version"] == before + 1
 
 
+def test_a_batch_of_another_run_epoch_is_refused_before_any_work(swarm: Swarm) -> None:
+    # A registered node replays a batch made before the run was started over (its version numbers name other
+    # weights now): refused at the door as wrong_epoch, counted, nothing queued for validation.
+    worker_key = load_or_create(swarm.root / "inference-0" / "node.key")
+    before = _rejections(swarm).get("wrong_epoch", 0)
+    old = _batch(worker_key, swarm, swarm.status()["step"], 30_000).model_copy(update={"epoch": swarm.epoch - 1})
+    reply = asyncio.run(_submit(swarm, seal(worker_key, old)))
+    assert not reply.ok and reply.reason == "wrong_epoch"
+    assert _rejections(swarm)["wrong_epoch"] == before + 1
+
+
 def test_tampered_and_malformed_and_oversized_input_is_rejected(swarm: Swarm) -> None:
     worker_key = load_or_create(swarm.root / "inference-1" / "node.key")
     env = msgpack.unpackb(seal(worker_key, _batch(worker_key, swarm, STEPS, 20_000)), raw=False)
