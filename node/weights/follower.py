@@ -52,6 +52,10 @@ SLOW_MIN_SHARDS = 3
 FAST_ROUNDS = 6
 FAST_KEEPALIVE_S = 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
+KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
+"""A parent answers a keep-alive from memory, in milliseconds: two in a row unanswered in this long (a parent cut
+off by a partition sends no reset) and the node leaves it, about 3-4 s after the parent fell silent."""
+ASK_STAGGER_S = 0.5
 CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
 ATTACH_BODY_LIMIT = 64 * 1024
@@ -184,26 +188,46 @@ class WeightFollower:
 
     async def _choose(self, records: dict[str, NodeRecord], exclude: set[str]) -> None:
         """Attach, then choose: ask the candidates for a slot, best first, and take the first that gives one.
-        A full node names its children, and they are asked next (the free slots are further down)."""
+        A full node names its children, and they are asked next (the free slots are further down). A candidate
+        that has not answered within ``ASK_STAGGER_S`` does not hold up the next one (it may be cut off, and its
+        request would wait out the whole timeout): both are then in flight, and the first to give a slot wins."""
         async with self._choosing:
             if self._parent is not None or self.session is None:
                 return
             tried: set[str] = set()
             queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding())
             deadline = time.monotonic() + CHOOSE_BUDGET_S
-            while queue and len(tried) < MAX_ATTACH_TRIES and time.monotonic() < deadline:
-                c = queue.pop(0)
-                if c.node_id in tried:
-                    continue
-                tried.add(c.node_id)
-                status, body = await self._post_attach(c)
-                if status == 200 and self._adopt(c, body):
-                    return
-                if status is None:  # it may have given us the slot before our side timed out
+            asking: dict[asyncio.Task[tuple[int | None, object]], Candidate] = {}
+            try:
+                while (queue or asking) and time.monotonic() < deadline:
+                    while queue and queue[0].node_id in tried:
+                        queue.pop(0)
+                    if not (queue and len(tried) < MAX_ATTACH_TRIES) and not asking:
+                        break
+                    if queue and len(tried) < MAX_ATTACH_TRIES:
+                        c = queue.pop(0)
+                        tried.add(c.node_id)
+                        asking[asyncio.ensure_future(self._post_attach(c))] = c
+                    wait = ASK_STAGGER_S if queue and len(tried) < MAX_ATTACH_TRIES else deadline - time.monotonic()
+                    done, _ = await asyncio.wait(asking, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        c = asking.pop(task)
+                        status, body = task.result()
+                        if status == 200 and self._parent is None and self._adopt(c, body):
+                            continue
+                        if status == 200 and self._parent is not None and self._parent.node_id != c.node_id:
+                            self._detach_soon(c)  # a slot we no longer need: another candidate answered first
+                        if status is None:  # it may have given us the slot before our side timed out
+                            self._detach_soon(c)
+                        if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
+                            names = [x for x in body["children"][:64] if isinstance(x, str)]
+                            queue[:0] = below(records, names, tried | exclude | {self.node_id})
+                    if self._parent is not None:
+                        return
+            finally:
+                for task, c in asking.items():  # still waiting on slower candidates: they may give a slot
+                    task.cancel()
                     self._detach_soon(c)
-                if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
-                    names = [x for x in body["children"][:64] if isinstance(x, str)]
-                    queue[:0] = below(records, names, tried | exclude | {self.node_id})
 
     def _adopt(self, c: Candidate, body: object) -> bool:
         """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
@@ -276,13 +300,15 @@ class WeightFollower:
     def _publish_soon(self) -> None:
         self._background(self.publish())
 
-    async def _post_attach(self, c: Candidate) -> tuple[int | None, object]:
+    async def _post_attach(
+        self, c: Candidate, timeout: aiohttp.ClientTimeout = ATTACH_TIMEOUT
+    ) -> tuple[int | None, object]:
         """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
         The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
         assert self.session is not None
         headers = signed_headers(self.identity, "POST", "/relay/attach", c.node_id, self._clock.get(c.node_id, 0.0))
         try:
-            async with self.session.post(f"{c.url}/relay/attach", headers=headers, timeout=ATTACH_TIMEOUT) as resp:
+            async with self.session.post(f"{c.url}/relay/attach", headers=headers, timeout=timeout) as resp:
                 offset = server_clock_offset(resp.headers.get("Date"))
                 if offset is not None:  # a clock far from the parent's would fail its time window: sign in its time
                     self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
@@ -362,8 +388,8 @@ class WeightFollower:
             if self.changed.is_set():
                 self.changed.clear()
                 fast = FAST_ROUNDS
-            if fast > 0:
-                fast -= 1
+            if fast > 0 or self._unreachable:  # just moved, or the last keep-alive went unanswered: ask sooner
+                fast = max(0, fast - 1)
                 await asyncio.sleep(FAST_KEEPALIVE_S)
             else:
                 try:
@@ -388,7 +414,7 @@ class WeightFollower:
         c = self._parent
         if c is None:
             return
-        status, body = await self._post_attach(c)
+        status, body = await self._post_attach(c, KEEPALIVE_TIMEOUT)
         if c is not self._parent:  # changed meanwhile: do not keep a second slot there
             if status == 200 and (self._parent is None or self._parent.node_id != c.node_id):
                 self._detach_soon(c)
@@ -401,7 +427,7 @@ class WeightFollower:
             await self._leave(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
             return
         if status != 200 or not _is_path(path):
-            # unreachable, or an answer that holds no slot for us: three in a row and we look elsewhere
+            # unreachable, or an answer that holds no slot for us: two in a row and we look elsewhere
             self._unreachable += 1
             if self._unreachable >= SILENT_KEEPALIVES:
                 await self._leave(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)

@@ -47,6 +47,9 @@ SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_PATH = 1024
 CHILD_TTL_S = 10.0
 """A child that has not asked for anything this long gives its slot back."""
+CONTESTED_TTL_S = 4.0
+"""A child silent this long (children keep their slot alive every second) loses it to a node that asks for a slot
+when none is free: a relay that died holds its parent's slot, and its subtree waits, only this long."""
 LONG_POLL_S = 10.0
 MANIFEST_POLL_S = 2.0
 """How long a request for the manifest of a version not yet begun here waits before a 404."""
@@ -156,6 +159,14 @@ class ShardServer:
 
     def _admit(self, child: str) -> bool:
         active = self._active_children()
+        if child not in active and len(active) >= self.slots:
+            now = time.monotonic()
+            silent = min(active, key=lambda c: active[c], default=None)
+            if silent is not None and now - active[silent] >= CONTESTED_TTL_S:
+                logger.info("child %s silent %.1fs: its slot goes to %s", silent[:8], now - active[silent], child[:8])
+                self.metrics.inc("node_relay_silent_children_replaced_total",
+                                 help="slots of silent children given to a node that asked")  # fmt: skip
+                self._release(silent)
         if child in active or len(active) < self.slots:
             new = child not in active
             active[child] = time.monotonic()

@@ -413,3 +413,85 @@ def test_a_parent_claiming_a_path_of_5000_nodes_is_left_not_believed(tmp_path: P
 
     parent, path = asyncio.run(main())
     assert parent == ORIGIN and path == [ORIGIN, me]
+
+
+def test_a_dead_childs_slot_goes_to_the_next_node_that_asks_a_live_childs_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay killed with SIGKILL cannot give its slot back: its subtree re-parents, but the full parent names the
+    dead relay as the place to look until the slot expires. A child silent for CONTESTED_TTL_S loses the slot to
+    a node that asks; one that keeps it alive does not, and a stranger's asking cannot evict it."""
+    dead, live, newcomer = _id("d"), _id("l"), _id("n")
+    monkeypatch.setattr(relay, "CONTESTED_TTL_S", 0.3)
+
+    async def main() -> dict[str, object]:
+        server, http, url = await _serve(tmp_path, "o", 1, [ORIGIN], ORIGIN)
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def ask(child: str) -> int:
+                    async with session.post(f"{url}/relay/attach", headers=_signed(child, ORIGIN)) as r:
+                        return r.status
+
+                out["dead"] = await ask(dead)
+                out["early"] = await ask(newcomer)  # the slot's holder spoke just now: no slot
+                await asyncio.sleep(0.4)  # the holder falls silent
+                out["after_silence"] = await ask(newcomer)
+                out["children"] = server.children()
+                out["dead_again"] = await ask(dead)  # it comes back: its slot went to another meanwhile
+                out["live"] = await ask(live)  # newcomer spoke 0.4 s ago at most... keep it alive to be sure:
+                for _ in range(3):
+                    await asyncio.sleep(0.2)
+                    out["kept"] = await ask(newcomer)
+                    out["contested"] = await ask(live)
+                out["children_end"] = server.children()
+        finally:
+            await http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["dead"] == 200 and out["early"] == 503 and out["after_silence"] == 200
+    assert out["children"] == [newcomer] and out["dead_again"] == 503
+    assert out["kept"] == 200 and out["contested"] == 503 and out["children_end"] == [newcomer]
+
+
+def test_a_candidate_that_never_answers_does_not_hold_up_the_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition sends no reset: a request to a cut-off node waits out its whole timeout. The best-ranked
+    candidate here accepts connections and never answers (the timeout made a minute long); the node asks the
+    next one after ASK_STAGGER_S, takes its slot, and gives back whatever the silent one may grant later."""
+    me, silent = _id("e"), _id("z")
+    monkeypatch.setattr("intellect_node.weights.follower.ATTACH_TIMEOUT",
+                        aiohttp.ClientTimeout(total=60, connect=60))  # fmt: skip
+
+    async def main() -> tuple[str | None, int, list[str]]:
+        held: list[asyncio.StreamWriter] = []
+
+        async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # read nothing, answer nothing
+
+        blackhole = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+        url_z = f"http://127.0.0.1:{blackhole.sockets[0].getsockname()[1]}"
+        origin, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN], ORIGIN)
+        records = {
+            ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o}),
+            silent: _rec(silent, 1, 2, ORIGIN).model_copy(update={"http_url": url_z}),
+        }
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                await asyncio.wait_for(follower._choose(await follower._records(), set()), 30)
+                asked_silent = len(held)
+                return follower.parent, asked_silent, origin.children()
+        finally:
+            for w in held:
+                w.close()
+            blackhole.close()
+            await http_o.close()
+
+    parent, asked_silent, origin_children = asyncio.run(main())
+    assert asked_silent >= 1  # it was asked first...
+    assert parent == ORIGIN and origin_children == [me]  # ...and did not hold the node up
