@@ -505,6 +505,10 @@ async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
                    crashed or got < 0, f"the new relay {'crashed' if crashed else f'holds version {got}'}")
 
 
+ATTACKS = ("key_theft", "dht_poison", "relay_squat", "duplicate_streams", "stalled_streams", "envelope_bomb",
+           "sybil_flood", "submission_flood", "cheaters", "hostile_parent_trickle", "hostile_parent_path")  # fmt: skip
+
+
 def _rss_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -533,21 +537,23 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         Attack = Callable[[float], Awaitable[Outcome]]
         Prepare = Callable[[], Awaitable[None]] | None
-        attacks: list[tuple[Prepare, Attack]] = [
-            (None, lambda u: key_theft(swarm, u)),
-            (None, lambda u: dht_poison(swarm, u)),
-            (None, lambda u: relay_squat(swarm, u)),
-            (lambda: warm_up(swarm, DUPLICATE_SENDER), lambda u: duplicate_streams(swarm, u)),
-            (None, lambda u: stalled_streams(swarm, u)),
-            (None, lambda u: envelope_bomb(swarm, u)),
-            (lambda: register_all(swarm, SYBILS), lambda u: sybil_flood(swarm, u)),
-            (lambda: warm_up(swarm, FLOODER), lambda u: submission_flood(swarm, u)),
-            (lambda: register_all(swarm, list(CHEATERS.values())), lambda u: cheaters(swarm, u)),
-            (None, lambda u: hostile_parent(swarm, u, "trickle")),
-            (None, lambda u: hostile_parent(swarm, u, "path")),
-        ]
+        attacks: dict[str, tuple[Prepare, Attack]] = {
+            "key_theft": (None, lambda u: key_theft(swarm, u)),
+            "dht_poison": (None, lambda u: dht_poison(swarm, u)),
+            "relay_squat": (None, lambda u: relay_squat(swarm, u)),
+            "duplicate_streams": (lambda: warm_up(swarm, DUPLICATE_SENDER), lambda u: duplicate_streams(swarm, u)),
+            "stalled_streams": (None, lambda u: stalled_streams(swarm, u)),
+            "envelope_bomb": (None, lambda u: envelope_bomb(swarm, u)),
+            "sybil_flood": (lambda: register_all(swarm, SYBILS), lambda u: sybil_flood(swarm, u)),
+            "submission_flood": (lambda: warm_up(swarm, FLOODER), lambda u: submission_flood(swarm, u)),
+            "cheaters": (lambda: register_all(swarm, list(CHEATERS.values())), lambda u: cheaters(swarm, u)),
+            "hostile_parent_trickle": (None, lambda u: hostile_parent(swarm, u, "trickle")),
+            "hostile_parent_path": (None, lambda u: hostile_parent(swarm, u, "path")),
+        }
+        assert set(attacks) == set(ATTACKS)
         outcomes = []
-        for prepare, attack in attacks:
+        for name in args.attacks or list(attacks):
+            prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
             outcome.rate /= max(control.rate, 1e-9)
             outcomes.append(outcome)
@@ -570,7 +576,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=float, default=20.0, help="seconds each attack (and the control) lasts")
     p.add_argument("--workdir", type=Path, help="keep the swarm's files and logs here")
+    p.add_argument("--attacks", type=lambda v: [a for a in v.split(",") if a], default=[],
+                   help="only these attacks, comma-separated (default: all); e.g. sybil_flood,submission_flood")
     args = p.parse_args()
+    unknown = set(args.attacks) - set(ATTACKS)
+    if unknown:
+        p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
     outcomes = asyncio.run(main_async(args, root))
     print("\n| attack | its aim | achieved | honest rate | what happened |\n|---|---|---|---|---|")
