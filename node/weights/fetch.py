@@ -153,6 +153,13 @@ class ShardFetcher:
         for limit in list(src.active):
             limit.reschedule(now)
 
+    def forgive(self, node_id: str) -> None:
+        """``node_id`` just gave us a slot (it is our new parent): what it answered as an alternate (no free slot,
+        unreachable) no longer holds. A ban for bad bytes stays."""
+        src = self.sources.get(node_id)
+        if src is not None:
+            src.full, src.failed, src.away_until = False, 0, 0.0
+
     async def refresh_now(self) -> None:
         """Re-plan the sources at once (the follower found a reason the current parent cannot serve)."""
         await self._refresh(force=True)

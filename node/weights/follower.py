@@ -244,6 +244,8 @@ class WeightFollower:
         self.depth = len(path)
         self._unrooted_since = None
         self._unreachable = 0
+        if self.fetcher is not None:  # refused as an alternate a moment ago (full, say): as our parent it serves us
+            self.fetcher.forgive(c.node_id)
         logger.info("parent=%s depth=%d (was %s)", c.node_id, self.depth, was)
         if was is not None:
             self.metrics.inc("node_relay_reparents_total")

@@ -495,3 +495,32 @@ def test_a_candidate_that_never_answers_does_not_hold_up_the_choice(
     parent, asked_silent, origin_children = asyncio.run(main())
     assert asked_silent >= 1  # it was asked first...
     assert parent == ORIGIN and origin_children == [me]  # ...and did not hold the node up
+
+
+def test_a_node_full_as_an_alternate_that_then_gives_a_slot_stays_the_parent(tmp_path: Path) -> None:
+    """Seen in the relay-kill chaos run: the origin answered 503 to a shard request (no free slot: the dead relay
+    held it), then gave the node a slot; the next fetch plan still counted it full, dropped the new parent as
+    'failed to serve', and the node waited 2 s to ask again."""
+    me = _id("e")
+
+    async def main() -> tuple[str | None, str | None]:
+        _, http_o, url_o = await _serve(tmp_path, "o", 2, [ORIGIN], ORIGIN)
+        records = {ORIGIN: _rec(ORIGIN, 0, 2).model_copy(update={"http_url": url_o})}
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower = _follower(tmp_path, me, records, Metrics())
+                follower.start(session)
+                assert follower.fetcher is not None
+                now = asyncio.get_running_loop().time()
+                follower.fetcher.sources[ORIGIN] = Source(ORIGIN, url_o, 0, full=True, away_until=now + 60)
+                await follower._choose(await follower._records(), set())
+                chosen = follower.parent
+                follower.fetcher._find = follower._find
+                await follower.fetcher.refresh_now()  # the fetch's next plan
+                await _settled(follower)
+                return chosen, follower.parent
+        finally:
+            await http_o.close()
+
+    chosen, kept = asyncio.run(main())
+    assert chosen == ORIGIN and kept == ORIGIN
