@@ -126,3 +126,45 @@ def test_one_record_going_stale_does_not_hide_the_others_from_readers() -> None:
     assert not old_attack  # a stale-to-be record kept alive past its freshness is refused at store time
     assert WORKER.node_id in seen_a and WORKER.node_id in seen_b
     assert len(seen_a) == len(seen_b) == 2  # the two honest records; the attacker's is gone
+
+
+def test_a_record_is_verified_once_but_its_age_is_judged_at_every_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read of the nodes key returns every record: 200 made-up keys in the DHT made each read re-verify 200
+    signatures (twice: DHT process and reader), and the trainer's training rate halved under a sybil flood. A
+    record's signature is checked once per exact bytes; its freshness, and any other bytes, still every time."""
+    from intellect_node.p2p import dht
+
+    calls: list[int] = []
+    real = dht.open_signed
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dht, "open_signed", counting)
+    keys = [Identity.generate() for _ in range(20)]
+    values = [(k.node_id, _node(k)) for k in keys]
+    now = time.time()
+    for subkey, value in values:
+        check_node_record(value, subkey, RUN_ID, now=now)
+    first = len(calls)
+    for subkey, value in values:
+        check_node_record(value, subkey, RUN_ID, now=now)
+    assert first == 20 and len(calls) == 20  # the second read verified nothing again
+    later = now + NODE_TTL_S + CLOCK_SKEW_S + 1
+    with pytest.raises(Rejected, match="stale_record"):  # cached, and still refused once it is old
+        check_node_record(values[0][1], values[0][0], RUN_ID, now=later)
+    with pytest.raises(Rejected, match="signer_mismatch"):  # the same bytes under another node's subkey
+        check_node_record(values[0][1], values[1][0], RUN_ID, now=now)
+    tampered = values[0][1][:-1] + bytes([values[0][1][-1] ^ 1])
+    with pytest.raises(Rejected):
+        check_node_record(tampered, values[0][0], RUN_ID, now=now)
+
+    stored = [_record(nodes_key(RUN_ID), s, v) for s, v in values]
+    validator = RecordValidator(RUN_ID)
+    monkeypatch.setattr(dht, "_RECORDS", dht._Verified())  # as in the DHT process: nothing read there yet
+    before = len(calls)
+    assert all(validator.validate(r) for r in stored) and all(validator.validate(r) for r in stored)
+    assert len(calls) - before == 20  # the DHT process's validator too: once per record
+    forged = _record(nodes_key(RUN_ID), keys[0].node_id, _node(keys[1]))
+    assert not validator.validate(forged) and not validator.validate(forged)  # a refusal is never remembered
