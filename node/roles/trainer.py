@@ -29,7 +29,7 @@ from intellect_node.config import NodeConfig, RunConfig
 from intellect_node.judging.tasks import require_jail
 from intellect_node.judging.validator import Gate, Validator
 from intellect_node.p2p.dht import Membership
-from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.http import EncodedList, HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
@@ -111,7 +111,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.accepted_by_node: Counter[str] = Counter()
         self.rejected_by_node: Counter[str] = Counter()
         self.received_by_node: Counter[str] = Counter()
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = EncodedList()
         self.idle_s = 0.0
         self.maddrs: list[str] = []
         self.status_url = ""

@@ -42,6 +42,7 @@ import torch
 from intellect_node.config import NodeConfig
 from intellect_node.judging.validator import Gate
 from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.http import EncodedList
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
 from intellect_node.roles.admission import Admission
@@ -296,7 +297,7 @@ class Checkpoints:
     def _restore(self, saved: dict[str, Any]) -> None:
         self.engine.load_state(saved["engine"])
         self.step = int(saved["step"])
-        self.history = list(saved["history"])
+        self.history = EncodedList(saved["history"])
         self.banned = dict(saved["banned"])
         self.gate.next_index = dict(saved["gate"])
         self.idle_s = float(saved["idle_s"])

@@ -1,0 +1,46 @@
+"""``/status``: public, polled by dashboards and benchmarks, and it carries the trainer's whole step history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from intellect_node.p2p.http import EncodedList, HttpServer, encode_status
+from intellect_node.p2p.metrics import Metrics
+
+
+def test_status_with_an_encoded_history_is_the_same_json() -> None:
+    history = EncodedList([{"step": 1, "loss": 0.5}])
+    history.append({"step": 2, "loss": float("0.25"), "note": 'quote " and \\ backslash'})
+    empty = EncodedList()
+    for status in ({"role": "trainer", "history": history, "step": 2}, {"history": history}, {"history": empty}):
+        assert json.loads(encode_status(status)) == json.loads(json.dumps(status))
+    history[0] = {"step": 0}  # changed in place (not by append): encoded again, never served stale
+    assert json.loads(encode_status({"history": history}))["history"][0] == {"step": 0}
+
+
+def test_status_served_over_http_grows_with_each_step() -> None:
+    history = EncodedList()
+    state = {"role": "trainer", "step": 0}
+
+    async def main() -> list[dict[str, object]]:
+        http = HttpServer(Metrics(), lambda: {**state, "history": history})
+        port = await http.start("127.0.0.1", 0)
+        seen = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for step in range(1, 4):
+                    history.append({"step": step})
+                    state["step"] = step
+                    async with session.get(f"http://127.0.0.1:{port}/status") as r:
+                        assert r.status == 200 and r.content_type == "application/json"
+                        seen.append(await r.json())
+        finally:
+            await http.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert [s["step"] for s in seen] == [1, 2, 3]
+    assert seen[-1]["history"] == [{"step": 1}, {"step": 2}, {"step": 3}]
