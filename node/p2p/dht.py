@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -120,7 +121,7 @@ class _Verified:
     (benchmarks/adversary.py, sybil flood). A record's signature and schema do not change while its bytes do not,
     so they are checked once; what depends on the time is checked at every read."""
 
-    def __init__(self, size: int = 8192) -> None:
+    def __init__(self, size: int = 4096) -> None:
         self.size = size
         self._items: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -149,6 +150,15 @@ class _Verified:
 _RECORDS = _Verified()
 
 
+def _digest(*parts: bytes) -> bytes:
+    """What the caches are keyed by: a digest, not the bytes (a record may be a few KiB, and there are thousands)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big"))
+        h.update(part)
+    return h.digest()
+
+
 def check_node_record(
     value: object, subkey: object, run_id: str, now: float | None = None, fresh: bool = True
 ) -> NodeRecord:
@@ -158,7 +168,7 @@ def check_node_record(
     record (``_Verified``)."""
     if not isinstance(value, bytes):
         raise Rejected("malformed", "DHT value is not bytes")
-    key = (value, subkey, run_id) if isinstance(subkey, str) else None
+    key = (_digest(value), subkey, run_id) if isinstance(subkey, str) else None
     record: NodeRecord | None = _RECORDS.get(key) if key is not None else None
     checked = record is not None
     if record is None:
@@ -201,7 +211,7 @@ class RecordValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in (self._spec, self._nodes, self._trainer):
             return True  # not ours: other applications may share the DHT
-        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        seen = (_digest(record.key, record.subkey, record.value), record.expiration_time)
         if self._valid.get(seen):  # passed before; every rule below that held once holds for ever
             return True
         ok = self._validate(record)
