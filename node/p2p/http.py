@@ -34,6 +34,12 @@ class EncodedList(list[Any]):
         for item in items:
             self.append(item)
 
+    def texts(self, start: int, end: int) -> list[str]:
+        """The JSON text of items ``start`` to ``end`` (a checkpoint writer's thread reads it: nothing changes)."""
+        if self._stale or len(self._texts) < end:
+            return [json.dumps(item) for item in self[start:end]]
+        return self._texts[start:end]
+
     def json(self) -> str:
         if self._stale or len(self._texts) != len(self):  # changed some other way than append: encode again
             self._texts, self._stale = [json.dumps(item) for item in self], False

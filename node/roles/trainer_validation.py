@@ -47,6 +47,8 @@ across a trainer's lives to find accepted rollouts that were lost."""
 VERDICTS_KEPT = 256
 VALIDATE_TIMEOUT_S = 120.0
 VALIDATOR_WARN_S = 30.0
+MAX_DEFER_S = 2.0
+"""How long a pending batch may be passed over for batches of the version the validator holds."""
 
 
 PendingBatch = tuple[RolloutBatch, list[int], bytes]
@@ -55,14 +57,17 @@ PendingBatch = tuple[RolloutBatch, list[int], bytes]
 
 class PendingBatches:
     """Admitted batches waiting for a verdict. ``get(prefer)`` takes one of the version the validator's model
-    holds when there is one: a producer alternating versions must not force a weight reload per batch."""
+    holds when there is one (a producer alternating versions must not force a weight reload per batch), unless
+    the oldest has waited ``MAX_DEFER_S``: under a steady honest flow of one version, a batch of another waited
+    for ever (a flooder's first batch, pending for a whole 30 s attack, kept its key answered 'busy' instead of
+    banned, every submission costing a signature check)."""
 
     def __init__(self) -> None:
-        self._items: list[PendingBatch] = []
+        self._items: list[tuple[float, PendingBatch]] = []
         self._added = asyncio.Event()
 
     def put_nowait(self, item: PendingBatch) -> None:
-        self._items.append(item)
+        self._items.append((time.monotonic(), item))
         self._added.set()
 
     def qsize(self) -> int:
@@ -72,8 +77,10 @@ class PendingBatches:
         while not self._items:
             self._added.clear()
             await self._added.wait()
-        at = next((i for i, item in enumerate(self._items) if item[0].version == prefer), 0)
-        return self._items.pop(at)
+        if time.monotonic() - self._items[0][0] >= MAX_DEFER_S:
+            return self._items.pop(0)[1]
+        at = next((i for i, (_, item) in enumerate(self._items) if item[0].version == prefer), 0)
+        return self._items.pop(at)[1]
 
 
 class ValidationPipeline:

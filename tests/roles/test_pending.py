@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from intellect_node.roles import trainer_validation
 from intellect_node.roles.trainer_validation import PendingBatches
 from intellect_protocol.messages import RolloutBatch, RolloutGroup
 
@@ -30,3 +33,25 @@ def test_a_producer_alternating_versions_costs_one_reload_per_version_not_per_ba
         return order
 
     assert asyncio.run(main()) == [0, 0, 0, 1, 1, 1, 7]
+
+
+def test_a_batch_of_another_version_is_not_passed_over_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A steady flow of the validator's version once kept a flooder's first batch pending for a whole attack: its
+    key was answered 'busy', not banned, and every submission cost a signature check."""
+    monkeypatch.setattr(trainer_validation, "MAX_DEFER_S", 0.2)
+
+    async def main() -> list[int]:
+        pending = PendingBatches()
+        pending.put_nowait((_batch(9, 0), [], b""))  # the odd one out, first in
+        order = []
+        for i in range(40):
+            pending.put_nowait((_batch(3, i), [], b""))  # the honest flow, of the version the validator holds
+            batch, _, _ = await pending.get(prefer=3)
+            order.append(batch.version)
+            if batch.version == 9:
+                break
+            await asyncio.sleep(0.02)
+        return order
+
+    order = asyncio.run(main())
+    assert order[-1] == 9 and order[0] == 3  # preferred at first, taken once it had waited MAX_DEFER_S
