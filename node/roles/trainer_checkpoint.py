@@ -149,9 +149,15 @@ class CheckpointDir:
             return
         lines = "".join(text + "\n" for text in history.texts(self._history_lines, upto))
         with open(path, "a") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
+            at = f.tell()
+            try:
+                f.write(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:  # a full disk: no partial line stays behind to be followed by the retry's
+                with contextlib.suppress(OSError):
+                    f.truncate(at)
+                raise
         self._history_lines = upto
 
     def shed(self) -> int:
