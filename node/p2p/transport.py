@@ -199,8 +199,6 @@ class RolloutServer:
                         reply = await self._handle(data, peer)
                 if getattr(reply, "reason", "") in PENALIZED:
                     self._strike(peer)
-            if self._penalized(peer):
-                self._disconnect(info.peer_id)
             await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
             # Close only once the peer has read the reply and closed its side (or after LINGER_S): closing at
             # once after the write lost the reply's body now and then (the daemon dropped what it had not sent).
@@ -209,6 +207,8 @@ class RolloutServer:
             logger.debug("stream from peer=%s broke: %r", peer, e)
         finally:
             writer.close()
+            if self._penalized(peer):  # after the reply: it says why, and the peer may be a broken client
+                self._disconnect(info.peer_id)
 
 
 async def request(
