@@ -39,7 +39,7 @@ MAX_READING_PER_PEER = 2
 LINGER_S = 5.0
 STRIKES = 3
 PENALTY_S = 60.0
-DISCONNECT_EVERY_S = 1.0
+DISCONNECTS_PER_S = 20
 PENALIZED = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema", "banned"})
 """Replies that say a frame was unusable, or came from a banned key: they count against the peer that sent it
 (never a refusal honest work can get)."""
@@ -124,7 +124,7 @@ class RolloutServer:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
         self._reading: dict[str, int] = {}
         self._strikes: dict[str, list[float]] = {}
-        self._dropped: dict[str, float] = {}
+        self._drop_budget, self._drop_at = float(DISCONNECTS_PER_S), time.monotonic()
         self._tasks: set[asyncio.Future[None]] = set()
         self.refused_busy = 0
         self.disconnects = 0
@@ -141,16 +141,16 @@ class RolloutServer:
         return len(recent) >= STRIKES
 
     def _disconnect(self, peer_id: PeerID) -> None:
-        """Drop a penalized peer's connection, at most once a DISCONNECT_EVERY_S per peer. On a live connection
-        its streams' flow-control windows have grown, so each 4 MiB frame it sends arrives whole and is decrypted
-        by our daemon before we refuse it unread (envelope bombs cost 30% of the training rate); each frame on a
-        fresh connection gets the initial window only, after a handshake."""
+        """Drop a penalized peer's connection (at most DISCONNECTS_PER_S of them a second, all peers together). On
+        a live connection its streams' flow-control windows have grown, so each 4 MiB frame it sends arrives whole
+        and is decrypted by our daemon before we refuse it unread (envelope bombs cost 30% of the training rate);
+        on a fresh connection each frame gets the initial window only, after a handshake."""
         peer, now = peer_id.to_base58(), time.monotonic()
-        if now - self._dropped.get(peer, -DISCONNECT_EVERY_S) < DISCONNECT_EVERY_S:
+        self._drop_budget = min(DISCONNECTS_PER_S, self._drop_budget + (now - self._drop_at) * DISCONNECTS_PER_S)
+        self._drop_at = now
+        if self._drop_budget < 1:
             return
-        if len(self._dropped) > 10_000:
-            self._dropped.clear()
-        self._dropped[peer] = now
+        self._drop_budget -= 1
         self.disconnects += 1
 
         async def drop() -> None:
