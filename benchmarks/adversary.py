@@ -1,11 +1,13 @@
 """Red team: a real swarm on loopback, and one attacker at a time trying to take over, freeze or poison it.
 
-    python benchmarks/adversary.py [--window 20]
+    python benchmarks/adversary.py [--window 30] [--attacks sybil_flood,submission_flood]
 
 The swarm: a trainer (tiny model, async level 8 so that cheaters' batches reach the validator rather than going
 stale, no online filter so that the attack-free rate stays stationary), two honest inference nodes and a relay,
 as separate processes. Its training rate (trainer steps per second)
-is measured in a window without attack, then during each attack; the attacker is this process, with real keys,
+is measured in a window without attack, then during each attack, each followed by another attack-free window (an
+attack's share is against the mean of the attack-free windows on either side of it: on two shared cores the
+attack-free rate drifts by a fifth over a run); the attacker is this process, with real keys,
 a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the project's review found, the
 cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission flood. For each: whether the
 attack achieved its aim (key read, bad data accepted, duplicate trained, node crashed, swarm frozen), and the
@@ -67,6 +69,8 @@ class Outcome:
     detail: str
     bad_accepted: int = 0
     rate: float = 0.0
+    control: float = 0.0
+    """The attack-free rate around it (steps/s): the mean of the windows just before and just after."""
 
 
 class Swarm:
@@ -552,18 +556,20 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         }
         assert set(attacks) == set(ATTACKS)
         outcomes = []
+        controls = [control.rate]
         for name in args.attacks or list(attacks):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
-            outcome.rate /= max(control.rate, 1e-9)
             outcomes.append(outcome)
+            # an attack-free window after each attack: each attack is judged against the windows on either side
+            # of it (on two shared cores the attack-free rate drifts by a fifth over a run)
+            after = await measure(swarm, args.window, lambda until: idle(swarm, until))
+            controls.append(after.rate)
+            baseline = (controls[-2] + controls[-1]) / 2
+            outcome.control = baseline
+            outcome.rate /= max(baseline, 1e-9)
             print(f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
-                  f"{outcome.detail}", flush=True)  # fmt: skip
-        after = await measure(swarm, args.window, lambda until: idle(swarm, until))
-        print(f"attack-free rate after the attacks: {after.rate:.2f} steps/s", flush=True)
-        baseline = (control.rate + after.rate) / 2
-        for o in outcomes:
-            o.rate = o.rate * control.rate / max(baseline, 1e-9)  # as a share of the mean attack-free rate
+                  f"(attack-free around it {baseline:.2f} steps/s) {outcome.detail}", flush=True)  # fmt: skip
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
         if crashes:
             outcomes.append(Outcome("any attack", "node crashed", True, f"crashed: {crashes}"))
@@ -574,7 +580,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--window", type=float, default=20.0, help="seconds each attack (and the control) lasts")
+    p.add_argument("--window", type=float, default=30.0, help="seconds each attack (and each control) lasts")
     p.add_argument("--workdir", type=Path, help="keep the swarm's files and logs here")
     p.add_argument("--attacks", type=lambda v: [a for a in v.split(",") if a], default=[],
                    help="only these attacks, comma-separated (default: all); e.g. sybil_flood,submission_flood")
@@ -584,9 +590,11 @@ def main() -> int:
         p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
     outcomes = asyncio.run(main_async(args, root))
-    print("\n| attack | its aim | achieved | honest rate | what happened |\n|---|---|---|---|---|")
+    print("\n| attack | its aim | achieved | honest rate | attack-free around it, steps/s | what happened |\n"
+          "|---|---|---|---|---|---|")
     for o in outcomes:
-        print(f"| {o.name} | {o.aim} | {'YES' if o.achieved else 'no'} | {o.rate:.2f} | {o.detail} |")
+        print(f"| {o.name} | {o.aim} | {'YES' if o.achieved else 'no'} | {o.rate:.2f} | {o.control:.2f} | "
+              f"{o.detail} |")
     held = sum(not o.achieved for o in outcomes)
     bad = sum(o.bad_accepted for o in outcomes)
     crashes = sum(o.aim == "node crashed" and o.achieved for o in outcomes)

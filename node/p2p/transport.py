@@ -40,6 +40,9 @@ LINGER_S = 5.0
 STRIKES = 3
 PENALTY_S = 60.0
 DISCONNECTS_PER_S = 20
+TARPIT_S = 10.0
+TARPIT_PER_PEER = 2
+TARPIT_MAX = 64
 PENALIZED = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema", "banned"})
 """Replies that say a frame was unusable, or came from a banned key: they count against the peer that sent it
 (never a refusal honest work can get)."""
@@ -125,6 +128,7 @@ class RolloutServer:
         self._reading: dict[str, int] = {}
         self._strikes: dict[str, list[float]] = {}
         self._drop_budget, self._drop_at = float(DISCONNECTS_PER_S), time.monotonic()
+        self._held: dict[str, int] = {}
         self._tasks: set[asyncio.Future[None]] = set()
         self.refused_busy = 0
         self.disconnects = 0
@@ -139,6 +143,22 @@ class RolloutServer:
         """A peer that sent STRIKES unusable frames within PENALTY_S is refused unread until that has passed."""
         recent = [t for t in self._strikes.get(peer, []) if time.monotonic() - t < PENALTY_S]
         return len(recent) >= STRIKES
+
+    async def _tarpit(self, peer: str) -> None:
+        """Hold a penalized peer's stream unread for TARPIT_S before refusing it (TARPIT_PER_PEER streams per
+        peer, TARPIT_MAX in all; past that, refused at once and disconnected). Refused at once, a peer sending
+        4 MiB frames in a loop had 55 of them a second through our daemon (30% of the training rate); held, its
+        stream's flow-control window fills and it waits, at the cost of one idle coroutine here."""
+        held = self._held.get(peer, 0)
+        if held >= TARPIT_PER_PEER or sum(self._held.values()) >= TARPIT_MAX:
+            return
+        self._held[peer] = held + 1
+        try:
+            await asyncio.sleep(TARPIT_S)
+        finally:
+            self._held[peer] -= 1
+            if not self._held[peer]:
+                del self._held[peer]
 
     def _disconnect(self, peer_id: PeerID) -> None:
         """Drop a penalized peer's connection (at most DISCONNECTS_PER_S of them a second, all peers together). On
@@ -180,6 +200,7 @@ class RolloutServer:
             reply: WireModel | None = None
             if self._penalized(peer):
                 self.refused_busy += 1
+                await self._tarpit(peer)
                 reply = self._reject(Rejected("busy", "too many malformed frames from this peer; wait a minute"), peer)
             elif sum(self._reading.values()) >= MAX_READING or self._reading.get(peer, 0) >= MAX_READING_PER_PEER:
                 self.refused_busy += 1
