@@ -28,6 +28,9 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--backend", choices=("transformers", "vllm", "auto"), default="transformers",
+                   help="inference: generation engine (vllm: see the README's 'Inference on vLLM'; auto: vLLM where "
+                        "it is installed and a GPU is present)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     p.add_argument("--relay-slots", type=int, default=2, help="nodes that may fetch weights from this one at once")
     p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
@@ -145,6 +148,7 @@ def _main(args: argparse.Namespace) -> None:
         p2p_port=args.p2p_port,
         http_port=args.http_port,
         threads=args.threads,
+        backend=args.backend,
         relay_slots=args.relay_slots,
         upload_limit_mbps=args.upload_limit_mbps,
         keep_versions=args.keep_versions,

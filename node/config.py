@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -102,6 +102,9 @@ class NodeConfig(BaseModel):
     """The run to join; pins the run key, so a spec signed by any other key is ignored."""
     threads: Annotated[int, Field(ge=1, le=1024)] = 1
     """torch threads for generation or training."""
+    backend: Literal["transformers", "vllm", "auto"] = "transformers"
+    """Inference: the generation engine. ``vllm`` needs vLLM installed (README: "Inference on vLLM"); ``auto``
+    takes vLLM where it is installed and a CUDA device is present, transformers otherwise."""
     max_steps: Annotated[int, Field(ge=0)] | None = None
     """Trainer: stop training after this many steps (the node keeps serving until stopped)."""
     checkpoint_every: Annotated[int, Field(ge=0)] = 1

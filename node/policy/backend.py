@@ -86,6 +86,25 @@ class TransformersBackend(GenerationBackend):
         return [group[0] for group in groups]
 
 
-def make_backend(spec: RunSpec, tokenizer: Any) -> GenerationBackend:
-    """The backend an inference node runs, built for the run's model (version 0's shape, weights loaded later)."""
-    return TransformersBackend(build_model(spec.model, tokenizer))
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", threads: int = 1) -> GenerationBackend:
+    """The backend an inference node runs, built for the run's model (version 0's shape, weights loaded later).
+    ``backend``: ``transformers``, ``vllm``, or ``auto`` (vLLM where it is installed and CUDA is present)."""
+    if backend == "auto":
+        backend = "vllm" if torch.cuda.is_available() and vllm_available() else "transformers"
+    model = build_model(spec.model, tokenizer)
+    if backend == "vllm":
+        if not vllm_available():
+            raise SystemExit("--backend vllm: vLLM is not installed in this environment; see the README's "
+                             "'Inference on vLLM' for the install command (or use --backend transformers)")  # fmt: skip
+        from intellect_node.policy.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model, dtype=spec.model.compute_dtype, threads=threads)
+    return TransformersBackend(model)

