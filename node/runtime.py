@@ -78,4 +78,21 @@ def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True)
         sys.stderr.flush()
     if hard_exit:
         logging.shutdown()
+        _end_children()
         os._exit(code)
+
+
+def _end_children(grace_s: float = 3.0) -> None:
+    """Every process this node started dies with it: os._exit skips the finalizers that would stop them (vLLM's
+    engine core outlived its node, holding its memory, until it was killed by hand)."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            child.kill()
+    except Exception:  # the process table may change under us; nothing here may stop the exit
+        pass

