@@ -196,9 +196,10 @@ class RolloutServer:
         """Read the whole frame first, under deadlines and per-peer caps, and only then take a handling slot: a
         peer holding streams open without sending cannot starve the others (it once held all 16 slots)."""
         peer = info.peer_id.to_base58()
+        penalized = self._penalized(peer)
         try:
             reply: WireModel | None = None
-            if self._penalized(peer):
+            if penalized:
                 self.refused_busy += 1
                 await self._tarpit(peer)
                 reply = self._reject(Rejected("busy", "too many malformed frames from this peer; wait a minute"), peer)
@@ -228,8 +229,8 @@ class RolloutServer:
             logger.debug("stream from peer=%s broke: %r", peer, e)
         finally:
             writer.close()
-            if self._penalized(peer):  # after the reply: it says why, and the peer may be a broken client
-                self._disconnect(info.peer_id)
+            if penalized:  # after the reply (it says why); not at the strike itself, which would reset the
+                self._disconnect(info.peer_id)  # next stream a sequential client has already opened
 
 
 async def request(

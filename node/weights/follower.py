@@ -26,7 +26,7 @@ from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.files import verify_manifest
 from intellect_node.weights.relay import LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
-from intellect_node.weights.tree import MAX_DEPTH, Candidate, below, holders, parents
+from intellect_node.weights.tree import Candidate, below, holders, is_path, parents
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
@@ -43,18 +43,16 @@ UNROOTED_GRACE_S = 5.0
 """How long a parent may be cut off from the origin (re-parenting itself) before its child looks elsewhere."""
 MAX_ATTACH_TRIES = 24
 RECORDS_MAX_AGE_S = 5.0
+"""Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
 SILENT_KEEPALIVES = 2
 """Keep-alives in a row without a usable answer after which a node leaves its parent."""
-"""With a parent, sources are planned from records read up to this long ago (alternates only need to be roughly
-right); without one, from a fresh read."""
 SLOW_FACTOR = 2.0
 SLOW_MIN_SHARDS = 3
 FAST_ROUNDS = 6
 FAST_KEEPALIVE_S = 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
-"""A parent answers a keep-alive from memory, in milliseconds: two in a row unanswered in this long (a parent cut
-off by a partition sends no reset) and the node leaves it, about 3-4 s after the parent fell silent."""
+"""Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
 ASK_STAGGER_S = 0.5
 CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
@@ -187,10 +185,9 @@ class WeightFollower:
         return sources
 
     async def _choose(self, records: dict[str, NodeRecord], exclude: set[str]) -> None:
-        """Attach, then choose: ask the candidates for a slot, best first, and take the first that gives one.
-        A full node names its children, and they are asked next (the free slots are further down). A candidate
-        that has not answered within ``ASK_STAGGER_S`` does not hold up the next one (it may be cut off, and its
-        request would wait out the whole timeout): both are then in flight, and the first to give a slot wins."""
+        """Attach, then choose: ask the candidates for a slot, best first; a full node names its children, asked
+        next (the free slots are further down). A candidate silent for ``ASK_STAGGER_S`` (cut off, its request
+        would wait out the timeout) does not hold up the next: both are in flight, the first slot given wins."""
         async with self._choosing:
             if self._parent is not None or self.session is None:
                 return
@@ -202,12 +199,13 @@ class WeightFollower:
                 while (queue or asking) and time.monotonic() < deadline:
                     while queue and queue[0].node_id in tried:
                         queue.pop(0)
-                    if not (queue and len(tried) < MAX_ATTACH_TRIES) and not asking:
-                        break
-                    if queue and len(tried) < MAX_ATTACH_TRIES:
+                    more = bool(queue) and len(tried) < MAX_ATTACH_TRIES
+                    if more:
                         c = queue.pop(0)
                         tried.add(c.node_id)
                         asking[asyncio.ensure_future(self._post_attach(c))] = c
+                    elif not asking:
+                        break
                     wait = ASK_STAGGER_S if queue and len(tried) < MAX_ATTACH_TRIES else deadline - time.monotonic()
                     done, _ = await asyncio.wait(asking, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
@@ -215,10 +213,8 @@ class WeightFollower:
                         status, body = task.result()
                         if status == 200 and self._parent is None and self._adopt(c, body):
                             continue
-                        if status == 200 and self._parent is not None and self._parent.node_id != c.node_id:
-                            self._detach_soon(c)  # a slot we no longer need: another candidate answered first
-                        if status is None:  # it may have given us the slot before our side timed out
-                            self._detach_soon(c)
+                        if status is None or (status == 200 and self._parent and self._parent.node_id != c.node_id):
+                            self._detach_soon(c)  # a slot we may hold (timed out) or no longer need (another won)
                         if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
                             names = [x for x in body["children"][:64] if isinstance(x, str)]
                             queue[:0] = below(records, names, tried | exclude | {self.node_id})
@@ -233,7 +229,7 @@ class WeightFollower:
         """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
         path = body.get("path") if isinstance(body, dict) else None
         token = body.get("token") if isinstance(body, dict) else None
-        if not (_is_path(path) and path and path[0] == self.run_id and self.node_id not in path
+        if not (is_path(path) and path and path[0] == self.run_id and self.node_id not in path
                 and isinstance(token, str) and len(token) <= 64):  # fmt: skip
             self._detach_soon(c)
             return False
@@ -428,7 +424,7 @@ class WeightFollower:
         elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
             await self._leave(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
             return
-        if status != 200 or not _is_path(path):
+        if status != 200 or not is_path(path):
             # unreachable, or an answer that holds no slot for us: two in a row and we look elsewhere
             self._unreachable += 1
             if self._unreachable >= SILENT_KEEPALIVES:
@@ -502,13 +498,3 @@ class WeightFollower:
                 self.news.set()
             else:  # news we had: the parent answers at once from now on; ask again when it can have changed
                 await asyncio.sleep(KEEPALIVE_S)
-
-
-def _is_path(path: object) -> bool:
-    """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
-    accept (a 5,000-entry path once made this node's next DHT record invalid, and that killed it)."""
-    return (
-        isinstance(path, list)
-        and len(path) < MAX_DEPTH
-        and all(isinstance(x, str) and len(x) == 32 for x in path)
-    )

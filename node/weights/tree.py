@@ -109,3 +109,13 @@ def holders(
     ]
     found.sort(key=_order)
     return [_cand(r) for r in found[:count]]
+
+
+def is_path(path: object) -> bool:
+    """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
+    accept (a 5,000-entry path once made this node's next DHT record invalid, and that killed it)."""
+    return (
+        isinstance(path, list)
+        and len(path) < MAX_DEPTH
+        and all(isinstance(x, str) and len(x) == 32 for x in path)
+    )
