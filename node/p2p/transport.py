@@ -40,6 +40,7 @@ LINGER_S = 5.0
 STRIKES = 3
 PENALTY_S = 60.0
 DISCONNECTS_PER_S = 20
+DISCONNECT_AFTER_S = 2.0
 TARPIT_S = 10.0
 TARPIT_PER_PEER = 2
 TARPIT_MAX = 64
@@ -229,8 +230,9 @@ class RolloutServer:
             logger.debug("stream from peer=%s broke: %r", peer, e)
         finally:
             writer.close()
-            if penalized:  # after the reply (it says why); not at the strike itself, which would reset the
-                self._disconnect(info.peer_id)  # next stream a sequential client has already opened
+            if penalized:  # a while after the reply (it says why): the daemon still has to deliver it, and the
+                # frame's unread bytes end the linger at once (a disconnect right away lost the reply now and then)
+                asyncio.get_running_loop().call_later(DISCONNECT_AFTER_S, self._disconnect, info.peer_id)
 
 
 async def request(
