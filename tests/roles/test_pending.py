@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_a_producer_alternating_versions_costs_one_reload_per_version_not_per_ba
 def test_a_batch_of_another_version_is_not_passed_over_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
     """A steady flow of the validator's version once kept a flooder's first batch pending for a whole attack: its
     key was answered 'busy', not banned, and every submission cost a signature check."""
-    monkeypatch.setattr(trainer_validation, "MAX_DEFER_S", 0.2)
+    clock = [1000.0]  # the queue's clock, moved by hand
+    monkeypatch.setattr(trainer_validation, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     async def main() -> list[int]:
         pending = PendingBatches()
@@ -50,7 +52,7 @@ def test_a_batch_of_another_version_is_not_passed_over_for_ever(monkeypatch: pyt
             order.append(batch.version)
             if batch.version == 9:
                 break
-            await asyncio.sleep(0.02)
+            clock[0] += trainer_validation.MAX_DEFER_S / 10
         return order
 
     order = asyncio.run(main())

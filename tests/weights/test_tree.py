@@ -6,6 +6,7 @@ import asyncio
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -422,7 +423,8 @@ def test_a_dead_childs_slot_goes_to_the_next_node_that_asks_a_live_childs_does_n
     dead relay as the place to look until the slot expires. A child silent for CONTESTED_TTL_S loses the slot to
     a node that asks; one that keeps it alive does not, and a stranger's asking cannot evict it."""
     dead, live, newcomer = _id("d"), _id("l"), _id("n")
-    monkeypatch.setattr(relay, "CONTESTED_TTL_S", 0.3)
+    clock = [1000.0]  # the relay's clock, moved by hand: silence is a number of seconds, not a wait
+    monkeypatch.setattr(relay, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     async def main() -> dict[str, object]:
         server, http, url = await _serve(tmp_path, "o", 1, [ORIGIN], ORIGIN)
@@ -436,13 +438,13 @@ def test_a_dead_childs_slot_goes_to_the_next_node_that_asks_a_live_childs_does_n
 
                 out["dead"] = await ask(dead)
                 out["early"] = await ask(newcomer)  # the slot's holder spoke just now: no slot
-                await asyncio.sleep(0.4)  # the holder falls silent
+                clock[0] += relay.CONTESTED_TTL_S + 0.1  # the holder falls silent
                 out["after_silence"] = await ask(newcomer)
                 out["children"] = server.children()
                 out["dead_again"] = await ask(dead)  # it comes back: its slot went to another meanwhile
-                out["live"] = await ask(live)  # newcomer spoke 0.4 s ago at most... keep it alive to be sure:
+                out["live"] = await ask(live)  # newcomer spoke just now; it keeps its slot alive:
                 for _ in range(3):
-                    await asyncio.sleep(0.2)
+                    clock[0] += relay.CONTESTED_TTL_S * 2 / 3
                     out["kept"] = await ask(newcomer)
                     out["contested"] = await ask(live)
                 out["children_end"] = server.children()
