@@ -2,10 +2,18 @@
 
 A proof commits to the ``topk`` largest-magnitude values of a chunk of hidden states (the prefill, then every
 ``decode_batching_size`` decode steps), as the polynomial over GF(65497) through the points
-(index mod m, bf16 bits of the value), m being the largest modulus <= 65497 that keeps the indices distinct.
-Encoding: m as 2 big-endian bytes, then each coefficient (ascending degree) as 2 big-endian bytes: 258 bytes
-for topk=128. A verifier recomputes the hidden states, takes its own top-k, evaluates the polynomial at those
-indices and compares exponents and mantissas (bf16 fields) of the committed values with its own.
+(index mod m, the value's 16 bits as an unsigned integer), m being the largest modulus <= 65497 that keeps the
+indices distinct. Encoding: m as 2 big-endian bytes, then each coefficient (ascending degree) as 2 big-endian
+bytes: 258 bytes for topk=128. A verifier recomputes the hidden states, takes its own top-k, evaluates the
+polynomial at those indices and compares the exponent and mantissa fields of the committed values with its own.
+
+Activations are bf16 or fp16 (GPUs without bf16 compute in fp16); nothing else is accepted. The proof does not
+say which: both sides must use the run's dtype, and a proof checked against the other dtype fails. Building is
+the reference's for both (it commits to the raw 16 bits of either). Verifying fp16 is ours: the reference 0.1.6
+splits fields with bf16 masks only and refuses fp16 activations (``get_fp_parts``), so fp16 values are split
+at the IEEE half boundary (exponent bits 10-14, mantissa bits 0-9) and checked with the reference's statistics
+otherwise. Mantissa errors are then in fp16 units (2^-10 relative, 8x finer than bf16's): fp16 thresholds need
+their own calibration.
 
 Where the reference's two verification paths differ (its Python path does not reduce indices by the modulus
 and takes ``statistics.median``), this follows its C++ path: indices reduced mod m, median = sorted[n // 2].
@@ -23,6 +31,8 @@ TOPK = 128
 DECODE_BATCH = 32
 NO_MATCH = float(2**64)
 """Mean and median reported when no exponent matched (as the reference)."""
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+"""The activation dtypes proofs commit to, and their mantissa widths: the exponent is bits [width, 15)."""
 
 _inverse: torch.Tensor | None = None
 
@@ -55,8 +65,11 @@ def _inverses() -> torch.Tensor:
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    if values.dtype != torch.bfloat16:
-        raise ValueError(f"TOPLOC commits to bf16 activations, got {values.dtype}")
+    """The values' 16 bits as unsigned integers (int64), as the reference reads bf16 and fp16 alike."""
+    if values.dtype not in MANTISSA_BITS:
+        raise ValueError(
+            f"TOPLOC commits to bf16 or fp16 activations (torch.bfloat16, torch.float16), got {values.dtype}"
+        )
     return values.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
 
 
@@ -176,7 +189,7 @@ def verify_chunk_proofs(chunks: list[torch.Tensor], proofs: list[bytes], topk: i
     if not chunks:
         return []
     failed = VerificationResult(topk, NO_MATCH, NO_MATCH)
-    rows, xs, vals, where = [], [], [], []
+    rows, xs, vals, widths, where = [], [], [], [], []
     for i, (chunk, proof) in enumerate(zip(chunks, proofs, strict=True)):
         if len(proof) != proof_bytes(topk):
             continue
@@ -187,16 +200,18 @@ def verify_chunk_proofs(chunks: list[torch.Tensor], proofs: list[bytes], topk: i
         rows.append(coeffs)
         xs.append(indices % m)
         vals.append(_bits(values))
+        widths.append(MANTISSA_BITS[values.dtype])
         where.append(i)
     results = [failed] * len(chunks)
     if not rows:
         return results
     claimed = evaluate(torch.tensor(rows, dtype=torch.int64), torch.stack(xs))
     own = torch.stack(vals)
-    exp_claimed, exp_own = (claimed & 0x7F80) >> 7, (own & 0x7F80) >> 7
-    mismatch = exp_claimed != exp_own
-    err = (claimed & 0x7F) - (own & 0x7F)
-    err = err.abs()
+    # each row's fields by its own dtype: bf16 exponent 0x7F80 / mantissa 0x7F, fp16 0x7C00 / 0x3FF (sign ignored)
+    width = torch.tensor(widths, dtype=torch.int64).unsqueeze(1)
+    mant_mask = (1 << width) - 1
+    mismatch = ((claimed & 0x7FFF) >> width) != ((own & 0x7FFF) >> width)
+    err = ((claimed & mant_mask) - (own & mant_mask)).abs()
     for row, i in enumerate(where):
         errs = err[row][~mismatch[row]]
         n_mis = int(mismatch[row].sum())
@@ -217,5 +232,6 @@ def verify_proofs(
     topk: int = TOPK,
     skip_prefill: bool = False,
 ) -> list[VerificationResult]:
-    """Same statistics as ``toploc.verify_proofs_bytes`` on a (rows, hidden) tensor (its C++ path)."""
+    """Same statistics as ``toploc.verify_proofs_bytes`` on a (rows, hidden) tensor (its C++ path) for bf16;
+    fp16 activations are split at the fp16 field boundaries (the reference refuses them)."""
     return verify_chunk_proofs(chunk_activations(activations, decode_batching_size, skip_prefill), proofs, topk)
