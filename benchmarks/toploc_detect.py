@@ -1,9 +1,14 @@
 """Detection: honest rollouts all pass, every cheating rollout is caught (SmolLM2-135M-Instruct, bf16).
 
     python benchmarks/toploc_detect.py [--model smollm2|tiny] [--verify node/configs/verify-smollm2.toml]
+    .venv-vllm/bin/python benchmarks/toploc_detect.py --backend vllm    # rollouts from vLLM, same validator
 
 Every batch goes through what the trainer applies: the header gate (version window, duplicates, order) and the
 validator (assignment, termination, reward, TOPLOC proofs against one prefill, seeded sampling re-derived).
+``--backend vllm`` makes every rollout, honest or not, with the vLLM backend (node/policy/vllm_backend.py; the
+perturbed weights loaded into the same engine in place, the other model in an engine of its own, the plain
+sampler and greedy decoding as vLLM's own sampler) and judges it with the transformers validator, as a trainer
+judges a vLLM volunteer.
 Honest rollouts are generated at batch sizes 1, 8 and 32; the attacks, each on at least 50 rollouts:
 
 - one decoder layer's weights perturbed by 1% relative noise;
@@ -36,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate_validator import checkpoint_dtype, load, make_spec, perturb_layer  # noqa: E402
 
 from intellect_node.judging.validator import Gate, Validator  # noqa: E402
+from intellect_node.policy.backend import GenerationBackend  # noqa: E402
+from intellect_node.policy.model import state_dict_for_export  # noqa: E402
 from intellect_node.roles.inference import generate_batch  # noqa: E402
 from intellect_protocol.envelope import Rejected  # noqa: E402
 from intellect_protocol.messages import RolloutBatch, VerifySpec  # noqa: E402
@@ -77,6 +84,21 @@ class Judge:
         return [r or ("batch_refused" if not finding.ok else "") for r in finding.row_reasons]
 
 
+class Drawing(GenerationBackend):
+    """A vLLM backend drawing with vLLM's own sampler (``draw_temperature``) or greedily: a dishonest worker."""
+
+    name = "vllm-dishonest"
+
+    def __init__(self, backend: Any, **draw: Any) -> None:
+        self.backend, self.draw = backend, draw
+
+    def load_weights(self, tensors: Any) -> None:
+        raise NotImplementedError
+
+    def generate(self, prompts: list[list[int]], row_seeds: list[int], request: Any) -> list[Any]:
+        return self.backend.generate(prompts, row_seeds, request, **self.draw)
+
+
 def edit_middle(batch: RolloutBatch, vocab: int) -> RolloutBatch:
     groups = []
     for g in batch.groups:
@@ -104,8 +126,10 @@ def main() -> int:
     p.add_argument("--attack-batches", type=int, default=2, help="batches of 32 rollouts per attack")
     p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
                    help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
+    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                   help="what generates every rollout (the validator is always transformers)")  # fmt: skip
     p.add_argument("--layer", type=int, default=None,
-                   help="the decoder layer the perturbation attack changes (default: the middle one)")
+                   help="the decoder layer the perturbation attack changes (default: the middle one)")  # fmt: skip
     args = p.parse_args()
     suffix = "" if args.model == "tiny" or args.compute == "fp32" else "-bf16"
     path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
@@ -114,6 +138,11 @@ def main() -> int:
     spec = make_spec(args.model, verify, seed=20_261_130)
     vocab = int(model.config.vocab_size)
     validator = Validator(spec, tok, model)
+    producer: Any = model
+    if args.backend == "vllm":
+        from intellect_node.policy.vllm_backend import VLLMBackend
+
+        producer = VLLMBackend(model, dtype=str(model.dtype).removeprefix("torch."), threads=2)
     node, other_node = "e" * 32, "f" * 32  # honest workers
     judge = Judge(validator, spec.train.async_level)
     rows: list[tuple[str, int, int, Counter[str], float]] = []
@@ -135,9 +164,13 @@ def main() -> int:
     index: Counter[str] = Counter()
     workers = iter(f"{i:032x}" for i in range(1, 1000))
 
-    def batch(producer: Any = model, max_rows: int | None = 32, who: str = node, **sampling: Any) -> RolloutBatch:
+    def batch(by: Any = None, max_rows: int | None = 32, who: str = node, **sampling: Any) -> RolloutBatch:
         index[who] += 1
-        return generate_batch(spec, producer, tok, who, STEP, index[who] - 1, max_rows=max_rows, **sampling)
+        by = by or producer
+        if sampling and by is not model:  # a dishonest draw from the vLLM engine: vLLM's own sampler
+            by = Drawing(by, **sampling)
+            sampling = {}
+        return generate_batch(spec, by, tok, who, STEP, index[who] - 1, max_rows=max_rows, **sampling)
 
     for bs, count in zip((1, 8, 32), args.honest_batches, strict=True):
         t = time.perf_counter()
@@ -149,11 +182,20 @@ def main() -> int:
     perturbed = perturb_layer(model, 0.01, args.layer, weights=checkpoint_dtype(args.model))
     w = next(workers)
     name = f"layer {args.layer}'s weights x (1 + 0.01 N(0,1))"
-    run(name, [batch(perturbed, who=w) for _ in range(k)], t, False)
+    if args.backend == "vllm":  # the engine loads the tampered weights in place, then the run's again
+        producer.load_weights(state_dict_for_export(perturbed))
+        run(name, [batch(who=w) for _ in range(k)], t, False)
+        producer.load_weights(state_dict_for_export(model))
+    else:
+        run(name, [batch(perturbed, who=w) for _ in range(k)], t, False)
     del perturbed
     t = time.perf_counter()
     w, small = next(workers), other_model(model)
+    if args.backend == "vllm":
+        small = VLLMBackend(small, dtype=str(model.dtype).removeprefix("torch."), threads=2)
     run("another model (2-layer Llama) claims the run's", [batch(small, who=w) for _ in range(k)], t, False)
+    if args.backend == "vllm":
+        small.close()
     t = time.perf_counter()
     w = next(workers)
     run("a middle token edited after generation", [edit_middle(batch(who=w), vocab) for _ in range(k)], t, False)
@@ -167,7 +209,8 @@ def main() -> int:
     w = next(workers)
     run("reported reward inflated", [inflate(batch(who=w)) for _ in range(k)], t, False)
     t = time.perf_counter()
-    old = [generate_batch(spec, model, tok, node, STEP - spec.train.async_level - 1, i, max_rows=32) for i in range(k)]
+    stale = STEP - spec.train.async_level - 1
+    old = [generate_batch(spec, producer, tok, node, stale, i, max_rows=32) for i in range(k)]
     run(f"version {STEP - spec.train.async_level - 1} at step {STEP} (async level 2)", old, t, False)
     t = time.perf_counter()
     fresh = [batch(who=other_node) for _ in range(k)]
@@ -181,7 +224,8 @@ def main() -> int:
 
     honest = [r for r in rows if r[0].startswith("honest")]
     attacks = [r for r in rows if not r[0].startswith("honest")]
-    print(f"\nTOPLOC detection, {args.model} (weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
+    print(f"\nTOPLOC detection, {args.model}, rollouts from the {args.backend} backend "
+          f"(weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
           f"thresholds from {path.name if path.exists() else 'the defaults'}: {verify.model_dump()}")  # fmt: skip
     print(f"{'rollouts':52} {'n':>5} {'flagged':>8}  {'seconds':>8}  reasons")
     for name, n, flagged, reasons, secs in rows:

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from intellect_node import __version__
 
@@ -28,9 +28,13 @@ def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--backend", choices=("transformers", "vllm", "auto"), default="transformers",
-                   help="inference: generation engine (vllm: see the README's 'Inference on vLLM'; auto: vLLM where "
-                        "it is installed and a GPU is present)")  # fmt: skip
+    p.add_argument("--backend", choices=("transformers", "vllm", "auto"),
+                   help="inference: generation engine, the same as --set inference.backend=... (default "
+                        "transformers; vllm: see the README's 'Inference on vLLM'; auto: vLLM where it is installed "
+                        "and a GPU is present)")  # fmt: skip
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where the transformers backend, the trainer and the validator compute (default auto: the "
+                        "first GPU where one is present, else the CPU)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     p.add_argument("--relay-slots", type=int, default=2, help="nodes that may fetch weights from this one at once")
     p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
@@ -79,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
     join.add_argument("--no-relay", action="store_true", help="inference: do not serve weights to other nodes")
     join.add_argument("--invite", help="the invite an invite-only run asks for (from its operator)")
+    join.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="a node setting, e.g. --set inference.backend=vllm (repeatable)")  # fmt: skip
 
     invite = sub.add_parser("invite", help="mint an invite to the run whose key is in --data-dir (invite-only runs)")
     invite.add_argument("--data-dir", type=Path, help="the trainer's data dir (its node.key is the run key)")
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 def _main(args: argparse.Namespace) -> None:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 
-    from intellect_node.config import NodeConfig, load_run_config
+    from intellect_node.config import NodeConfig, load_run_config, node_settings, split_overrides
 
     if args.command == "demo":
         from intellect_node.demo import run_demo
@@ -137,18 +143,19 @@ def _main(args: argparse.Namespace) -> None:
 
             args.config = SMOLLM2_CONFIG
         run_config = load_run_config(args.config, args.overrides)  # validate before starting anything
+        node_settings(split_overrides(args.overrides)[1])
         sys.exit(run_demo(args, run_config))
 
     if args.command == "invite":
         _invite(args)
         return
     _setup_logging(args.log_level)
-    fields = dict(
+    fields: dict[str, Any] = dict(
         host=args.host,
         p2p_port=args.p2p_port,
         http_port=args.http_port,
         threads=args.threads,
-        backend=args.backend,
+        device=args.device,
         relay_slots=args.relay_slots,
         upload_limit_mbps=args.upload_limit_mbps,
         keep_versions=args.keep_versions,
@@ -156,6 +163,16 @@ def _main(args: argparse.Namespace) -> None:
     )
     if args.data_dir is not None:
         fields["data_dir"] = args.data_dir
+    if args.backend is not None:
+        fields["inference"] = {"backend": args.backend}
+    run_overrides, node_overrides = split_overrides(args.overrides)
+    if args.command == "join" and run_overrides:
+        sys.exit(f"intellect-node: join --set {run_overrides[0]}: that is a run setting, which the run's trainer "
+                 "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend")  # fmt: skip
+    fields = node_settings(node_overrides, fields)  # --set inference.*: this node's
+    from intellect_node.policy.model import resolve_device
+
+    resolve_device(args.device)  # no GPU where one was asked for: say so now, not once the node has joined
     from intellect_node.runtime import run_until_signalled
 
     if args.command == "bootstrap":

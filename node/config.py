@@ -84,6 +84,18 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("INTELLECT_NODE_HOME", Path.home() / ".intellect-node"))
 
 
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
+
+
+class InferenceSettings(BaseModel):
+    """Inference nodes: how rollouts are generated (``--set inference.backend=vllm``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["transformers", "vllm", "auto"] = "transformers"
+    """The generation engine. ``vllm`` needs vLLM installed (README: "Inference on vLLM"); ``auto`` takes vLLM where
+    it is installed and a CUDA device is present, transformers otherwise."""
+
+
 class NodeConfig(BaseModel):
     """This process: where it keeps its key and files, where it listens, whom it first contacts."""
 
@@ -102,9 +114,10 @@ class NodeConfig(BaseModel):
     """The run to join; pins the run key, so a spec signed by any other key is ignored."""
     threads: Annotated[int, Field(ge=1, le=1024)] = 1
     """torch threads for generation or training."""
-    backend: Literal["transformers", "vllm", "auto"] = "transformers"
-    """Inference: the generation engine. ``vllm`` needs vLLM installed (README: "Inference on vLLM"); ``auto``
-    takes vLLM where it is installed and a CUDA device is present, transformers otherwise."""
+    inference: InferenceSettings = InferenceSettings()
+    device: Annotated[str, Field(pattern=DEVICE_PATTERN)] = "auto"
+    """Where the transformers backend, the trainer's engine and the validator compute: ``cpu``, ``cuda`` or
+    ``cuda:N``; ``auto`` takes the first CUDA device where one is present, else the CPU."""
     max_steps: Annotated[int, Field(ge=0)] | None = None
     """Trainer: stop training after this many steps (the node keeps serving until stopped)."""
     checkpoint_every: Annotated[int, Field(ge=0)] = 1
@@ -158,16 +171,43 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _reject_unknown(tree: dict[str, Any], model: type[BaseModel], path: str = "") -> None:
+def _reject_unknown(tree: dict[str, Any], model: type[BaseModel], path: str = "", what: str = "run setting") -> None:
     """Wire schemas ignore unknown fields (forward compatibility); a config must not: a typo would be silent."""
     for key, value in tree.items():
         field = model.model_fields.get(key)
         if field is None:
             known = ", ".join(sorted(model.model_fields))
-            raise ValueError(f"unknown run setting {path}{key!r}; known here: {known}")
+            raise ValueError(f"unknown {what} {path}{key!r}; known here: {known}")
         sub = field.annotation
         if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
-            _reject_unknown(value, sub, f"{path}{key}.")
+            _reject_unknown(value, sub, f"{path}{key}.", what)
+
+
+NODE_SECTIONS = ("inference",)
+"""``--set`` keys under these sections are this node's settings (NodeConfig), not the run's."""
+
+
+def split_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(run settings, node settings) of ``--set`` items: ``inference.backend=vllm`` is the node's."""
+    run: list[str] = []
+    node: list[str] = []
+    for item in overrides:
+        (node if item.split("=", 1)[0].strip().split(".")[0] in NODE_SECTIONS else run).append(item)
+    return run, node
+
+
+def node_settings(overrides: list[str] | tuple[str, ...], fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``fields`` (NodeConfig's, from flags) with the node's ``--set`` items applied; unknown keys refused."""
+    tree: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (fields or {}).items()}
+    for item in overrides:
+        key, value = parse_override(item)
+        if key.split(".")[0] not in NODE_SECTIONS:
+            raise ValueError(f"--set {key}: not a node setting (node settings: {', '.join(NODE_SECTIONS)}.*)")
+        _set_dotted(tree, key, value)
+    _reject_unknown({k: v for k, v in tree.items() if k in NODE_SECTIONS}, NodeConfig, what="node setting")
+    if "inference" in tree:  # values too, before any process starts with them
+        NodeConfig(inference=tree["inference"])
+    return tree
 
 
 def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
@@ -175,7 +215,7 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
     if path is not None:
         with open(path, "rb") as f:
             tree = tomllib.load(f).get("run", {})
-    for item in overrides:
+    for item in split_overrides(overrides)[0]:  # node settings (inference.*) are the caller's to apply
         _set_dotted(tree, *parse_override(item))
     _reject_unknown(tree, RunConfig)
     if "model" in tree and "vocab" not in tree["model"] and tree["model"].get("kind", "tiny-llama") == "tiny-llama":

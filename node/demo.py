@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from intellect_node.config import RunConfig
+from intellect_node.config import RunConfig, split_overrides
 from intellect_node.launch import NodeExited, NodeProcess
 
 SMOLLM2_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-addition.toml"
@@ -148,9 +148,11 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))
     evaluator, before = _prepare_pretrained(run, args.eval_problems) if pretrained else (None, 0.0)
     logs = workdir / "logs"
+    run_overrides, node_overrides = split_overrides(args.overrides)  # inference.*: the inference nodes' own
     config_args = (["--config", str(args.config)] if args.config else []) + [
-        a for item in args.overrides for a in ("--set", item)
+        a for item in run_overrides for a in ("--set", item)
     ]
+    node_args = [a for item in node_overrides for a in ("--set", item)]
     started = time.monotonic()
     nodes: list[NodeProcess] = []
 
@@ -186,6 +188,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
                     [
                         "join", "--role", "inference", "--peers", ready["p2p_maddrs"][0],
                         "--run-id", ready["run_id"], "--data-dir", str(workdir / f"inference-{i}"), *threads,
+                        *node_args,
                     ],
                     logs,
                 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from intellect_node.config import RunConfig, load_run_config, parse_override
+from intellect_node.config import NodeConfig, RunConfig, load_run_config, node_settings, parse_override, split_overrides
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml"))
 
@@ -66,3 +66,48 @@ def test_spot_checks_require_the_trainer_to_recompute_log_probs() -> None:
         RunConfig(verify={"check_fraction": 0.25})  # type: ignore[arg-type]
     ok = RunConfig(verify={"check_fraction": 0.25}, train={"recompute_logp_old": True})  # type: ignore[arg-type]
     assert ok.verify.check_fraction == 0.25
+
+
+def test_inference_settings_are_the_nodes_not_the_runs() -> None:
+    """``--set inference.backend=vllm`` picks this node's engine: never part of the signed run spec, checked
+    (key and value) before any process starts."""
+    run, node = split_overrides(["train.lr=1e-3", "inference.backend=vllm"])
+    assert run == ["train.lr=1e-3"] and node == ["inference.backend=vllm"]
+    assert load_run_config(None, ["train.lr=1e-3", "inference.backend=vllm"]).train.lr == 1e-3
+    fields = node_settings(node, {"threads": 2})
+    assert NodeConfig(**fields).inference.backend == "vllm"
+    with pytest.raises(ValueError, match="unknown node setting inference.'bakend'"):
+        node_settings(["inference.bakend=vllm"])
+    with pytest.raises(ValueError, match="inference.backend"):
+        node_settings(["inference.backend=vlm"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--set", "train.lr=1"], "that is a run setting"),
+        (["--set", "inference.backend=fast"], "inference.backend"),
+        (["--device", "gpu"], "expected auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_join_refuses_bad_node_settings_with_advice(argv: list[str], says: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "inference", "--peers", "/ip4/127.0.0.1/tcp/1",
+         "--run-id", "0" * 32, *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and says in result.stderr, result.stderr
+
+
+def test_devices() -> None:
+    import torch
+
+    from intellect_node.policy.model import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="expected auto, cpu, cuda"):
+        resolve_device("cuda:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda:0")

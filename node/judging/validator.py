@@ -294,13 +294,15 @@ class Validator:
         for i, x in enumerate(seqs):
             ids[i, width - len(x) :] = torch.tensor(x)
             mask[i, width - len(x) :] = 1
+        device = next(self.model.parameters()).device
+        ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         keep = max(len(r[3]) for r in rows) + 1  # left-padded: every completion's scores lie in the last columns
         with HiddenCapture(self.model) as capture:
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
             ).logits
-            hidden = capture.take()
+            hidden = capture.take().cpu()  # proofs are checked on the CPU
         cut = width - keep  # column 0 of ``logits`` is column ``cut`` of the sequence
         # One batched TOPLOC verification and one batched re-derivation for all rows
         chunks: list[torch.Tensor] = []
@@ -329,10 +331,10 @@ class Validator:
             reported += logprobs
         results = toploc.verify_chunk_proofs(chunks, claimed, v.topk)
         all_logits = torch.cat(step_logits)
-        all_tokens = torch.tensor(tokens)
+        all_tokens = torch.tensor(tokens, device=device)
         logprob_err = (token_logprobs(all_logits.unsqueeze(0), all_tokens.unsqueeze(0), s.sampling.temperature)[0]
-                       - torch.tensor(reported)).abs()  # fmt: skip
-        gaps = sampling_gaps(all_logits, s.sampling.temperature, position_keys(keys, steps), all_tokens)
+                       - torch.tensor(reported, device=device)).abs().cpu()  # fmt: skip
+        gaps = sampling_gaps(all_logits, s.sampling.temperature, position_keys(keys, steps), all_tokens).cpu()
         at = 0
         for i, (slot, j, _, completion, _, _) in enumerate(rows):
             mine_results = results[spans[i][0] : spans[i][1]]

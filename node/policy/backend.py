@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from intellect_node.policy.generate import Completion, ProofSettings, sample_groups
-from intellect_node.policy.model import build_model, load_weights
+from intellect_node.policy.model import build_model, load_weights, resolve_device
 from intellect_protocol.messages import RunSpec
 
 
@@ -28,6 +28,7 @@ class SamplingRequest:
     max_new_tokens: int
     temperature: float
     eos_id: int
+    """Ends a row; negative: none does (benchmarks/inference.py: every row max_new_tokens long)."""
     pad_id: int
     proofs: ProofSettings | None
 
@@ -94,9 +95,11 @@ def vllm_available() -> bool:
     return True
 
 
-def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", threads: int = 1) -> GenerationBackend:
+def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", threads: int = 1,
+                 device: str = "auto") -> GenerationBackend:  # fmt: skip
     """The backend an inference node runs, built for the run's model (version 0's shape, weights loaded later).
-    ``backend``: ``transformers``, ``vllm``, or ``auto`` (vLLM where it is installed and CUDA is present)."""
+    ``backend``: ``transformers``, ``vllm``, or ``auto`` (vLLM where it is installed and CUDA is present).
+    ``device`` (the transformers backend; vLLM takes its platform's): ``auto``, ``cpu``, ``cuda[:N]``."""
     if backend == "auto":
         backend = "vllm" if torch.cuda.is_available() and vllm_available() else "transformers"
     model = build_model(spec.model, tokenizer)
@@ -107,4 +110,4 @@ def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", t
         from intellect_node.policy.vllm_backend import VLLMBackend
 
         return VLLMBackend(model, dtype=spec.model.compute_dtype, threads=threads)
-    return TransformersBackend(model)
+    return TransformersBackend(model.to(resolve_device(device)))

@@ -22,7 +22,7 @@ import torch
 
 from intellect_kernels.grpo import LossStats, grpo_loss
 from intellect_kernels.logprobs import token_entropy, token_logprobs
-from intellect_node.policy.model import DTYPES, build_model, state_dict_for_export
+from intellect_node.policy.model import DTYPES, build_model, resolve_device, state_dict_for_export
 from intellect_protocol.messages import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Packed:
     mask: torch.Tensor
     logp_old: torch.Tensor
     advantages: torch.Tensor
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(*(t.to(device) for t in (self.ids, self.attention, self.mask, self.logp_old, self.advantages)))
 
     def rows(self, part: slice) -> Packed:
         return Packed(self.ids[part], self.attention[part], self.mask[part], self.logp_old[part], self.advantages[part])
@@ -112,6 +115,7 @@ class PolicyEngine:
 
     def step(self, batch: Packed, lr: float) -> dict[str, float]:
         t = self.spec.train
+        batch = batch.to(next(self.model.parameters()).device)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         logp_gap = 0.0
@@ -202,9 +206,11 @@ EngineFactory = Callable[[RunSpec, Any], PolicyEngine]
 """How the trainer gets its engine: ``local_engine``, or a sharded one under torchrun (node/policy/fsdp.py)."""
 
 
-def local_engine(spec: RunSpec, tokenizer: Any) -> PolicyEngine:
-    """The policy in this process (node/policy/fsdp.py makes a sharded one under torchrun)."""
+def local_engine(spec: RunSpec, tokenizer: Any, device: str = "auto") -> PolicyEngine:
+    """The policy in this process, on ``device`` (``--device``; node/policy/fsdp.py makes a sharded one under
+    torchrun). On a GPU it computes in bf16 autocast as on the CPU (``train.compute_dtype``)."""
+    where = resolve_device(device)
     reference = None  # the KL term's reference policy (version 0, frozen) when train.kl_coef > 0
     if spec.train.kl_coef > 0:
-        reference = build_model(spec.model, tokenizer, torch.float32)
-    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32), reference)
+        reference = build_model(spec.model, tokenizer, torch.float32).to(where)
+    return PolicyEngine(spec, build_model(spec.model, tokenizer, torch.float32).to(where), reference)

@@ -104,6 +104,7 @@ def sample_groups(
     and benchmarks (a validator must catch both).
     """
     rng: torch.Generator | None = None
+    device = next(model.parameters()).device
     rows = [p for p in prompts for _ in range(group_size)]
     if len(row_seeds) != len(rows):
         raise ValueError(f"{len(row_seeds)} seeds for {len(rows)} rows")
@@ -113,6 +114,7 @@ def sample_groups(
     for i, p in enumerate(rows):
         input_ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
     cache_arg = _cache_kwarg(model)
@@ -128,7 +130,7 @@ def sample_groups(
         cache = _cache_of(out)
         logits = out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
-        done = torch.zeros(len(rows), dtype=torch.bool)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=device)
         tokens: list[torch.Tensor] = []
         lps: list[torch.Tensor] = []
         alive: list[torch.Tensor] = []
@@ -138,8 +140,8 @@ def sample_groups(
             elif draw_temperature is not None:  # a plain sampler at another temperature, with its own randomness
                 if rng is None:
                     rng = torch.Generator().manual_seed(row_seeds[0] % 2**63)
-                probs = torch.softmax(logits.float() / draw_temperature, dim=-1)
-                token = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+                probs = torch.softmax(logits.float().cpu() / draw_temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=rng).squeeze(-1).to(device)
             else:
                 keys = position_keys(row_seeds, [step] * len(rows))
                 token = seeded_sample(logits, draw_temperature or temperature, keys)
@@ -149,7 +151,7 @@ def sample_groups(
             done = done | (token == eos_id)
             if bool(done.all()) or step + 1 == max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=device)], dim=1)
             out = model(
                 input_ids=token.unsqueeze(-1),
                 attention_mask=mask,
@@ -189,7 +191,8 @@ def _proofs(
     """Every row's chunks in one batched interpolation."""
     if settings is None or prefill is None:
         return [[] for _ in rows]
-    steps = torch.stack(decode, dim=1) if decode else None  # (rows, steps, hidden)
+    prefill = prefill.cpu()  # proofs are built on the CPU, wherever the model ran
+    steps = torch.stack(decode, dim=1).cpu() if decode else None  # (rows, steps, hidden)
     chunks: list[torch.Tensor] = []
     counts: list[int] = []
     for i, prompt in enumerate(rows):

@@ -8,6 +8,7 @@ architecture; the weights they use come from the signed checkpoint.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -34,6 +35,24 @@ def build_tokenizer(spec: ModelSpec) -> Any:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``--device``: ``auto`` (the first CUDA device where one is present, else the CPU), ``cpu``, ``cuda[:N]``."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,2})?", name):
+        raise ValueError(f"--device {name}: expected auto, cpu, cuda or cuda:N (N counts from 0)")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no GPU"
+            raise ValueError(f"--device {name}: no CUDA device ({why}); use --device cpu, or install a CUDA build "
+                             "of torch and check that `nvidia-smi` lists the GPU")  # fmt: skip
+        index = int(name.split(":", 1)[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")  # fmt: skip
+    return torch.device(name)
 
 
 def build_model(spec: ModelSpec, tokenizer: Any, dtype: torch.dtype | None = None) -> Any:

@@ -81,13 +81,14 @@ class SeededSampler(LogitsProcessor):  # type: ignore[misc,valid-type]
                 by_temperature.setdefault(temperature, []).append(index)
         for temperature, indices in by_temperature.items():
             indices.sort()
-            rows = logits[indices]
+            whole = len(indices) == logits.shape[0]  # the usual case: every row ours, in order; no copies
+            rows = logits if whole else logits[indices]
             keys = position_keys([self.rows[i][0] for i in indices], [len(self.rows[i][2]) for i in indices])
             token = seeded_sample(rows, temperature, keys)
-            logprob = token_logprobs(rows, token, temperature)
-            chosen = torch.full_like(rows, float("-inf"))
-            chosen.scatter_(1, token.unsqueeze(1), logprob.unsqueeze(1).to(rows.dtype))
-            logits[indices] = chosen
+            logprob = token_logprobs(rows, token, temperature).to(rows.dtype)
+            rows.fill_(float("-inf")).scatter_(1, token.unsqueeze(1), logprob.unsqueeze(1))
+            if not whole:
+                logits[indices] = rows
         return logits
 
 
@@ -268,18 +269,30 @@ class VLLMBackend(GenerationBackend):
             path.unlink(missing_ok=True)
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[list[int]], row_seeds: list[int], request: SamplingRequest) -> list[Completion]:
+    def close(self) -> None:
+        """End the engine's processes now (they otherwise end with this process)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+    def generate(self, prompts: list[list[int]], row_seeds: list[int], request: SamplingRequest,
+                 draw_temperature: float | None = None, greedy: bool = False) -> list[Completion]:  # fmt: skip
+        """``draw_temperature`` (vLLM's own sampler at that temperature) and ``greedy`` play a dishonest worker
+        in tests and benchmarks (the transformers backend's ``draw``): the validator must refuse their tokens."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if len(prompts) != len(row_seeds):
             raise ValueError(f"{len(row_seeds)} seeds for {len(prompts)} rows")
         ids = [f"r{next(self._rows)}" for _ in prompts]
+        honest = draw_temperature is None and not greedy
         params = [
             SamplingParams(
-                n=1, temperature=0.0, max_tokens=request.max_new_tokens, stop_token_ids=[request.eos_id],
-                ignore_eos=False, logprobs=0, detokenize=False, skip_special_tokens=False,
-                extra_args={ROW_KEY: row, SEED_KEY: int(seed), TEMPERATURE_KEY: float(request.temperature)},
+                n=1, temperature=0.0 if honest or greedy else draw_temperature, max_tokens=request.max_new_tokens,
+                logprobs=0, detokenize=False, skip_special_tokens=False,
+                stop_token_ids=[request.eos_id] if request.eos_id >= 0 else None, ignore_eos=request.eos_id < 0,
+                extra_args={ROW_KEY: row, SEED_KEY: int(seed), TEMPERATURE_KEY: float(request.temperature)}
+                if honest else {ROW_KEY: row},
             )
             for row, seed in zip(ids, row_seeds, strict=True)
         ]  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -93,7 +94,9 @@ class InferenceNode(Volunteer):
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         torch.set_num_threads(self.cfg.threads)
         tokenizer = build_tokenizer(spec.model)
-        backend = await asyncio.to_thread(make_backend, spec, tokenizer, self.cfg.backend, self.cfg.threads)
+        build = partial(make_backend, backend=self.cfg.inference.backend, threads=self.cfg.threads,
+                        device=self.cfg.device)  # fmt: skip
+        backend = await asyncio.to_thread(build, spec, tokenizer)
         paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
         paused_since = 0.0
         unsent: tuple[RolloutBatch, bytes] | None = None
@@ -107,8 +110,7 @@ class InferenceNode(Volunteer):
                 assert self.spec is not None
                 if self.spec.model != spec.model or self.spec.sampling != spec.sampling:
                     tokenizer = build_tokenizer(self.spec.model)
-                    backend = await asyncio.to_thread(make_backend, self.spec, tokenizer, self.cfg.backend,
-                                                      self.cfg.threads)
+                    backend = await asyncio.to_thread(build, self.spec, tokenizer)
                 spec = self.spec
                 self.loaded, self.batch_index, unsent, paused_at = -1, 0, None, None
             if trainer.epoch != spec.epoch:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
-from intellect_node.policy.model import build_model, build_tokenizer
+from intellect_node.policy.model import build_model, build_tokenizer, resolve_device
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_registry import NodeRegistry
@@ -99,7 +100,7 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.admission = Admission(self.spec.admission, self.run_id)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
-        self.engine = (make_engine or local_engine)(self.spec, self.tokenizer)
+        self.engine = (make_engine or partial(local_engine, device=node.device))(self.spec, self.tokenizer)
         self.step = 0
         """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
         self.published = -1
@@ -116,7 +117,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         self.maddrs: list[str] = []
         self.status_url = ""
         # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims
-        self.validator = Validator(self.spec, self.tokenizer, build_model(self.spec.model, self.tokenizer))
+        model = build_model(self.spec.model, self.tokenizer).to(resolve_device(node.device))
+        self.validator = Validator(self.spec, self.tokenizer, model)
         self.validator_version = -1
         self.pending = PendingBatches()
         """Admitted batches waiting for their verdict, with the slots still due."""

@@ -19,7 +19,7 @@ import torch
 
 from intellect_node.judging.validator import Validator
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large, validate_protocol
-from intellect_node.policy.model import build_model, build_tokenizer, load_weights
+from intellect_node.policy.model import build_model, build_tokenizer, load_weights, resolve_device
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.weights.files import load_checkpoint
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
@@ -91,11 +91,14 @@ class ValidatorNode(Volunteer):
                     batch.batch_index, verdict.ok, verdict.reason)  # fmt: skip
         return verdict
 
+    def _validator(self, spec: RunSpec, tokenizer: Any) -> Validator:
+        return Validator(spec, tokenizer, build_model(spec.model, tokenizer).to(resolve_device(self.cfg.device)))
+
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         assert self.follower is not None
         torch.set_num_threads(self.cfg.threads)
         tokenizer = build_tokenizer(spec.model)
-        self.validator = Validator(spec, tokenizer, build_model(spec.model, tokenizer))
+        self.validator = self._validator(spec, tokenizer)
         p2p = await self.membership.replicate_p2p()
         server = RolloutServer(
             p2p, self.identity, self.run_id, self.on_request, self.reject, protocol=validate_protocol
@@ -111,7 +114,7 @@ class ValidatorNode(Volunteer):
                         spec = self.spec
                         async with self._lock:
                             tokenizer = build_tokenizer(spec.model)
-                            self.validator = Validator(spec, tokenizer, build_model(spec.model, tokenizer))
+                            self.validator = self._validator(spec, tokenizer)
                             self.loaded = -1
                 newest = max(self.store.complete_versions(), default=-1)
                 if trainer is None or trainer.epoch != spec.epoch or trainer.weight_version <= newest:

@@ -64,3 +64,19 @@ def test_gaps_are_zero_for_the_drawn_tokens_and_positive_otherwise() -> None:
     differs = greedy != drawn
     assert bool(differs.any()) and bool((gaps[differs] > 0).all()) and bool((gaps[~differs] == 0).all())
     assert math.isfinite(float(gaps.max()))
+
+
+def test_the_compiled_pass_draws_what_the_definition_draws() -> None:
+    """Large vocabularies take a compiled pass (kernels/sampling.py: COMPILE_MIN_VALUES): the same tokens and the
+    same float64 scores as the eager definition, for any row count (one compilation, dynamic shapes)."""
+    from intellect_kernels import sampling
+
+    g = torch.Generator().manual_seed(11)
+    for rows, temperature in ((64, 1.0), (23, 0.7)):
+        logits = torch.randn(rows, 49_152, generator=g) * 4
+        keys = position_keys(list(range(rows)), [rows] * rows)
+        assert logits.numel() >= sampling.COMPILE_MIN_VALUES
+        token, score = sampling.best_scores(logits, temperature, keys)
+        assert torch.equal(token, seeded_sample_full(logits, temperature, keys))
+        assert torch.equal(score, sampling.scores(logits, temperature, keys).max(dim=-1).values)
+    assert not sampling._compile_failed, "the compiled pass fell back to eager here"
