@@ -45,15 +45,17 @@ MEASURE = VerifySpec(
 
 def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
     """The model and tokenizer. SmolLM2's weights are the bf16 checkpoint; ``compute`` fp32 upcasts them
-    (exactly) so producer and validator compute in fp32, bf16 computes in bf16."""
+    (exactly) so producer and validator compute in fp32, bf16 computes in bf16, fp16 in fp16 (GPUs without bf16;
+    proofs are then over fp16 activations). The tiny model is fp32, or fp16 with ``compute`` fp16."""
     if model == "tiny":
         run = RunConfig()
         tok = build_tokenizer(run.model)
-        return build_model(run.model, tok), tok
+        tiny = build_model(run.model, tok)
+        return (tiny.half() if compute == "fp16" else tiny), tok
     from intellect_node.policy.hf import load_causal_lm
 
     m, tok = load_causal_lm("smollm2")
-    return (m.float() if compute == "fp32" else m), tok
+    return {"fp32": m.float(), "bf16": m, "fp16": m.half()}[compute], tok
 
 
 def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 4) -> RunSpec:
@@ -156,8 +158,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=2, help="batches (4 tasks x 8 samples) per configuration")
     p.add_argument("--rel-noise", type=float, default=0.01, help="relative weight noise of the perturbed layer")
     p.add_argument("--layer", type=int, default=15, help="which decoder layer to perturb (default 15, the middle)")
-    p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
-                   help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
+    p.add_argument("--compute", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="compute in fp32 on the bf16 weights (default), in bf16, or in fp16")  # fmt: skip
     p.add_argument("--headroom", type=float, default=1.5)
     p.add_argument("--out", type=Path, help="write the [verify] section here")
     args = p.parse_args()

@@ -11,6 +11,9 @@ temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 aut
   trainer before it trains (a quarter of each batch's completions against the model, all of them for task,
   reward and termination), async level 2.
 - ``sync``: the same swarm with async level 0 (each step waits for rollouts of the newest version).
+- ``vllm``: ``async2`` with its inference node on vLLM (``--set inference.backend=vllm``; run this script with the
+  Python of an environment that has vLLM, see the README's 'Inference on vLLM'), validated by the same
+  transformers trainer.
 
 The clock of a swarm run starts when its trainer process is launched (start-up included); the colocated run's
 when its loop starts. Every ``--eval-every`` minutes the policy of that moment is kept (a hard link of the
@@ -22,7 +25,7 @@ training reward and held-out accuracy against wall-clock minutes.
 Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
 a later invocation with the same ``--out`` reuses finished runs (``--fresh`` redoes them) and evaluates all.
 
-Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync] [--out DIR]
+Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync,vllm] [--out DIR]
 """
 
 from __future__ import annotations
@@ -137,7 +140,9 @@ def _keep(weights_root: Path, dest: Path) -> Path | None:
     return dest
 
 
-def swarm(label: str, async_level: int, seconds: float, every: float, out: Path) -> tuple[Curve, list[Any], dict]:
+def swarm(
+    label: str, async_level: int, seconds: float, every: float, out: Path, node_args: tuple[str, ...] = ()
+) -> tuple[Curve, list[Any], dict]:
     root = out / label
     logs = root / "logs"
     nodes: list[NodeProcess] = []
@@ -155,7 +160,7 @@ def swarm(label: str, async_level: int, seconds: float, every: float, out: Path)
         worker = NodeProcess(
             f"{label}-inference",
             ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(root / "inference"), "--threads", "1"],
+             "--data-dir", str(root / "inference"), "--threads", "1", *node_args],
             logs,
         )  # fmt: skip
         nodes.append(worker)
@@ -191,7 +196,9 @@ def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, t
         curve, kept = colocated(spec, seconds, every, out, threads)
         steps = len(curve.rewards)
     else:
-        curve, kept, info = swarm(name, {"async2": 2, "sync": 0}[name], seconds, every, out)
+        level = {"async2": 2, "sync": 0, "vllm": 2}[name]
+        extra = ("--set", "inference.backend=vllm") if name == "vllm" else ()
+        curve, kept, info = swarm(name, level, seconds, every, out, extra)
         steps = info["steps"]
     (out / name).mkdir(parents=True, exist_ok=True)
     (out / name / "result.json").write_text(json.dumps(
@@ -205,7 +212,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="redo runs that already have a result.json in --out")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
-    parser.add_argument("--runs", default="colocated,async2,sync")
+    parser.add_argument("--runs", default="colocated,async2,sync", help="any of colocated, async2, sync, vllm")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated loop and evaluation")
     parser.add_argument("--eval-problems", type=int, default=200)
@@ -279,7 +286,7 @@ def main() -> None:
     print(
         f"learning model=smollm2-135m task=addition-2digit acc_before={before:.3f} acc_after={final('async2'):.3f} "
         f"colocated_acc_after={final('colocated'):.3f} async2_acc_after={final('async2'):.3f} "
-        f"sync_acc_after={final('sync'):.3f} minutes={args.minutes:g}"
+        f"sync_acc_after={final('sync'):.3f} vllm_acc_after={final('vllm'):.3f} minutes={args.minutes:g}"
     )
 
 

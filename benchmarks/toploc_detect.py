@@ -124,14 +124,14 @@ def main() -> int:
     p.add_argument("--honest-batches", type=int, nargs=3, default=[2, 4, 10], metavar=("BS1", "BS8", "BS32"),
                    help="batches of 32 rollouts generated at batch size 1, 8 and 32")  # fmt: skip
     p.add_argument("--attack-batches", type=int, default=2, help="batches of 32 rollouts per attack")
-    p.add_argument("--compute", choices=["fp32", "bf16"], default="fp32",
+    p.add_argument("--compute", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
     p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                    help="what generates every rollout (the validator is always transformers)")  # fmt: skip
     p.add_argument("--layer", type=int, default=None,
                    help="the decoder layer the perturbation attack changes (default: the middle one)")  # fmt: skip
     args = p.parse_args()
-    suffix = "" if args.model == "tiny" or args.compute == "fp32" else "-bf16"
+    suffix = "" if args.compute == "fp32" else f"-{args.compute}"
     path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
     verify = VerifySpec(**tomllib.loads(path.read_text())["verify"]) if path.exists() else VerifySpec()
     model, tok = load(args.model, args.compute)

@@ -49,9 +49,11 @@ class ModelSpec(BaseModel):
     init_seed: U63 = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The published weights' dtype (the trainer keeps fp32 master weights either way)."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """What generation and validation compute in. fp32 over bf16 weights is an exact upcast and keeps TOPLOC's
-    honest errors far below a tampered model's (measured for SmolLM2 in benchmarks/calibrate_validator.py)."""
+    honest errors far below a tampered model's (measured for SmolLM2 in benchmarks/calibrate_validator.py).
+    float16 (GPUs without bf16: T4, V100) makes proofs over fp16 activations, whose mantissa errors count in
+    units 8x finer than bf16's: such a run needs ``verify`` thresholds calibrated for it."""
 
 
 class TaskSpec(BaseModel):

@@ -59,16 +59,23 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"cannot find the final norm of {type(model).__name__} to take TOPLOC activations from")
 
 
+def proof_dtype(compute: torch.dtype) -> torch.dtype:
+    """What TOPLOC commits to: fp16 activations where the model computes in fp16, bf16 otherwise."""
+    return torch.float16 if compute == torch.float16 else torch.bfloat16
+
+
 class HiddenCapture:
-    """Keeps the final norm's output of each forward while active (a context manager)."""
+    """Keeps the final norm's output of each forward while active (a context manager), in the proof dtype of the
+    model's compute dtype (producer and validator both derive it from the run's ``model.compute_dtype``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.dtype = proof_dtype(next(model.parameters()).dtype)
         self.module = final_norm(model)
         self.outputs: list[torch.Tensor] = []
         self._handle: Any = None
 
     def _hook(self, _module: Any, _inputs: Any, output: Any) -> None:
-        self.outputs.append((output[0] if isinstance(output, tuple) else output).detach().to(torch.bfloat16))
+        self.outputs.append((output[0] if isinstance(output, tuple) else output).detach().to(self.dtype))
 
     def __enter__(self) -> HiddenCapture:
         self._handle = self.module.register_forward_hook(self._hook)

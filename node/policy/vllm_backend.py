@@ -31,7 +31,7 @@ from intellect_kernels import toploc
 from intellect_kernels.logprobs import token_logprobs
 from intellect_kernels.sampling import position_keys, seeded_sample
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest
-from intellect_node.policy.generate import Completion
+from intellect_node.policy.generate import Completion, proof_dtype
 
 ROW_KEY = "intellect_row"
 """``SamplingParams.extra_args``: the row's id within this backend (its hidden states are kept under it)."""
@@ -96,13 +96,15 @@ class ProofWorker:
     """Mixed into vLLM's worker (``worker_extension_cls``): keeps the final-norm hidden states of every token the
     model runner computes for our rows, and builds their TOPLOC proofs on request."""
 
-    def intellect_capture(self, node_pid: int) -> None:
-        """Start keeping hidden states (idempotent), and end vLLM's processes if the node dies (``node_pid``)."""
+    def intellect_capture(self, node_pid: int, dtype: str = "bfloat16") -> None:
+        """Start keeping hidden states (idempotent) in TOPLOC's dtype (``proof_dtype`` of the compute ``dtype``),
+        and end vLLM's processes if the node dies (``node_pid``)."""
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         if getattr(runner, "_intellect_hidden", None) is not None:
             return
         _watch_node(node_pid)
         runner._intellect_hidden = {}
+        keep = proof_dtype(getattr(torch, dtype))
         original = runner.execute_model
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,7 +122,7 @@ class ProofWorker:
                 extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
                 if ROW_KEY in extra:
                     kept = runner._intellect_hidden.setdefault(extra[ROW_KEY], [])
-                    kept.append(hidden[at : at + n].detach().to(torch.bfloat16).cpu().clone())
+                    kept.append(hidden[at : at + n].detach().to(keep).cpu().clone())
                 at += n
             return out
 
@@ -255,7 +257,7 @@ class VLLMBackend(GenerationBackend):
             enforce_eager=True,
             seed=0,
         )
-        self.llm.collective_rpc("intellect_capture", args=(os.getpid(),))
+        self.llm.collective_rpc("intellect_capture", args=(os.getpid(), dtype))
         self._rows = itertools.count()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
