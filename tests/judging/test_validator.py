@@ -180,3 +180,32 @@ def test_a_cheating_batch_costs_the_validator_one_row_an_honest_one_every_row() 
     finding = validator.check(cheat)
     assert finding.reason == "sampling" and len(finding.rederived) == 1
     assert len(validator.check(cheat, exhaustive=True).rederived) == n
+
+
+def test_an_fp16_run_proves_over_fp16_activations_and_catches_tampering() -> None:
+    """GPUs without bf16 compute in fp16 (``model.compute_dtype = "float16"``): producer and validator then commit
+    to fp16 activations, with the thresholds calibrated for them (node/configs/verify-tiny-fp16.toml)."""
+    import tomllib
+    from pathlib import Path
+
+    from intellect_protocol.messages import VerifySpec
+
+    toml = Path(__file__).resolve().parents[2] / "node" / "configs" / "verify-tiny-fp16.toml"
+    verify = VerifySpec(**tomllib.loads(toml.read_text())["verify"])
+    spec = _spec().model_copy(update={"model": SPEC.model.model_copy(update={"compute_dtype": "float16"}),
+                                      "verify": verify})  # fmt: skip
+    model = build_model(spec.model, TOK)
+    assert next(model.parameters()).dtype == torch.float16
+    validator = Validator(spec, TOK, copy.deepcopy(model))
+    honest = _batch(model=model, spec=spec)
+    assert validator.check(honest).ok
+    perturbed = copy.deepcopy(model)  # every matrix of the last layer x (1 + 0.01 N(0, 1)), as calibrated
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in perturbed.model.layers[-1].parameters():
+            if w.dim() == 2:
+                w.copy_(w.float() * (1 + 0.01 * torch.randn(w.shape, generator=g)))
+    assert validator.check(_batch(index=1, model=perturbed, spec=spec)).reason == "toploc"
+    # a bf16 proof of the same rollout does not pass for an fp16 one
+    bf16 = _batch(model=build_model(SPEC.model.model_copy(update={"compute_dtype": "bfloat16"}), TOK), spec=spec)
+    assert validator.check(bf16).reason == "toploc"
