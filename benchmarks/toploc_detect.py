@@ -85,18 +85,29 @@ class Judge:
 
 
 class Drawing(GenerationBackend):
-    """A vLLM backend drawing with vLLM's own sampler (``draw_temperature``) or greedily: a dishonest worker."""
+    """A vLLM backend drawing with vLLM's own sampler (``draw_temperature``) or greedily: a dishonest worker. It
+    reports its tokens' true log-probs at the run's temperature (from ``model``, as a careful cheater would), so
+    only the sampling check can tell."""
 
     name = "vllm-dishonest"
 
-    def __init__(self, backend: Any, **draw: Any) -> None:
-        self.backend, self.draw = backend, draw
+    def __init__(self, backend: Any, model: Any, **draw: Any) -> None:
+        self.backend, self.model, self.draw = backend, model, draw
 
     def load_weights(self, tensors: Any) -> None:
         raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], row_seeds: list[int], request: Any) -> list[Any]:
-        return self.backend.generate(prompts, row_seeds, request, **self.draw)
+        from intellect_kernels.logprobs import token_logprobs
+
+        done = self.backend.generate(prompts, row_seeds, request, **self.draw)
+        for prompt, c in zip(prompts, done, strict=True):
+            if not c.tokens:
+                continue
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([prompt + c.tokens])).logits[0, len(prompt) - 1 : -1]
+            c.logprobs = token_logprobs(logits, torch.tensor(c.tokens), request.temperature).tolist()
+        return done
 
 
 def edit_middle(batch: RolloutBatch, vocab: int) -> RolloutBatch:
@@ -168,7 +179,7 @@ def main() -> int:
         index[who] += 1
         by = by or producer
         if sampling and by is not model:  # a dishonest draw from the vLLM engine: vLLM's own sampler
-            by = Drawing(by, **sampling)
+            by = Drawing(by, model, **sampling)
             sampling = {}
         return generate_batch(spec, by, tok, who, STEP, index[who] - 1, max_rows=max_rows, **sampling)
 
