@@ -22,7 +22,7 @@ import torch
 
 from intellect_kernels import toploc
 from intellect_kernels.logprobs import token_logprobs
-from intellect_kernels.sampling import position_keys, seeded_sample
+from intellect_kernels.sampling import position_keys, seeded_draw
 
 
 @dataclass
@@ -142,6 +142,7 @@ def sample_groups(
         lps: list[torch.Tensor] = []
         alive: list[torch.Tensor] = []
         for step in range(max_new_tokens):
+            logprob: torch.Tensor | None = None
             if greedy:
                 token = logits.argmax(dim=-1)
             elif draw_temperature is not None:  # a plain sampler at another temperature, with its own randomness
@@ -151,9 +152,9 @@ def sample_groups(
                 token = torch.multinomial(probs, 1, generator=rng).squeeze(-1).to(device)
             else:
                 keys = position_keys(row_seeds, [step] * len(rows))
-                token = seeded_sample(logits, draw_temperature or temperature, keys)
+                token, logprob = seeded_draw(logits, temperature, keys)
             tokens.append(token)
-            lps.append(token_logprobs(logits, token, temperature))
+            lps.append(logprob if logprob is not None else token_logprobs(logits, token, temperature))
             alive.append(~done)
             done = done | (token == eos_id)
             if bool(done.all()) or step + 1 == max_new_tokens:

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from intellect_kernels import toploc
-from intellect_kernels.logprobs import token_logprobs
-from intellect_kernels.sampling import position_keys, seeded_sample
+from intellect_kernels.sampling import position_keys, seeded_draw
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest
 from intellect_node.policy.generate import Completion, proof_dtype
 
@@ -84,9 +83,8 @@ class SeededSampler(LogitsProcessor):  # type: ignore[misc,valid-type]
             whole = len(indices) == logits.shape[0]  # the usual case: every row ours, in order; no copies
             rows = logits if whole else logits[indices]
             keys = position_keys([self.rows[i][0] for i in indices], [len(self.rows[i][2]) for i in indices])
-            token = seeded_sample(rows, temperature, keys)
-            logprob = token_logprobs(rows, token, temperature).to(rows.dtype)
-            rows.fill_(float("-inf")).scatter_(1, token.unsqueeze(1), logprob.unsqueeze(1))
+            token, logprob = seeded_draw(rows, temperature, keys)
+            rows.fill_(float("-inf")).scatter_(1, token.unsqueeze(1), logprob.to(rows.dtype).unsqueeze(1))
             if not whole:
                 logits[indices] = rows
         return logits

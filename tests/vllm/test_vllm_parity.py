@@ -29,6 +29,7 @@ def setup() -> tuple:
     model = build_model(spec.model, tok, dtype=torch.float32)
     backend = VLLMBackend(model, dtype="float32", threads=2)
     yield spec, tok, model, backend
+    backend.close()  # before the interpreter's exit, whose finalizers log into closed streams
 
 
 def _request(spec, tok, proofs: bool = True) -> SamplingRequest:
