@@ -91,9 +91,10 @@ def _draw(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> tuple
     return index, scaled.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
-COMPILE_MIN_VALUES = 1 << 20
+COMPILE_MIN_VALUES = 1 << 16
 """Rows x vocabulary at which a CPU pass runs compiled (one fused loop instead of ~50 passes over a float64 and
-int64 tensor: 147 ms -> 12 ms for 64 rows of SmolLM2's 49,152 tokens on 2 cores, the same values). Below it, or
+int64 tensor: 147 ms -> 12 ms for 64 rows of SmolLM2's 49,152 tokens on 2 cores, the same values; from 2 rows of
+it on, the eager passes cost more than the compiled call). Below it (the tiny model's 20-token vocabulary), or
 with ``INTELLECT_NODE_COMPILE=0``, or where compiling fails (no C++ compiler), the eager code runs."""
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 _compile_failed = os.environ.get("INTELLECT_NODE_COMPILE", "1") == "0"
