@@ -115,8 +115,18 @@ def _pass(fn: Callable[..., Any], logits: torch.Tensor, temperature: float, keys
         return fn(logits, temperature, keys)
 
 
-def _best_pass(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _pass(_best, logits, temperature, keys)  # type: ignore[no-any-return]
+def _by_rows(
+    fn: Callable[..., Any], logits: torch.Tensor, temperature: float, keys: torch.Tensor, rows_per_pass: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn``'s two per-row results over ``logits``, ``rows_per_pass`` rows at a time (the noise is rows x
+    vocabulary float64 where it runs eagerly)."""
+    keys = keys.to(logits.device)
+    first, second = [], []
+    for i in range(0, logits.shape[0], rows_per_pass):
+        a, b = _pass(fn, logits[i : i + rows_per_pass], temperature, keys[i : i + rows_per_pass])
+        first.append(a)
+        second.append(b)
+    return torch.cat(first), torch.cat(second)
 
 
 def seeded_draw(
@@ -124,28 +134,16 @@ def seeded_draw(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, its fp32 log-prob at ``temperature``) per row: ``seeded_sample`` and ``token_logprobs`` of the drawn
     token in one pass over the logits (what a producer needs at every decode step)."""
-    keys = keys.to(logits.device)
-    tokens, logprobs = [], []
-    for i in range(0, logits.shape[0], rows_per_pass):
-        index, logprob = _pass(_draw, logits[i : i + rows_per_pass], temperature, keys[i : i + rows_per_pass])
-        tokens.append(index)
-        logprobs.append(logprob)
-    return torch.cat(tokens), torch.cat(logprobs)
+    return _by_rows(_draw, logits, temperature, keys, rows_per_pass)
 
 
 def best_scores(
     logits: torch.Tensor, temperature: float, keys: torch.Tensor, rows_per_pass: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, its score) per row: the argmax of logits / T + noise over the whole vocabulary, ``rows_per_pass``
-    rows at a time (the noise is rows x vocabulary float64). Pruning to the tokens that could win does not pay:
-    the noise can reach ``G_MAX`` (~22.9), and a language model's logits mostly lie within that of the top."""
-    keys = keys.to(logits.device)
-    tokens, best = [], []
-    for i in range(0, logits.shape[0], rows_per_pass):
-        index, value = _best_pass(logits[i : i + rows_per_pass], temperature, keys[i : i + rows_per_pass])
-        tokens.append(index)
-        best.append(value)
-    return torch.cat(tokens), torch.cat(best)
+    """(token, its score) per row: the argmax of logits / T + noise over the whole vocabulary. Pruning to the
+    tokens that could win does not pay: the noise can reach ``G_MAX`` (~22.9), and a language model's logits
+    mostly lie within that of the top."""
+    return _by_rows(_best, logits, temperature, keys, rows_per_pass)
 
 
 def seeded_sample(logits: torch.Tensor, temperature: float, keys: torch.Tensor) -> torch.Tensor:
