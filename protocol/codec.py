@@ -24,6 +24,7 @@ class Channel(enum.IntEnum):
     ROLLOUT_BATCH = 16 * 1024 * 1024
     REPLY = 4 * 1024
     VERDICT = 8 * 1024
+    GOSSIP = 4 * 1024
     INVITE = 512
 
 

@@ -193,6 +193,11 @@ class VerifySpec(BaseModel):
     reward_budget_s: Annotated[float, Field(gt=0.0, le=3600.0)] = 120.0
     """Seconds the trainer may spend scoring one batch that passed validation (code tests, math checks); a batch
     over budget is dropped, counted and logged, not trained on and nobody banned."""
+    second_opinion: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    """With two or more trusted validators present, the share of batches (drawn by the trainer) that two of them
+    must each accept; the rest need one accepting verdict. Any refusing verdict refuses the batch."""
+    verdict_wait_s: Annotated[float, Field(gt=0.0, le=600.0)] = 20.0
+    """How long the trainer waits for the validators' verdicts on a batch before it judges the batch itself."""
 
 
 class AdmissionSpec(BaseModel):
@@ -408,3 +413,82 @@ class Verdict(WireModel):
     worst_mant_err_median: float = 0.0
     min_rederived: float = 1.0
     max_sampling_gap: float = 0.0
+
+
+class VersionNotice(WireModel):
+    """The trainer's word that a version is published (on the run's ``versions`` topic), signed by the run key: a
+    hint to look for it in the relay tree, where the signed manifest is checked as always."""
+
+    KIND: ClassVar[str] = "version_notice"
+    CHANNEL: ClassVar[Channel] = Channel.GOSSIP
+    run_id: NodeId
+    epoch: U63 = 0
+    version: U31
+    checkpoint_sha256: Sha256Hex
+    issued: float
+
+
+class BatchAnnounce(WireModel):
+    """A producer's word that it holds a rollout batch (on the ``rollouts`` topic), signed by the producer. The
+    body is fetched by its digest over ``intellect-node/<run>/batch/v1``; the producer announces it again until
+    the trainer acknowledges it or it goes stale."""
+
+    KIND: ClassVar[str] = "batch_announce"
+    CHANNEL: ClassVar[Channel] = Channel.GOSSIP
+    run_id: NodeId
+    epoch: U63 = 0
+    node_id: NodeId
+    version: U31
+    batch_index: U31
+    batch_sha256: Sha256Hex
+    size: Annotated[int, Field(gt=0, le=Channel.ROLLOUT_BATCH.value)]
+    issued: float
+
+
+class BatchAck(WireModel):
+    """The trainer's acknowledgement of an admitted batch (on the ``verdicts`` topic), signed by the run key: the
+    producer may forget it, and ``judges`` are the validators asked to judge it (none: the trainer judges it)."""
+
+    KIND: ClassVar[str] = "batch_ack"
+    CHANNEL: ClassVar[Channel] = Channel.GOSSIP
+    run_id: NodeId
+    epoch: U63 = 0
+    node_id: NodeId
+    version: U31
+    batch_index: U31
+    batch_sha256: Sha256Hex
+    judges: Annotated[list[NodeId], Field(max_length=4)] = []
+    issued: float
+
+
+class BatchRequest(WireModel):
+    """Asks a peer for a batch body by digest (``intellect-node/<run>/batch/v1``), signed by the asker."""
+
+    KIND: ClassVar[str] = "batch_request"
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+    run_id: NodeId
+    batch_sha256: Sha256Hex
+
+
+class DialBack(WireModel):
+    """Asks a reachable peer to dial this node back from a stripped probe (``intellect-node/<run>/dialback/v1``);
+    the reply is a signed Reachability."""
+
+    KIND: ClassVar[str] = "dial_back"
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+    run_id: NodeId
+    node_id: NodeId
+    p2p_maddrs: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=8)] = []
+    http_port: Annotated[int, Field(ge=0, lt=65536)] = 0
+
+
+class Reachability(WireModel):
+    """What a dial-back found: whether the asker's p2p and HTTP addresses answered from outside, at which address."""
+
+    KIND: ClassVar[str] = "reachability"
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+    node_id: NodeId
+    observed_ip: Annotated[str, Field(max_length=64)] = ""
+    p2p_ok: bool = False
+    http_ok: bool = False
+    detail: Annotated[str, Field(max_length=512)] = ""

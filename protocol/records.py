@@ -32,3 +32,15 @@ def nodes_key(run_id: str) -> str:
 
 def trainer_key(run_id: str) -> str:
     return f"{KEY_PREFIX}{run_id}/trainer"
+
+
+GOSSIP_TOPICS = ("versions", "rollouts", "verdicts")
+"""The run's pubsub topics: new-version notices (run key), rollout announcements (producers), verdicts and
+acknowledgements (validators and the trainer). Each message is one signed envelope of at most
+``Channel.GOSSIP`` bytes (``Channel.VERDICT`` on ``verdicts``): bodies travel over streams."""
+
+
+def topic(run_id: str, name: str) -> str:
+    if name not in GOSSIP_TOPICS:
+        raise ValueError(f"no gossip topic {name!r}")
+    return f"{KEY_PREFIX}{run_id}/{name}/v1"

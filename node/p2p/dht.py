@@ -35,6 +35,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
+from intellect_node.p2p.gossip import enable_pubsub
 from intellect_node.p2p.metrics import Metrics
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
@@ -79,10 +80,11 @@ def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
 
 
 class _NodeDHT(DHT):
-    """hivemind's DHT process, which dies with the node process."""
+    """hivemind's DHT process, which dies with the node process, and whose daemon runs gossipsub."""
 
     def run(self) -> None:
         die_with_parent()
+        enable_pubsub()  # the run's gossip topics (node/p2p/gossip.py) ride on this daemon
         super().run()
 
 
