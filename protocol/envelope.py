@@ -131,6 +131,14 @@ def _parse(data: bytes, limit: int) -> dict[str, object]:
     return env
 
 
+def kind_of(data: bytes, limit: int) -> str:
+    """The kind an envelope of at most ``limit`` bytes claims (nothing is verified): for a channel that carries
+    several kinds, to choose the schema to open it with. Raises Rejected like ``open_envelope``."""
+    if len(data) > limit:
+        raise Rejected("oversized", f"{len(data)} bytes > limit of {limit}")
+    return str(_parse(bytes(data), limit)["kind"])
+
+
 def open_envelope(data: bytes, schema: type[M]) -> tuple[bytes, bytes]:
     """Check size, envelope, version, kind and signature; returns (signer, body) with the body still encoded.
 

@@ -64,7 +64,7 @@ def enable_pubsub() -> None:
     P2P._intellect_pubsub = True  # type: ignore[attr-defined]
 
 
-class _Buckets:
+class TokenBuckets:
     """Token buckets per peer, bounded in number (the oldest idle ones go first)."""
 
     def __init__(self, rate: float, burst: float, size: int = 4096) -> None:
@@ -89,9 +89,11 @@ class Gossip:
         self._connector = p2p._client.control.daemon_connector
         self.run_id = run_id
         self.metrics = metrics
-        self._buckets = _Buckets(RATE_PER_PEER, BURST)
+        self._buckets = TokenBuckets(RATE_PER_PEER, BURST)
         self._tasks: set[asyncio.Task[None]] = set()
         self.subscribed: dict[str, asyncio.Event] = {}
+        self.unlimited: set[str] = set()
+        """Peers whose messages are not rate-limited (a volunteer's trainer, which acknowledges every batch)."""
 
     async def _control(self, request: pb.PSRequest) -> pb.Response:
         reader, writer = await asyncio.wait_for(self._connector.open_connection(), CONTROL_TIMEOUT_S)
@@ -173,7 +175,7 @@ class Gossip:
     async def _handle(self, name: str, queue: asyncio.Queue[tuple[bytes, str]], handler: Handler) -> None:
         while True:
             data, peer = await queue.get()
-            if not self._buckets.take(peer):
+            if peer not in self.unlimited and not self._buckets.take(peer):
                 self.metrics.inc("node_gossip_dropped_total", label="rate")
                 continue
             self.metrics.inc("node_gossip_received_total", label=name, help="gossip messages handled, by topic")

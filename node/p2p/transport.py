@@ -4,9 +4,9 @@ Framing: an 8-byte big-endian length, then that many bytes; the length is checke
 before a byte of the body is read. Protocols:
 
 - ``intellect-node/<run_id>/submit/v1``: a signed RolloutBatch envelope to the trainer, a signed SubmitReply back.
-- ``intellect-node/<run_id>/validate/v1``: the trainer forwards a producer's RolloutBatch envelope, unchanged,
-  to a validator; the reply is the validator's signed Verdict (or a signed SubmitReply saying why it could not
-  judge, e.g. it does not hold the version).
+
+Validators get their batches by digest (node/p2p/batches.py) once the trainer's gossiped acknowledgement names
+them (node/p2p/gossip.py).
 """
 
 from __future__ import annotations
@@ -60,10 +60,6 @@ RejectHandler = Callable[[Rejected, str], WireModel]
 
 def submit_protocol(run_id: str) -> str:
     return f"intellect-node/{run_id}/submit/v1"
-
-
-def validate_protocol(run_id: str) -> str:
-    return f"intellect-node/{run_id}/validate/v1"
 
 
 async def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -12,8 +12,10 @@ anything new; a node that restarted continues at the batch index the trainer say
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -22,13 +24,15 @@ import torch
 
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
+from intellect_node.p2p.batches import BatchServer
+from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.weights.files import load_checkpoint
-from intellect_protocol.envelope import Rejected, seal
-from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
+from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
+from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
 from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,8 @@ RETRY_SAME = frozenset({"busy", "unknown_signer"})
 """Refusals that decide nothing about the batch (the trainer is full, or has not read our record yet)."""
 DISK_RETRY_S = 5.0
 """After a local disk error (full, out of file handles), the node waits this long before trying again."""
+REANNOUNCE_S = 5.0
+RECENT = 32
 PAUSE_MAX_S = 10.0
 """A producer the trainer told to wait asks again after this long even without a new version: backpressure
 slows producers down, it must never leave the trainer waiting on paused producers."""
@@ -52,7 +58,12 @@ class InferenceNode(Volunteer):
         self.batches_sent = 0
         self.batches_accepted = 0
         self.rejections: dict[str, int] = {}
-        self.p2p: Any = None
+        self.unacked: OrderedDict[str, tuple[RolloutBatch, bytes]] = OrderedDict()
+        """Batches made and not yet acknowledged by the trainer, by digest: announced again until they are (or go
+        stale)."""
+        self.recent: OrderedDict[str, bytes] = OrderedDict()
+        """The last RECENT batches made, by digest: served to the validators that judge them."""
+        self.batches_announced = 0
 
     def status(self) -> dict[str, Any]:
         return {
@@ -62,6 +73,8 @@ class InferenceNode(Volunteer):
             "batches_sent": self.batches_sent,
             "batches_accepted": self.batches_accepted,
             "rejections": self.rejections,
+            "batches_announced": self.batches_announced,
+            "unacknowledged": len(self.unacked),
         }
 
     async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
@@ -84,12 +97,60 @@ class InferenceNode(Volunteer):
         self.metrics.set("node_inference_weight_version", target)
         logger.info("loaded version=%d bytes=%d seconds=%.2f", target, manifest.total_size, time.monotonic() - started)
 
+    async def ready(self, spec: RunSpec) -> None:
+        await super().ready(spec)
+        assert self.gossip is not None
+        self.gossip.subscribe("verdicts", self._on_ack)
+        await BatchServer(self.p2p, self.run_id, self.recent.get, self.metrics).start()
+        self._reannouncer = asyncio.ensure_future(self.reannounce_forever())  # ends with the node's loop
+
+    async def _on_ack(self, data: bytes, peer: str) -> None:
+        """The trainer's acknowledgement of one of our batches: it need not be announced or sent again."""
+        if kind_of(data, LIMITS["verdicts"]) != BatchAck.KIND:
+            return  # a validator's verdict: nothing for a producer to do
+        signed = open_signed(data, BatchAck)
+        if signed.signer_id != self.run_id:
+            raise Rejected("foreign_ack", f"an acknowledgement signed by {signed.signer_id}")
+        if signed.message.node_id == self.identity.node_id and self.unacked.pop(signed.message.batch_sha256, None):
+            self.metrics.inc("node_inference_acks_total", help="our batches acknowledged on gossip")
+
+    async def announce(self, batch: RolloutBatch, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        a = BatchAnnounce(run_id=self.run_id, epoch=batch.epoch, node_id=batch.node_id, version=batch.version,
+                          batch_index=batch.batch_index, batch_sha256=digest, size=len(data),
+                          issued=time.time())  # fmt: skip
+        assert self.gossip is not None
+        try:
+            await self.gossip.publish("rollouts", seal(self.identity, a))
+            self.batches_announced += 1
+        except (OSError, TimeoutError, Rejected) as e:  # the daemon restarting: announced again later
+            logger.warning("could not announce batch %s: %r", digest[:12], e)
+
+    def _keep(self, batch: RolloutBatch, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        self.unacked[digest] = (batch, data)
+        self.recent[digest] = data
+        while len(self.recent) > RECENT:
+            self.recent.popitem(last=False)
+        return digest
+
+    async def reannounce_forever(self) -> None:
+        """Announce each unacknowledged batch again every REANNOUNCE_S until the trainer acknowledges it (on
+        gossip, or in the push's reply) or it goes stale."""
+        while True:
+            await asyncio.sleep(REANNOUNCE_S)
+            spec = self.spec
+            assert spec is not None
+            for digest, (batch, data) in list(self.unacked.items()):
+                if batch.version < self.loaded - spec.train.async_level or batch.epoch != spec.epoch:
+                    self.unacked.pop(digest, None)
+                    self.metrics.inc("node_inference_batches_stale_total", help="unacknowledged batches given up")
+                elif digest in self.unacked:
+                    await self.announce(batch, data)
+
     def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
         return generate_batch(spec, backend, tokenizer, self.identity.node_id, self.loaded, self.batch_index)
 
-    async def ready(self, spec: RunSpec) -> None:
-        self.p2p = await self.membership.replicate_p2p()
-        await super().ready(spec)
 
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         torch.set_num_threads(self.cfg.threads)
@@ -134,9 +195,14 @@ class InferenceNode(Volunteer):
             if self.loaded < 0 or paused_at is not None:
                 await asyncio.sleep(POLL_S)
                 continue
+            if unsent is not None and hashlib.sha256(unsent[1]).hexdigest() not in self.unacked:
+                unsent = None  # acknowledged on gossip (the trainer pulled it) while the push kept failing
+                self.batches_accepted += 1
             if unsent is None:
                 batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
                 unsent = (batch, seal(self.identity, batch))
+                self._keep(*unsent)
+                await self.announce(*unsent)
             batch, data = unsent
             peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
             try:
@@ -154,6 +220,8 @@ class InferenceNode(Volunteer):
             current = batch.version == self.loaded  # the index counts batches of the loaded version
             self.batches_sent += 1
             self.metrics.inc("node_inference_batches_sent_total")
+            if reply.ok or reply.reason != "backlog_full":  # decided: acknowledged, or refused for good
+                self.unacked.pop(hashlib.sha256(data).hexdigest(), None)
             if reply.ok:
                 unsent = None
                 self.batches_accepted += 1

@@ -38,6 +38,7 @@ from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed,
 from intellect_node.policy.model import build_model, build_tokenizer, resolve_device
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
+from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
 from intellect_node.runtime import announce
@@ -59,7 +60,7 @@ REWARD_WORKERS = 2
 """A node may have at most this many training steps' worth of rollout groups queued."""
 
 
-class Trainer(ValidationPipeline, Checkpoints):
+class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
     def __init__(self, node: NodeConfig, run: RunConfig, make_engine: EngineFactory | None = None) -> None:
         self.cfg = node
         self.identity = load_or_create(node.data_dir / "node.key")
@@ -135,6 +136,11 @@ class Trainer(ValidationPipeline, Checkpoints):
         self._persisting: asyncio.Task[None] | None = None
         self.resume_info: dict[str, int] | None = None
         self.validators_missing: list[str] = []
+        self.validators_present: list[str] = []
+        self._waiting: set[asyncio.Future[None]] = set()
+        self.validate_s = self.publish_s = 0.0
+        """Seconds this trainer spent judging batches itself, and publishing versions (the step split)."""
+        self._init_gossip()
         self._shed_at = -1e9
         if self.resumed is not None:
             self._restore(self.resumed)
@@ -235,8 +241,8 @@ class Trainer(ValidationPipeline, Checkpoints):
         key = (node_id, batch.version, batch.batch_index)
         self.envelopes[key] = data
         self.validating.add(key)
-        self.pending.put_nowait((batch, slots, data))
         self.pending_by_node[node_id] += len(slots)
+        self.dispatch(batch, slots, data)
         self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
         self.ledger("acked", key, len(slots))
         return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
@@ -348,7 +354,7 @@ class Trainer(ValidationPipeline, Checkpoints):
                 await self.queue_changed.wait()
             idle = time.monotonic() - waited
             self.idle_s += idle
-            started = time.monotonic()
+            started, split = time.monotonic(), (self.validate_s, self.publish_s)
             stats = await asyncio.to_thread(self._train_step, groups)
             for g in groups:  # logged with the step they went into (step + 1 once it is counted below)
                 self.ledger("trained", g.key, 1)
@@ -360,6 +366,8 @@ class Trainer(ValidationPipeline, Checkpoints):
                 step=self.step,
                 seconds=time.monotonic() - started,
                 idle_s=idle,
+                validate_s=self.validate_s - split[0],  # judging batches here meanwhile (on its own thread)
+                publish_s=self.publish_s - split[1],  # the previous version's checkpoint and publication
                 time=time.time(),
                 staleness_max=float(self.step - 1 - min(versions)),
                 staleness_mean=float(sum(self.step - 1 - v for v in versions) / len(versions)),
@@ -455,6 +463,7 @@ class Trainer(ValidationPipeline, Checkpoints):
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()
+            await self.start_gossip()
             if not (
                 await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
             ):
@@ -475,7 +484,10 @@ class Trainer(ValidationPipeline, Checkpoints):
                 tasks.create_task(self.train_forever())
                 tasks.create_task(self.validate_forever())
                 tasks.create_task(self.watch_validators())
+                tasks.create_task(self.repeat_notices())
+                await self.announce_version(self.published)
         finally:
+            await self.stop_gossip()
             if server is not None:
                 await server.close()
             await self.http.close()

@@ -305,6 +305,7 @@ class Checkpoints:
     history: list[dict[str, Any]]
     banned: dict[str, str]
     idle_s: float
+    publish_s: float
     queue: list[Group]
     pending: PendingBatches
     pending_by_node: Counter[str]
@@ -447,6 +448,7 @@ class Checkpoints:
 
     async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
         """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
+        began = time.monotonic()
         if meta is not None:
             started = time.monotonic()
             try:
@@ -471,6 +473,8 @@ class Checkpoints:
             return
         self.published = version
         self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
+        self.publish_s += time.monotonic() - began
+        await self.announce_version(version)  # type: ignore[attr-defined]
         self.metrics.set("node_trainer_weight_version", version)
         try:
             await self.membership.publish_record(self.record())

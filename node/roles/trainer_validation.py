@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import logging
 import threading
 import time
@@ -27,15 +26,14 @@ from aiohttp import web
 from intellect_node.config import NodeConfig
 from intellect_node.judging.validator import Finding, Validator, task_reward
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.p2p.transport import request, validate_protocol
 from intellect_node.policy.engine import BatchKey, Group
 from intellect_node.policy.model import encode_prompt, load_weights
 from intellect_node.roles.admission import Admission
-from intellect_node.roles.trainer_registry import NodeRegistry
+from intellect_node.roles.trainer_gossip import VerdictWait
+from intellect_node.roles.trainer_registry import VALIDATOR_REFRESH_S, NodeRegistry
 from intellect_node.weights.files import load_checkpoint
 from intellect_node.weights.store import WeightStore
-from intellect_protocol.codec import Channel
-from intellect_protocol.envelope import Rejected, open_signed, seal
+from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
 
@@ -145,7 +143,13 @@ class ValidationPipeline:
 
 
     validators_missing: list[str]
+    validators_present: list[str]
+    waits: dict[str, VerdictWait]
+    _waiting: set[asyncio.Future[None]]
+    validate_s: float
     step: int
+    choose_judges: Callable[[], list[str]]
+    admitted: Callable[[RolloutBatch, bytes, list[str]], str]
 
     def ledger(self, event: str, key: BatchKey, groups: int) -> None:
         if groups > 0 and ledger_log.isEnabledFor(logging.INFO):
@@ -156,20 +160,24 @@ class ValidationPipeline:
         trainer then validates every batch itself): a log line every VALIDATOR_WARN_S, a gauge, /status."""
         if not self.cfg.validators:
             return
+        warned = -VALIDATOR_WARN_S
         while True:
+            await asyncio.sleep(0 if warned < 0 else VALIDATOR_REFRESH_S)  # who is present decides who judges
             try:
                 found = {r.node_id for r in await self.registry.validators(self.cfg.validators)}
             except Exception as e:  # a DHT that does not answer: say so next time
                 logger.debug("could not read the validators' records: %r", e)
                 found = set()
             self.validators_missing = sorted(set(self.cfg.validators) - found)
+            self.validators_present = sorted(found)
             self.metrics.set("node_trainer_validators_missing", len(self.validators_missing),
                              help="validators named with --validator that have no record in the run")  # fmt: skip
-            if self.validators_missing:
+            if self.validators_missing and time.monotonic() - warned >= VALIDATOR_WARN_S:
+                warned = time.monotonic()
                 logger.warning("validator(s) %s named with --validator are not in the run's DHT: this trainer "
                                "validates their share itself; start them with the trainer's current join line "
                                "(--role validator)", ", ".join(v[:12] for v in self.validators_missing))  # fmt: skip
-            await asyncio.sleep(VALIDATOR_WARN_S)
+            warned = max(warned, 0.0)
 
     def _load_validator(self, version: int) -> None:
         self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them
@@ -185,32 +193,6 @@ class ValidationPipeline:
         if self.validator_version != batch.version:
             self._load_validator(batch.version)
         return self.validator.check(batch, full=full)
-
-    async def _remote_verdict(self, batch: RolloutBatch, envelope: bytes) -> tuple[Verdict, bytes] | None:
-        """A trusted validator's signed verdict on exactly these bytes; None if none could give one."""
-        digest = hashlib.sha256(envelope).hexdigest()
-        for record in await self.registry.validators(self.cfg.validators):
-            peer = record.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
-            try:
-                raw = await request(
-                    self.p2p, peer, validate_protocol(self.run_id), envelope, Channel.VERDICT.value, VALIDATE_TIMEOUT_S
-                )
-                signed = open_signed(raw, Verdict)
-            except Exception as e:  # unreachable, refused, malformed: try the next one, then validate here
-                self.metrics.inc("node_trainer_validator_failures_total", label=getattr(e, "reason", "network"))
-                logger.info("validator %s gave no verdict: %r", record.node_id, e)
-                continue
-            v = signed.message
-            if signed.signer_id != record.node_id or (v.batch_sha256, v.node_id, v.version) != (
-                digest,
-                batch.node_id,
-                batch.version,
-            ):
-                self.metrics.inc("node_trainer_validator_failures_total", label="foreign_verdict")
-                logger.warning("validator %s sent a verdict about other bytes or signed by another key", record.node_id)
-                continue
-            return v, raw
-        return None
 
     async def validate_forever(self) -> None:
         """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch
@@ -228,6 +210,54 @@ class ValidationPipeline:
                 self.pending_by_node[batch.node_id] -= len(slots)
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
+    def dispatch(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
+        """An admitted batch goes to the validators named in its acknowledgement, or to this trainer's own queue
+        (no validator present; or a key on probation with spot checks on, which is checked in full here)."""
+        newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
+        judges = [] if newcomer else self.choose_judges()
+        digest = self.admitted(batch, envelope, judges)
+        if not judges:
+            self.pending.put_nowait((batch, slots, envelope))
+            return
+        wait = self.waits[digest] = VerdictWait(judges, (batch.node_id, batch.version, batch.batch_index))
+        task = asyncio.ensure_future(self._await_verdicts(batch, slots, envelope, digest, wait))
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
+
+    async def _await_verdicts(
+        self, batch: RolloutBatch, slots: list[int], envelope: bytes, digest: str, wait: VerdictWait
+    ) -> None:
+        """The named validators' verdicts, off the trainer's path; judged here if they do not all come in time."""
+        key = (batch.node_id, batch.version, batch.batch_index)
+        handed_over = False
+        try:
+            try:
+                await asyncio.wait_for(wait.done.wait(), self.spec.verify.verdict_wait_s)
+            except TimeoutError:
+                pass
+            refusals = [(v, s) for v, s in wait.verdicts.values() if not v.ok]
+            if refusals or len(wait.verdicts) == len(wait.judges):
+                verdict, sealed = (refusals or list(wait.verdicts.values()))[0]
+                self.metrics.inc("node_trainer_remote_verdicts_total", len(wait.verdicts),
+                                 help="verdicts from validator nodes")  # fmt: skip
+                await self._apply(batch, slots, verdict, sealed)
+                return
+            self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no verdict in time")
+            logger.info("no verdict on node=%s version=%d batch=%d from %s within %.0fs; judging it here",
+                        batch.node_id, batch.version, batch.batch_index, ",".join(j[:8] for j in wait.judges),
+                        self.spec.verify.verdict_wait_s)  # fmt: skip
+            self.pending.put_nowait((batch, slots, envelope))
+            handed_over = True
+        except Exception:
+            self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
+            logger.exception("applying the verdicts on node=%s version=%d batch=%d failed; batch dropped",
+                             batch.node_id, batch.version, batch.batch_index)  # fmt: skip
+        finally:
+            self.waits.pop(digest, None)
+            if not handed_over:
+                self.validating.discard(key)
+                self.pending_by_node[batch.node_id] -= len(slots)
+
     async def _validate_one(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
         key = (batch.node_id, batch.version, batch.batch_index)
         if batch.node_id in self.banned:
@@ -239,27 +269,29 @@ class ValidationPipeline:
             self.ledger("stale", key, len(slots))
             return
         started = time.monotonic()
-        # a key on probation has every completion checked: with spot checks on, here (a validator node checks its
-        # own share); with every completion checked anyway, wherever
+        # a key on probation has every completion checked when spot checks are on
         newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
-        remote = await self._remote_verdict(batch, envelope) if self.cfg.validators and not newcomer else None
-        if remote is not None:
-            verdict, sealed = remote
-            self.metrics.inc("node_trainer_remote_verdicts_total", help="verdicts from validator nodes")
-        else:
-            if self.cfg.validators:
-                self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no validator")
-            try:
-                loop = asyncio.get_running_loop()
-                finding = await loop.run_in_executor(self.validation_pool, self._validate, batch, newcomer)
-            except Rejected as e:
-                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
-                self.ledger("stale", key, len(slots))
-                logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
-                return
-            verdict = finding.verdict(batch, envelope)
-            sealed = seal(self.identity, verdict)
+        try:
+            loop = asyncio.get_running_loop()
+            finding = await loop.run_in_executor(self.validation_pool, self._validate, batch, newcomer)
+        except Rejected as e:
+            self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
+            self.ledger("stale", key, len(slots))
+            logger.info("dropped batch node=%s version=%d: %s", batch.node_id, batch.version, e.detail)
+            return
+        finally:
+            self.validate_s += time.monotonic() - started
+        verdict = finding.verdict(batch, envelope)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+        await self._apply(batch, slots, verdict, seal(self.identity, verdict))
+
+    async def _apply(self, batch: RolloutBatch, slots: list[int], verdict: Verdict, sealed: bytes) -> None:
+        """Act on a batch's verdict (from a validator node or this trainer): refuse and ban, or score and queue."""
+        key = (batch.node_id, batch.version, batch.batch_index)
+        if verdict.ok and batch.node_id in self.banned:  # banned for another batch while this one was judged
+            self.metrics.inc("node_trainer_groups_dropped_banned_total", len(slots))
+            self.ledger("banned", key, len(slots))
+            return
         self.verdicts.append(sealed)
         if not verdict.ok:
             self.metrics.inc("node_validator_rejected_total", label=verdict.reason, help="batches failing checks")

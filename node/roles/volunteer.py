@@ -19,6 +19,7 @@ from intellect_node import __version__
 from intellect_node.config import NodeConfig
 from intellect_node.judging.tasks import require_jail
 from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.gossip import Gossip
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
@@ -28,11 +29,15 @@ from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.admission import invite_envelope, solve_pow
-from intellect_protocol.messages import NodeRecord, Role, RunSpec
+from intellect_protocol.envelope import Rejected, open_signed
+from intellect_protocol.messages import NodeRecord, Role, RunSpec, VersionNotice
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.25
 """How often to look at the trainer's record while waiting for something to do."""
+TRAINER_REFRESH_S = 10.0
+"""The trainer's DHT record is read at most this often: new versions arrive as signed notices on the run's
+``versions`` topic (node/p2p/gossip.py); the record is for the trainer's addresses and the run's epoch."""
 REBOOTSTRAP_S = 20.0
 """Without a trainer record signed in the last this many seconds (it republishes every 8), a volunteer re-joins
 the DHT through the trainer's last known address and --peers."""
@@ -73,6 +78,13 @@ class Volunteer(abc.ABC):
         self._trainer_seen = time.monotonic()
         self._trainer_maddrs: list[str] = []
         self._rebootstrapped = -math.inf
+        self.p2p: Any = None
+        self.gossip: Gossip | None = None
+        self.notice: VersionNotice | None = None
+        """The newest version notice heard from the run key (none yet: None)."""
+        self.news = asyncio.Event()
+        self._record: NodeRecord | None = None
+        self._record_at = -math.inf
 
     @property
     def version(self) -> int:
@@ -156,12 +168,38 @@ class Volunteer(abc.ABC):
             self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, self.identity.node_id, a.pow_bits)
             logger.info("proof of work bits=%d seconds=%.2f", a.pow_bits, time.monotonic() - started)
 
+    async def _on_version(self, data: bytes, peer: str) -> None:
+        """A version notice: believed only when signed by the run key, and then only as news (the version itself
+        is checked against its signed manifest when fetched)."""
+        signed = open_signed(data, VersionNotice)
+        n = signed.message
+        if signed.signer_id != self.run_id or n.run_id != self.run_id:
+            raise Rejected("foreign_notice", f"a version notice signed by {signed.signer_id}")
+        if self.notice is None or (n.epoch, n.version) > (self.notice.epoch, self.notice.version):
+            self.notice = n
+            self.news.set()
+            self.metrics.set("node_version_noticed", n.version, help="newest version announced on gossip")
+
+    def _noticed(self, record: NodeRecord) -> NodeRecord:
+        """The trainer's record, with the version of a newer notice of the same epoch."""
+        n = self.notice
+        if n is not None and n.epoch == record.epoch and n.version > record.weight_version:
+            return record.model_copy(update={"weight_version": n.version})
+        return record
+
     async def trainer(self) -> NodeRecord | None:
-        """The trainer's current record; None while it cannot be read (the caller waits and asks again). After
-        REBOOTSTRAP_S without it, the node re-joins the DHT through the trainer's last known address and --peers:
-        a restarted trainer keeps its address, but a node whose only DHT contact it was is cut off meanwhile."""
+        """The trainer's current record (its version raised by newer gossip notices); None while it cannot be read
+        (the caller waits and asks again). The DHT is read at most every TRAINER_REFRESH_S, or at once when a
+        notice names a newer epoch. After REBOOTSTRAP_S without the record, the node re-joins the DHT through the
+        trainer's last known address and --peers: a restarted trainer keeps its address, but a node whose only
+        DHT contact it was is cut off meanwhile."""
+        cached, n = self._record, self.notice
+        if cached is not None and time.monotonic() - self._record_at < TRAINER_REFRESH_S:
+            if n is None or n.epoch <= cached.epoch:
+                return self._noticed(cached)
         record = None
         try:
+            self.metrics.inc("node_dht_trainer_reads_total", help="reads of the trainer's record from the DHT")
             record = await self.membership.get_trainer()
         except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             self.metrics.inc("node_dht_read_failures_total")
@@ -171,6 +209,9 @@ class Volunteer(abc.ABC):
         if record is not None and time.time() - record.updated < REBOOTSTRAP_S:
             self._trainer_seen = now
             self._trainer_maddrs = list(record.p2p_maddrs)
+            self._record, self._record_at = record, now
+            if self.gossip is not None:  # its messages (acknowledgements for a whole swarm) are not rate-limited
+                self.gossip.unlimited = {m.rsplit("/p2p/", 1)[-1] for m in record.p2p_maddrs if "/p2p/" in m}
         elif now - self._trainer_seen > REBOOTSTRAP_S and now - self._rebootstrapped > REBOOTSTRAP_S:
             self._rebootstrapped = now
             known = [*self._trainer_maddrs, *self.cfg.peers]
@@ -180,7 +221,7 @@ class Volunteer(abc.ABC):
                                now - self._trainer_seen, answered, len(known))  # fmt: skip
             except Exception as e:
                 logger.warning("could not re-join the DHT through the known peers: %r", e)
-        return record
+        return self._noticed(record) if record is not None else None
 
     async def follow_epoch(self, trainer: NodeRecord) -> bool:
         """Follow the run into a newer epoch (the trainer started it over: its versions count from 0 again and
@@ -251,10 +292,15 @@ class Volunteer(abc.ABC):
                         tasks.create_task(self.follower.watch_parent(session))
                     tasks.create_task(self.work(spec, session))
         finally:
+            if self.gossip is not None:
+                await self.gossip.close()
             await self.http.close()
             await self.membership.close()
 
     async def ready(self, spec: RunSpec) -> None:
+        self.p2p = await self.membership.replicate_p2p()
+        self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
+        self.gossip.subscribe("versions", self._on_version)
         announce(
             self.role, self.identity.node_id, self.run_id, {"p2p_maddrs": self.maddrs, "status_url": self.status_url}
         )

@@ -1,0 +1,221 @@
+"""The trainer on the run's gossip topics: version notices out, announcements in, acknowledgements out, verdicts in.
+
+- ``versions``: each published version is announced with a ``VersionNotice`` signed by the run key, and the
+  newest is repeated every ``NOTICE_REPEAT_S`` (a late joiner, or a node whose copy was lost, hears it soon).
+- ``rollouts``: producers announce each batch (``BatchAnnounce``). The trainer takes the body from the producer's
+  push; an announced batch not pushed within ``PULL_AFTER_S`` is fetched from its producer by digest
+  (``node/p2p/batches.py``) and goes through the same door checks. An announcement of a batch already admitted is
+  answered with its acknowledgement again (the producer missed it).
+- ``verdicts``: every admitted batch is acknowledged with a ``BatchAck`` (signed by the run key) that names the
+  validators asked to judge it: one trusted validator in turn, or two for a ``verify.second_opinion`` share of
+  batches when two are present. Their signed ``Verdict`` messages come back on the same topic. The batch is trained
+  on once every named judge accepted it; a refusal from any of them refuses it; when they have not all answered
+  within ``verify.verdict_wait_s``, the trainer judges the batch itself (``trainer_validation.py``).
+
+Who may publish what: a notice or an acknowledgement counts only when signed by the run key, an announcement only
+from a registered inference node (``NodeRegistry``, a bounded-cost DHT read) for its own batch, a verdict only
+from a validator named with ``--validator``. Each fetch pulls at most one batch and is made once per digest.
+
+This is a mixin of ``Trainer`` (node/roles/trainer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from typing import Any
+
+from intellect_node.p2p.batches import BatchServer, fetch_batch
+from intellect_node.p2p.gossip import LIMITS, Gossip
+from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
+from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, Verdict, VersionNotice
+
+logger = logging.getLogger(__name__)
+NOTICE_REPEAT_S = 5.0
+PULL_AFTER_S = 3.0
+"""An announced batch that was not pushed within this long is fetched from its producer."""
+ACK_REPEAT_S = 2.0
+"""At most one repeated acknowledgement per batch in this long, however often it is announced."""
+KNOWN = 8192
+"""Digests remembered (admitted, or being fetched): what tells a repeated announcement from a new one."""
+
+
+class VerdictWait:
+    """The named judges' verdicts on one admitted batch."""
+
+    def __init__(self, judges: list[str], key: tuple[str, int, int]) -> None:
+        self.judges = judges
+        self.key = key
+        self.verdicts: dict[str, tuple[Verdict, bytes]] = {}
+        self.done = asyncio.Event()
+
+    def add(self, signer: str, verdict: Verdict, sealed: bytes) -> None:
+        if (verdict.node_id, verdict.version, verdict.batch_index) != self.key:
+            raise Rejected("foreign_verdict", "a verdict naming another batch than its digest")
+        if signer in self.judges and signer not in self.verdicts:
+            self.verdicts[signer] = (verdict, sealed)
+            if not verdict.ok or len(self.verdicts) == len(self.judges):
+                self.done.set()
+
+
+class TrainerGossip:
+    # what this mixin uses of the trainer
+    cfg: Any
+    spec: Any
+    run_id: str
+    identity: Any
+    metrics: Any
+    store: Any
+    registry: Any
+    p2p: Any
+    envelopes: dict[Any, bytes]
+    validators_present: list[str]
+
+    def _init_gossip(self) -> None:
+        self.gossip: Gossip | None = None
+        self.batch_server: BatchServer | None = None
+        self.known: OrderedDict[str, tuple[Any, list[str], float]] = OrderedDict()
+        """Digest -> (batch key, judges, last acknowledged) of admitted batches; (None, [], 0) while fetching."""
+        self.held: OrderedDict[str, bytes] = OrderedDict()
+        """Admitted batches' envelopes by digest, the newest ``KNOWN``: served to the validators that judge them."""
+        self.waits: dict[str, VerdictWait] = {}
+        self._notice: bytes = b""
+        self._turn = 0
+
+    async def start_gossip(self) -> None:
+        self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
+        self.gossip.subscribe("rollouts", self._on_announce)
+        self.gossip.subscribe("verdicts", self._on_verdict)
+        self.batch_server = BatchServer(self.p2p, self.run_id, self.held.get, self.metrics)
+        await self.batch_server.start()
+
+    async def stop_gossip(self) -> None:
+        if self.batch_server is not None:
+            await self.batch_server.close()
+        if self.gossip is not None:
+            await self.gossip.close()
+
+    async def _gossip_out(self, name: str, data: bytes) -> None:
+        if self.gossip is None:
+            return
+        try:
+            await self.gossip.publish(name, data)
+        except (OSError, TimeoutError, Rejected) as e:  # the daemon restarting: whoever needs it asks again
+            self.metrics.inc("node_gossip_publish_failures_total", label=name)
+            logger.warning("could not publish on %s: %r", name, e)
+
+    async def announce_version(self, version: int) -> None:
+        manifest = self.store.manifest(version)
+        if manifest is None:
+            return
+        notice = VersionNotice(run_id=self.run_id, epoch=self.spec.epoch, version=version,
+                               checkpoint_sha256=manifest.checkpoint_sha256, issued=time.time())  # fmt: skip
+        self._notice = seal(self.identity, notice)
+        await self._gossip_out("versions", self._notice)
+
+    async def repeat_notices(self) -> None:
+        while True:
+            await asyncio.sleep(NOTICE_REPEAT_S)
+            if self._notice:
+                await self._gossip_out("versions", self._notice)
+
+    def _remember(self, digest: str, entry: tuple[Any, list[str], float]) -> None:
+        self.known[digest] = entry
+        self.known.move_to_end(digest)
+        while len(self.known) > KNOWN:
+            self.known.popitem(last=False)
+
+    def choose_judges(self) -> list[str]:
+        """The validators to judge the next batch: one in turn, two for the ``second_opinion`` share."""
+        present = self.validators_present
+        if not present:
+            return []
+        self._turn += 1
+        n = 2 if len(present) >= 2 and random.random() < self.spec.verify.second_opinion else 1
+        return [present[(self._turn + i) % len(present)] for i in range(n)]
+
+    def admitted(self, batch: RolloutBatch, envelope: bytes, judges: list[str]) -> str:
+        """Record an admitted batch and acknowledge it on gossip (the push's reply already told its producer)."""
+        digest = hashlib.sha256(envelope).hexdigest()
+        self._remember(digest, ((batch.node_id, batch.version, batch.batch_index), judges, time.monotonic()))
+        self.held[digest] = envelope
+        while len(self.held) > KNOWN // 8:
+            self.held.popitem(last=False)
+        asyncio.ensure_future(self._ack(batch, digest, judges))
+        return digest
+
+    async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str]) -> None:
+        ack = BatchAck(run_id=self.run_id, epoch=self.spec.epoch, node_id=batch.node_id, version=batch.version,
+                       batch_index=batch.batch_index, batch_sha256=digest, judges=judges,
+                       issued=time.time())  # fmt: skip
+        await self._gossip_out("verdicts", seal(self.identity, ack))
+
+    async def _on_announce(self, data: bytes, peer: str) -> None:
+        signed = open_signed(data, BatchAnnounce)
+        a = signed.message
+        if a.run_id != self.run_id or a.epoch != self.spec.epoch:
+            raise Rejected("wrong_run", f"announcement for run {a.run_id} epoch {a.epoch}")
+        if signed.signer_id != a.node_id:
+            raise Rejected("signer_mismatch", "an announcement of another node's batch")
+        self.metrics.inc("node_trainer_announcements_total", help="batch announcements heard")
+        known = self.known.get(a.batch_sha256)
+        if known is not None:
+            key, judges, acked = known
+            self.metrics.inc("node_trainer_duplicates_total", label="announcement",
+                             help="announcements and bodies of batches already held")  # fmt: skip
+            if key is not None and time.monotonic() - acked > ACK_REPEAT_S:  # the producer missed the ack
+                self._remember(a.batch_sha256, (key, judges, time.monotonic()))
+                await self._ack(self._keyed(key), a.batch_sha256, judges)
+            return
+        record = await self.registry.registered(a.node_id)
+        if record is None or record.role != "inference":
+            raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+        self._remember(a.batch_sha256, (None, [], 0.0))
+        asyncio.ensure_future(self._pull(a, peer))
+
+    @staticmethod
+    def _keyed(key: Any) -> RolloutBatch:
+        """A stand-in carrying a batch key's fields, for re-acknowledging (the groups are not needed)."""
+        node_id, version, index = key
+        return RolloutBatch.model_construct(node_id=node_id, version=version, batch_index=index)
+
+    async def _pull(self, a: BatchAnnounce, peer: str) -> None:
+        """Fetch an announced batch that was not pushed, and put it through the door like a pushed one."""
+        await asyncio.sleep(PULL_AFTER_S)
+        known = self.known.get(a.batch_sha256)
+        if known is not None and known[0] is not None:
+            return  # pushed meanwhile
+        try:
+            body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256)
+        except (ConnectionError, TimeoutError, Rejected) as e:
+            self.known.pop(a.batch_sha256, None)  # the next announcement tries again
+            self.metrics.inc("node_trainer_pulls_total", label=getattr(e, "reason", "unreachable"),
+                             help="announced batches fetched from their producer, by outcome")  # fmt: skip
+            logger.debug("could not fetch announced batch %s from peer=%s: %r", a.batch_sha256[:12], peer, e)
+            return
+        if body is None:
+            self.known.pop(a.batch_sha256, None)
+            self.metrics.inc("node_trainer_pulls_total", label="missing")
+            return
+        reply = await self.on_batch(body, peer)  # type: ignore[attr-defined]
+        self.metrics.inc("node_trainer_pulls_total", label="ok" if reply.ok else reply.reason)
+        if not reply.ok:
+            self.known.pop(a.batch_sha256, None)
+
+    async def _on_verdict(self, data: bytes, peer: str) -> None:
+        if kind_of(data, LIMITS["verdicts"]) != Verdict.KIND:
+            return  # an acknowledgement (ours, or a replay): nothing to do here
+        signed = open_signed(data, Verdict)
+        if signed.signer_id not in self.cfg.validators:
+            raise Rejected("untrusted_validator", f"verdict signed by {signed.signer_id}")
+        v = signed.message
+        wait = self.waits.get(v.batch_sha256)
+        if wait is None or v.run_id != self.run_id:
+            self.metrics.inc("node_trainer_verdicts_unmatched_total", help="verdicts for no batch awaiting one")
+            return
+        wait.add(signed.signer_id, v, data)
+
