@@ -26,6 +26,13 @@ def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None
         f"  p2p: {addrs}\n  http: {info.get('status_url', '')}",
         flush=True,
     )
+    reach = info.get("reachability") or {}
+    if reach.get("checked"):
+        p2p, http = ("yes" if reach[k] else "NO" for k in ("p2p", "http"))
+        print(f"  reachable from outside (as the trainer sees it, from {reach['observed_ip']}): p2p {p2p}, http {http}",
+              flush=True)  # fmt: skip
+        if reach.get("fix"):
+            print(f"  {reach['fix']}", flush=True)
     if "join" in info:
         print(f"Volunteers join this run with:\n  {info['join']}", flush=True)
     ready = {"role": role, "node_id": node_id, "run_id": run_id, **info}

@@ -51,6 +51,15 @@ Handler = Callable[[bytes, str], Awaitable[None]]
 """Called with a message's bytes and the libp2p peer id (base58) that published it."""
 
 
+def raise_if_cancelled() -> None:
+    """After catching an error: re-raise a cancellation that came meanwhile. On Python 3.11 ``asyncio.wait_for``
+    loses a cancellation that arrives as its operation fails (the daemon's socket gone at SIGTERM, say): the
+    error is raised instead, and a loop that logs it and goes on would keep a stopping node alive."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def enable_pubsub() -> None:
     """In the process that starts the daemon, before it does: start it with gossipsub on."""
     if getattr(P2P, "_intellect_pubsub", False):
@@ -164,6 +173,7 @@ class Gossip:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the daemon restarted or went away, a message we cannot parse: subscribe again
+                raise_if_cancelled()
                 self.subscribed[name].clear()
                 self.metrics.inc("node_gossip_resubscribes_total", label=name)
                 logger.debug("subscription to %s broke: %r", name, e)
@@ -182,9 +192,11 @@ class Gossip:
             try:
                 await handler(data, peer)
             except Rejected as e:
+                raise_if_cancelled()
                 self.metrics.inc("node_gossip_rejected_total", label=e.reason, help="gossip messages refused")
                 logger.debug("refused a %s message from peer=%s: %s", name, peer, e)
             except Exception:  # a handler's own bug must not end the subscription
+                raise_if_cancelled()
                 self.metrics.inc("node_gossip_rejected_total", label="error")
                 logger.exception("handling a %s message from peer=%s failed", name, peer)
 

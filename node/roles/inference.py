@@ -25,7 +25,7 @@ import torch
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
 from intellect_node.p2p.batches import BatchServer
-from intellect_node.p2p.gossip import LIMITS
+from intellect_node.p2p.gossip import LIMITS, raise_if_cancelled
 from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
@@ -124,6 +124,7 @@ class InferenceNode(Volunteer):
             await self.gossip.publish("rollouts", seal(self.identity, a))
             self.batches_announced += 1
         except (OSError, TimeoutError, Rejected) as e:  # the daemon restarting: announced again later
+            raise_if_cancelled()
             logger.warning("could not announce batch %s: %r", digest[:12], e)
 
     def _keep(self, batch: RolloutBatch, data: bytes) -> str:

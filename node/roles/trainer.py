@@ -485,7 +485,6 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 tasks.create_task(self.validate_forever())
                 tasks.create_task(self.watch_validators())
                 tasks.create_task(self.repeat_notices())
-                await self.announce_version(self.published)
         finally:
             await self.stop_gossip()
             if server is not None:

@@ -30,7 +30,8 @@ from collections import OrderedDict
 from typing import Any
 
 from intellect_node.p2p.batches import BatchServer, fetch_batch
-from intellect_node.p2p.gossip import LIMITS, Gossip
+from intellect_node.p2p.gossip import LIMITS, Gossip, raise_if_cancelled
+from intellect_node.p2p.reach import DialBackServer
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, Verdict, VersionNotice
 
@@ -92,10 +93,13 @@ class TrainerGossip:
         self.gossip.subscribe("verdicts", self._on_verdict)
         self.batch_server = BatchServer(self.p2p, self.run_id, self.held.get, self.metrics)
         await self.batch_server.start()
+        self.dialback = DialBackServer(self.p2p, self.identity, self.run_id, self.metrics)  # joiners' reachability
+        await self.dialback.start()
 
     async def stop_gossip(self) -> None:
         if self.batch_server is not None:
             await self.batch_server.close()
+            await self.dialback.close()
         if self.gossip is not None:
             await self.gossip.close()
 
@@ -105,6 +109,7 @@ class TrainerGossip:
         try:
             await self.gossip.publish(name, data)
         except (OSError, TimeoutError, Rejected) as e:  # the daemon restarting: whoever needs it asks again
+            raise_if_cancelled()
             self.metrics.inc("node_gossip_publish_failures_total", label=name)
             logger.warning("could not publish on %s: %r", name, e)
 
@@ -118,6 +123,8 @@ class TrainerGossip:
         await self._gossip_out("versions", self._notice)
 
     async def repeat_notices(self) -> None:
+        """The newest notice again every NOTICE_REPEAT_S (gossip loses messages sent before a mesh forms)."""
+        await self.announce_version(self.published)  # type: ignore[attr-defined]
         while True:
             await asyncio.sleep(NOTICE_REPEAT_S)
             if self._notice:

@@ -26,7 +26,7 @@ import torch
 
 from intellect_node.judging.validator import Validator
 from intellect_node.p2p.batches import fetch_batch
-from intellect_node.p2p.gossip import LIMITS
+from intellect_node.p2p.gossip import LIMITS, raise_if_cancelled
 from intellect_node.p2p.transport import off_loop_if_large
 from intellect_node.policy.model import build_model, build_tokenizer, load_weights, resolve_device
 from intellect_node.roles.volunteer import POLL_S, Volunteer
@@ -147,8 +147,10 @@ class ValidatorNode(Volunteer):
                 assert self.gossip is not None
                 await self.gossip.publish("verdicts", seal(self.identity, verdict))
             except Rejected as e:
+                raise_if_cancelled()
                 self.reject(e, trainer_peer)
             except (OSError, TimeoutError) as e:  # our daemon: the trainer judges it itself
+                raise_if_cancelled()
                 logger.warning("could not publish a verdict: %r", e)
             except Exception:  # a bug judging one batch must not end the loop: the trainer judges that one itself
                 self.metrics.inc("node_validator_errors_total", help="batches this validator failed to judge")

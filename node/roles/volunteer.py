@@ -23,6 +23,8 @@ from intellect_node.p2p.gossip import Gossip
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.reach import ask_dialback
+from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.runtime import announce
 from intellect_node.weights.files import HTTP_TIMEOUT
 from intellect_node.weights.follower import WeightFollower
@@ -79,6 +81,9 @@ class Volunteer(abc.ABC):
         self._trainer_maddrs: list[str] = []
         self._rebootstrapped = -math.inf
         self.p2p: Any = None
+        self.reachable = True
+        """False once the trainer's dial-back found this node unreachable from outside (node/p2p/reach.py)."""
+        self.reachability: dict[str, Any] = {"checked": False}
         self.gossip: Gossip | None = None
         self.notice: VersionNotice | None = None
         """The newest version notice heard from the run key (none yet: None)."""
@@ -97,12 +102,12 @@ class Volunteer(abc.ABC):
             node_id=self.identity.node_id,
             role=self.role,
             p2p_maddrs=self.maddrs[:8],
-            http_url=self.status_url,
+            http_url=self.status_url if self.reachable else None,
             weight_version=self.version,
             epoch=self.store.epoch or 0,
             updated=time.time(),
             software=f"intellect-node/{__version__}",
-            relay=self.follower.relay_info() if self.follower is not None else None,
+            relay=self.follower.relay_info() if self.follower is not None and self.reachable else None,
             invite=self.invite,
             pow_nonce=self.pow_nonce,
         )
@@ -129,6 +134,7 @@ class Volunteer(abc.ABC):
             "run_id": self.run_id,
             "epoch": self.store.epoch,
             "weight_version": self.version,
+            "reachability": self.reachability,
             "versions_held": self.store.complete_versions(),
             "relay": {
                 "enabled": self.server is not None,
@@ -269,6 +275,8 @@ class Volunteer(abc.ABC):
             await self._prove_identity(spec)
             if self.role in ("inference", "validator"):  # they score completions: code and math run jailed
                 require_jail(spec.task)
+            self.p2p = await self.membership.replicate_p2p()
+            await self.check_reachability()
             keep = self.cfg.keep_versions or spec.train.async_level + 1
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
             self.follower = WeightFollower(
@@ -297,10 +305,42 @@ class Volunteer(abc.ABC):
             await self.http.close()
             await self.membership.close()
 
+    async def check_reachability(self) -> None:
+        """Ask the trainer to dial us back (node/p2p/reach.py). Unreachable: no HTTP URL and no relay slots are
+        announced, so nobody picks this node as a weight parent; it still produces rollouts."""
+        trainer = None
+        for _ in range(20):
+            trainer = await self.membership.get_trainer()
+            if trainer is not None and trainer.p2p_maddrs:
+                break
+            await asyncio.sleep(POLL_S)
+        if trainer is None or not trainer.p2p_maddrs:
+            self.reachability = {"checked": False, "detail": "the trainer's record could not be read"}
+            return
+        http_port = int(self.status_url.rsplit(":", 1)[-1])
+        try:
+            r = await ask_dialback(self.p2p, self.identity, self.run_id, trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1],
+                                   self.maddrs, http_port)  # fmt: skip
+        except (*DELIVERY_ERRORS, Rejected) as e:
+            self.reachability = {"checked": False, "detail": f"the trainer did not answer a dial-back: {e!r}"}
+            logger.warning("could not check reachability (%r): announcing this node's addresses as they are", e)
+            return
+        self.reachable = r.p2p_ok and r.http_ok
+        self.reachability = {"checked": True, "observed_ip": r.observed_ip, "p2p": r.p2p_ok, "http": r.http_ok}
+        self.metrics.set("node_reachable", float(self.reachable), help="1 when the trainer could dial this node back")
+        if not self.reachable:
+            p2p_port = self.maddrs[0].split("/tcp/")[1].split("/")[0] if self.maddrs else "?"
+            self.reachability["fix"] = (
+                f"peers cannot reach this node at {r.observed_ip} (p2p {'ok' if r.p2p_ok else 'unreachable'}, "
+                f"http {'ok' if r.http_ok else 'unreachable'}): it produces rollouts but relays no weights. To "
+                f"relay too, forward TCP ports {p2p_port} and {http_port} of your router to this machine (start with "
+                "--p2p-port and --http-port to keep them fixed) and --host 0.0.0.0"
+            )
+            logger.warning("reachability: %s", self.reachability["fix"])
+            self._publish_soon.set()
+
     async def ready(self, spec: RunSpec) -> None:
-        self.p2p = await self.membership.replicate_p2p()
         self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
         self.gossip.subscribe("versions", self._on_version)
-        announce(
-            self.role, self.identity.node_id, self.run_id, {"p2p_maddrs": self.maddrs, "status_url": self.status_url}
-        )
+        info = {"p2p_maddrs": self.maddrs, "status_url": self.status_url, "reachability": self.reachability}
+        announce(self.role, self.identity.node_id, self.run_id, info)
