@@ -21,7 +21,6 @@ and, if within the sender's rate, one Ed25519 verification.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -156,6 +155,7 @@ class Gossip:
                 response.ParseFromString(await asyncio.wait_for(reader.readexactly(length), CONTROL_TIMEOUT_S))
                 if response.type == pb.Response.ERROR:
                     raise ConnectionError(f"subscribe refused: {response.error.msg}")
+                raise_if_cancelled()  # a wait_for above may have lost it (see raise_if_cancelled)
                 self.subscribed[name].set()
                 while True:
                     length = await read_unsigned_varint(reader)
@@ -201,8 +201,9 @@ class Gossip:
                 logger.exception("handling a %s message from peer=%s failed", name, peer)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        """Cancel the subscriptions; waits a moment for them, never longer (a node stopping must not hang here)."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)

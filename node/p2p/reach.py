@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 3.0
 MAX_TARGETS = 4
 PER_PEER_PER_MIN = 4.0
+PER_PEER_BURST = 3.0
 MAX_PROBING = 4
 MULTISTREAM = b"\x13/multistream/1.0.0\n"
 _IP4 = re.compile(r"^/ip4/([0-9.]+)/tcp/([0-9]+)")
@@ -88,7 +89,7 @@ class DialBackServer:
         self.identity = identity
         self.run_id = run_id
         self.metrics = metrics
-        self._buckets = TokenBuckets(PER_PEER_PER_MIN / 60.0, 2.0)
+        self._buckets = TokenBuckets(PER_PEER_PER_MIN / 60.0, PER_PEER_BURST)
         self._probing = asyncio.Semaphore(MAX_PROBING)
 
     async def start(self) -> None:

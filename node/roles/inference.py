@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from functools import partial
 from typing import Any
 
@@ -64,6 +64,11 @@ class InferenceNode(Volunteer):
         self.recent: OrderedDict[str, bytes] = OrderedDict()
         """The last RECENT batches made, by digest: served to the validators that judge them."""
         self.batches_announced = 0
+        self.batches_made = self.batch_bytes = 0
+        self.acked_on_gossip: OrderedDict[str, bool] = OrderedDict()
+        self._made_at: dict[str, float] = {}
+        self.delivery_ms: deque[float] = deque(maxlen=2000)
+        """Milliseconds from a batch made to its acknowledgement (the push's reply or gossip), the last 2000."""
 
     def status(self) -> dict[str, Any]:
         return {
@@ -73,7 +78,10 @@ class InferenceNode(Volunteer):
             "batches_sent": self.batches_sent,
             "batches_accepted": self.batches_accepted,
             "rejections": self.rejections,
+            "batches_made": self.batches_made,
+            "batch_bytes": self.batch_bytes,
             "batches_announced": self.batches_announced,
+            "delivery_ms": list(self.delivery_ms),
             "unacknowledged": len(self.unacked),
         }
 
@@ -111,8 +119,19 @@ class InferenceNode(Volunteer):
         signed = open_signed(data, BatchAck)
         if signed.signer_id != self.run_id:
             raise Rejected("foreign_ack", f"an acknowledgement signed by {signed.signer_id}")
-        if signed.message.node_id == self.identity.node_id and self.unacked.pop(signed.message.batch_sha256, None):
-            self.metrics.inc("node_inference_acks_total", help="our batches acknowledged on gossip")
+        if signed.message.node_id != self.identity.node_id:
+            return
+        self.metrics.inc("node_inference_acks_total", help="acknowledgements of our batches heard on gossip")
+        if self.unacked.pop(signed.message.batch_sha256, None):
+            self._delivered(signed.message.batch_sha256)
+            self.acked_on_gossip[signed.message.batch_sha256] = True
+            while len(self.acked_on_gossip) > RECENT:
+                self.acked_on_gossip.popitem(last=False)
+
+    def _delivered(self, digest: str) -> None:
+        made = self._made_at.pop(digest, None)
+        if made is not None:
+            self.delivery_ms.append(round((time.monotonic() - made) * 1000, 1))
 
     async def announce(self, batch: RolloutBatch, data: bytes) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -131,6 +150,11 @@ class InferenceNode(Volunteer):
         digest = hashlib.sha256(data).hexdigest()
         self.unacked[digest] = (batch, data)
         self.recent[digest] = data
+        self.batches_made += 1
+        self.batch_bytes += len(data)
+        self._made_at[digest] = time.monotonic()
+        while len(self._made_at) > 4 * RECENT:
+            self._made_at.pop(next(iter(self._made_at)))
         while len(self.recent) > RECENT:
             self.recent.popitem(last=False)
         return digest
@@ -196,7 +220,7 @@ class InferenceNode(Volunteer):
             if self.loaded < 0 or paused_at is not None:
                 await asyncio.sleep(POLL_S)
                 continue
-            if unsent is not None and hashlib.sha256(unsent[1]).hexdigest() not in self.unacked:
+            if unsent is not None and hashlib.sha256(unsent[1]).hexdigest() in self.acked_on_gossip:
                 unsent = None  # acknowledged on gossip (the trainer pulled it) while the push kept failing
                 self.batches_accepted += 1
             if unsent is None:
@@ -223,6 +247,8 @@ class InferenceNode(Volunteer):
             self.metrics.inc("node_inference_batches_sent_total")
             if reply.ok or reply.reason != "backlog_full":  # decided: acknowledged, or refused for good
                 self.unacked.pop(hashlib.sha256(data).hexdigest(), None)
+                if reply.ok:
+                    self._delivered(hashlib.sha256(data).hexdigest())
             if reply.ok:
                 unsent = None
                 self.batches_accepted += 1

@@ -423,6 +423,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             "validators_missing": self.validators_missing,
             "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
             "pending_validation": self.pending.qsize(),
+            "judging": len(self.validating),  # admitted, verdict not yet applied (here or by validators)
+            **self.gossip_status(),
             "outstanding_groups": len(self.queue) + sum(self.pending_by_node.values()),
             "resumed": self.resume_info,
             "history": self.history,

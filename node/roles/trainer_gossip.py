@@ -130,6 +130,18 @@ class TrainerGossip:
             if self._notice:
                 await self._gossip_out("versions", self._notice)
 
+    def gossip_status(self) -> dict[str, Any]:
+        m = self.metrics
+        return {
+            "validators_present": self.validators_present,
+            "awaiting_verdicts": len(self.waits),
+            "verdicts_remote": int(m.counter("node_trainer_remote_verdicts_total")),
+            "verdicts_self": int(m.counter("node_trainer_self_verdicts_total")),
+            "duplicates": {"announcement": int(m.counter("node_trainer_duplicates_total", "announcement")),
+                           "body": int(m.by_label("node_trainer_batches_rejected_total").get("duplicate", 0))},
+            "pulls": m.by_label("node_trainer_pulls_total"),
+        }  # fmt: skip
+
     def _remember(self, digest: str, entry: tuple[Any, list[str], float]) -> None:
         self.known[digest] = entry
         self.known.move_to_end(digest)

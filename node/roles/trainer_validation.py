@@ -283,6 +283,7 @@ class ValidationPipeline:
             self.validate_s += time.monotonic() - started
         verdict = finding.verdict(batch, envelope)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+        self.metrics.inc("node_trainer_self_verdicts_total", help="batches judged by the trainer itself")
         await self._apply(batch, slots, verdict, seal(self.identity, verdict))
 
     async def _apply(self, batch: RolloutBatch, slots: list[int], verdict: Verdict, sealed: bytes) -> None:
