@@ -4,8 +4,10 @@ and NAT.
 Topology (Linux network namespaces, all made here and removed on exit, also on failure): one bridge; the trainer
 and two validator hosts on it; ``--producers`` inference hosts, all but ``--natted`` of them on the bridge, the
 others each behind its own home router (a gateway namespace with ``ip_forward`` and an iptables MASQUERADE rule,
-no port forward: nothing on the bridge can dial them). Every producer's link has ``--loss`` % packet loss and
-``--delay-ms`` of delay each way (tc netem, on both ends of its veth). Every host uses the same fixed libp2p port,
+no port forward: nothing on the bridge can dial them). Every producer's link has ``--loss`` % packet loss each way
+(iptables ``statistic`` DROP rules on its veth, in and out) and ``--delay-ms`` of delay each way on each of its TCP
+connections (benchmarks/delay_proxy.py, a transparent proxy that iptables REDIRECT rules send its connections
+through: this kernel has no netem qdisc). Every host uses the same fixed libp2p port,
 and an iptables rule in each host counts the bytes it sends on libp2p connections (pushes, gossip, batch fetches,
 the DHT): that is "bytes on the wire", set against the batches' own size (what a direct push alone would send).
 
@@ -43,32 +45,30 @@ from intellect_node.launch import NodeProcess, join_argv  # noqa: E402
 from intellect_node.p2p.keys import load_or_create  # noqa: E402
 
 PREFIX = "igs"
-P2P_PORT, HTTP_PORT = 4001, 8001
+P2P_PORT, HTTP_PORT, PROXY_PORT, MARK = 4001, 8001, 15001, 1
 LEDGER = re.compile(r"LEDGER (\w+) (\d+) ([0-9a-f]{32}) (\d+) (\d+) (\d+) (\d+)")
 
 
 class Net:
     """Hosts on one bridge (10.79.0.0/24), some behind their own NAT gateway (10.80.<k>.0/24 inside)."""
 
-    def __init__(self, public: list[str], natted: list[str], lossy: set[str], loss: float, delay_ms: float) -> None:
+    def __init__(self, public: list[str], natted: list[str], lossy: set[str], loss: float) -> None:
         self.made: list[str] = []
         self.ip: dict[str, str] = {}
         self.ns: dict[str, str] = {}
+        self.ext: dict[str, str] = {}
+        """Each host's interface to the outside (its veth)."""
         try:
             br = self._add("br")
             run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
             run("ip", "-n", br, "link", "set", "br0", "up")
-            netem = ["netem", "delay", f"{delay_ms}ms", "loss", f"{loss}%", "limit", "10000"]
             n = 0
             for name in public:
                 n += 1
                 ns = self.ns[name] = self._add(name)
                 inner, outer = self._link(ns, br, n, f"10.79.0.{n}/24")
                 run("ip", "-n", br, "link", "set", outer, "master", "br0", "up")
-                self.ip[name] = f"10.79.0.{n}"
-                if name in lossy:
-                    run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", *netem)
-                    run("tc", "-n", br, "qdisc", "add", "dev", outer, "root", *netem)
+                self.ip[name], self.ext[name] = f"10.79.0.{n}", inner
             for k, name in enumerate(natted):
                 n += 1
                 gw = self._add(f"gw{k}")
@@ -88,13 +88,20 @@ class Net:
                 run("ip", "netns", "exec", gw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
                 run("ip", "netns", "exec", gw, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"10.80.{k}.0/24",
                     "-o", inner, "-j", "MASQUERADE")  # fmt: skip
-                self.ip[name] = f"10.80.{k}.2"
-                if name in lossy:
-                    run("tc", "-n", ns, "qdisc", "add", "dev", host_if, "root", *netem)
-                    run("tc", "-n", gw, "qdisc", "add", "dev", gw_if, "root", *netem)
-            for ns in self.ns.values():  # count what each host sends on libp2p connections
-                for flag in ("--sport", "--dport"):
-                    run("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", "-p", "tcp", flag, str(P2P_PORT))
+                self.ip[name], self.ext[name] = f"10.80.{k}.2", host_if
+            for name, ns in self.ns.items():
+                ipt = ["ip", "netns", "exec", ns, "iptables"]
+                ext = self.ext[name]
+                for flag in ("--sport", "--dport"):  # count what each host sends on libp2p connections
+                    run(*ipt, "-A", "OUTPUT", "-o", ext, "-p", "tcp", flag, str(P2P_PORT))
+                if name in lossy:  # the kernel here has no netem: loss by iptables, delay by a proxy
+                    for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
+                        run(*ipt, "-A", chain, side, ext, "-m", "statistic", "--mode", "random", "--probability",
+                            f"{loss / 100:g}", "-j", "DROP")  # fmt: skip
+                    run(*ipt, "-t", "nat", "-A", "OUTPUT", "-o", ext, "-p", "tcp", "-m", "mark", "!", "--mark",
+                        str(MARK), "-j", "REDIRECT", "--to-ports", str(PROXY_PORT))  # fmt: skip
+                    run(*ipt, "-t", "nat", "-A", "PREROUTING", "-i", ext, "-p", "tcp", "-j", "REDIRECT",
+                        "--to-ports", str(PROXY_PORT))  # fmt: skip
         except BaseException:
             self.close()
             raise
@@ -164,9 +171,13 @@ def main() -> None:
     logs = work / "logs"
     nodes: dict[str, NodeProcess] = {}
     ready: dict[str, dict[str, Any]] = {}
-    net = Net(["t", "v0", "v1", *producers[: len(producers) - len(natted)]], natted, set(producers),
-              args.loss, args.delay_ms)  # fmt: skip
+    net = Net(["t", "v0", "v1", *producers[: len(producers) - len(natted)]], natted, set(producers), args.loss)
     try:
+        for name in producers:  # every TCP connection of a producer, in and out, gains the delay each way
+            nodes[f"proxy-{name}"] = proxy = NodeProcess(
+                f"proxy-{name}", ["--port", str(PROXY_PORT), "--delay-ms", f"{args.delay_ms:g}", "--mark", str(MARK)],
+                logs, command=[sys.executable, str(HERE / "delay_proxy.py")], prefix=net.prefix(name))  # fmt: skip
+            proxy.wait_ready(timeout=60)
         ports = ["--p2p-port", str(P2P_PORT), "--http-port", str(HTTP_PORT)]
         vids = [load_or_create(work / v / "node.key").node_id for v in ("v0", "v1")]
         boot = ["bootstrap", "--host", net.ip["t"], *ports, "--data-dir", str(work / "t"),
@@ -181,9 +192,9 @@ def main() -> None:
             ready[name] = nodes[name].wait_ready(timeout=600)
         bytes0, t0 = net.p2p_bytes(), time.monotonic()
         time.sleep(args.minutes * 60)
+        end = {name: status(net, name, ready[name]["status_url"]) for name in producers}
         for name in producers:  # settle: no new batches; the trainer judges what it holds
             nodes[name].terminate()
-        end = {name: status(net, name, ready[name]["status_url"]) for name in producers}  # before they exit
         for name in producers:
             nodes[name].proc.wait(timeout=60)
         wire, seconds = net.p2p_bytes() - bytes0, time.monotonic() - t0
@@ -239,9 +250,9 @@ def main() -> None:
         print(f"gossip producers={len(producers)} natted={len(natted)} acked={len(acked)} lost_after_ack={lost} "
               f"p99_ms={pct(latencies, 0.99):.0f} natted_accepted={natted_accepted} natted_parents={natted_parents}")
     finally:
-        for node in nodes.values():
+        for node in reversed(list(nodes.values())):  # the proxies last: they carry the producers' connections
             node.terminate()
-        for node in nodes.values():
+        for node in reversed(list(nodes.values())):
             node.stop()
         net.close()
         if args.keep is None:

@@ -11,6 +11,10 @@ temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 aut
   trainer before it trains (a quarter of each batch's completions against the model, all of them for task,
   reward and termination), async level 2.
 - ``sync``: the same swarm with async level 0 (each step waits for rollouts of the newest version).
+- ``validators``: ``async2`` with two validator processes (``join --role validator``, trusted with ``--validator``):
+  the trainer names one of them to judge each batch it admits (two for a tenth of them), they judge in parallel
+  off the trainer's path and gossip signed verdicts; the trainer judges a batch itself only when none came in
+  time. On this 2-core machine the validators share the cores with the trainer and the inference node.
 - ``vllm``: ``async2`` with its inference node on vLLM (``--set inference.backend=vllm``; run this script with the
   Python of an environment that has vLLM, see the README's 'Inference on vLLM'), validated by the same
   transformers trainer.
@@ -25,7 +29,11 @@ training reward and held-out accuracy against wall-clock minutes.
 Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
 a later invocation with the same ``--out`` reuses finished runs (``--fresh`` redoes them) and evaluates all.
 
-Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync,vllm] [--out DIR]
+After the accuracy table, the trainer's time per step split into waiting for rollouts, judging batches itself,
+training and publishing (means over the run's steps).
+
+Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync,validators,vllm]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ from intellect_node.demo import Curve, plot  # noqa: E402
 from intellect_node.judging.evaluate import accuracy, load_folder, newest_version  # noqa: E402
 from intellect_node.judging.tasks import task_source  # noqa: E402
 from intellect_node.judging.validator import task_reward  # noqa: E402
-from intellect_node.launch import NodeProcess  # noqa: E402
+from intellect_node.launch import NodeProcess, join_argv  # noqa: E402
+from intellect_node.p2p.keys import load_or_create  # noqa: E402
 from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402  # noqa: E402
 from intellect_node.policy.generate import sample_groups  # noqa: E402
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
@@ -59,6 +68,9 @@ from intellect_protocol.messages import RunSpec  # noqa: E402
 from intellect_protocol.tasks import sampling_seed  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-addition.toml"
+SPLIT = {"waiting": "idle_s", "judging": "validate_s", "training": "seconds", "publishing": "publish_s"}
+"""The trainer's time per step (history fields): waiting for rollouts, judging batches itself (on its own thread,
+while it waits or trains), the step itself, and writing and announcing the previous version (also overlapped)."""
 COLOCATED_NODE = "0" * 32
 
 
@@ -141,22 +153,30 @@ def _keep(weights_root: Path, dest: Path) -> Path | None:
 
 
 def swarm(
-    label: str, async_level: int, seconds: float, every: float, out: Path, node_args: tuple[str, ...] = ()
-) -> tuple[Curve, list[Any], dict]:
+    label: str, async_level: int, seconds: float, every: float, out: Path, node_args: tuple[str, ...] = (),
+    validators: int = 0,
+) -> tuple[Curve, list[Any], dict]:  # fmt: skip
     root = out / label
     logs = root / "logs"
     nodes: list[NodeProcess] = []
     launched_wall = time.time()
     started = time.monotonic()
+    vids = [load_or_create(root / f"validator-{i}" / "node.key").node_id for i in range(validators)]
     try:
         trainer = NodeProcess(
             f"{label}-trainer",
             ["bootstrap", "--config", str(CONFIG), "--data-dir", str(root / "trainer"), "--fresh", "--threads", "1",
-             "--checkpoint-every", "0", "--set", f"train.async_level={async_level}"],
+             "--checkpoint-every", "0", "--set", f"train.async_level={async_level}",
+             *[a for v in vids for a in ("--validator", v)]],
             logs,
         )  # fmt: skip
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=600)
+        for i in range(validators):
+            nodes.append(NodeProcess(f"{label}-validator-{i}", join_argv("validator", ready, root / f"validator-{i}",
+                                                                         "--threads", "1"), logs))  # fmt: skip
+        for node in nodes[1:]:
+            node.wait_ready(timeout=600)
         worker = NodeProcess(
             f"{label}-inference",
             ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
@@ -196,13 +216,19 @@ def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, t
         curve, kept = colocated(spec, seconds, every, out, threads)
         steps = len(curve.rewards)
     else:
-        level = {"async2": 2, "sync": 0, "vllm": 2}[name]
+        level = {"async2": 2, "sync": 0, "vllm": 2, "validators": 2}[name]
         extra = ("--set", "inference.backend=vllm") if name == "vllm" else ()
-        curve, kept, info = swarm(name, level, seconds, every, out, extra)
+        curve, kept, info = swarm(name, level, seconds, every, out, extra, 2 if name == "validators" else 0)
         steps = info["steps"]
+        history = info["trainer"]["history"]
+        split = {k: sum(h.get(f, 0.0) for h in history) / max(1, len(history))
+                 for k, f in SPLIT.items()}  # fmt: skip
+        split["verdicts_remote"] = info["trainer"].get("verdicts_remote", 0)
+        split["verdicts_self"] = info["trainer"].get("verdicts_self", 0)
     (out / name).mkdir(parents=True, exist_ok=True)
     (out / name / "result.json").write_text(json.dumps(
-        {"rewards": curve.rewards, "kept": [(m, str(p)) for m, p in kept], "steps": steps}
+        {"rewards": curve.rewards, "kept": [(m, str(p)) for m, p in kept], "steps": steps,
+         "split": split if name != "colocated" else {}}
     ))  # fmt: skip
 
 
@@ -212,7 +238,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="redo runs that already have a result.json in --out")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
-    parser.add_argument("--runs", default="colocated,async2,sync", help="any of colocated, async2, sync, vllm")
+    parser.add_argument("--runs", default="colocated,async2,sync",
+                        help="any of colocated, async2, sync, validators, vllm")  # fmt: skip
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated loop and evaluation")
     parser.add_argument("--eval-problems", type=int, default=200)
@@ -243,7 +270,7 @@ def main() -> None:
         data = json.loads(result.read_text())
         curves[name] = Curve(name, rewards=[tuple(r) for r in data["rewards"]])
         kept[name] = [(m, Path(p)) for m, p in data["kept"]]
-        infos[name] = {"steps": data["steps"]}
+        infos[name] = {"steps": data["steps"], "split": data.get("split", {})}
 
     # evaluation, after every run, on the same held-out problems
     torch.set_num_threads(args.threads)
@@ -282,11 +309,20 @@ def main() -> None:
         accs = "".join(f"{a:>9.3f}" for m, a in c.accuracy if m)
         print(f"{name:<11}{infos[name]['steps']:>7}{first:>16.3f}{last:>15.3f}{before:>12.3f}{accs}"
               f"{final(name) - before:>+8.3f}")  # fmt: skip
+    swarms = [n for n in runs if infos[n].get("split")]
+    if swarms:
+        print()
+        print(f"{'trainer, s/step':<16}" + "".join(f"{k:>10}" for k in SPLIT) + f"{'judged by validators / here':>30}")
+        for name in swarms:
+            sp = infos[name]["split"]
+            print(f"{name:<16}" + "".join(f"{sp[k]:>10.2f}" for k in SPLIT)
+                  + f"{sp['verdicts_remote']:>22} / {sp['verdicts_self']}")  # fmt: skip
     print(f"plot: {png}")
     print(
         f"learning model=smollm2-135m task=addition-2digit acc_before={before:.3f} acc_after={final('async2'):.3f} "
         f"colocated_acc_after={final('colocated'):.3f} async2_acc_after={final('async2'):.3f} "
-        f"sync_acc_after={final('sync'):.3f} vllm_acc_after={final('vllm'):.3f} minutes={args.minutes:g}"
+        f"sync_acc_after={final('sync'):.3f} vllm_acc_after={final('vllm'):.3f} "
+        f"validators_acc_after={final('validators'):.3f} minutes={args.minutes:g}"
     )
 
 

@@ -25,6 +25,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default 127.0.0.1)")
+    p.add_argument("--announce", metavar="ADDRESS",
+                   help="address peers should dial, when not --host (a router forwarding the ports, or 0.0.0.0)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -152,6 +154,7 @@ def _main(args: argparse.Namespace) -> None:
     _setup_logging(args.log_level)
     fields: dict[str, Any] = dict(
         host=args.host,
+        announce=args.announce,
         p2p_port=args.p2p_port,
         http_port=args.http_port,
         threads=args.threads,

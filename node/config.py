@@ -104,6 +104,9 @@ class NodeConfig(BaseModel):
     """Holds node.key (the identity) and downloaded or published checkpoints."""
     host: str = "127.0.0.1"
     """Address to listen on and announce (libp2p and HTTP). Use a public address to serve other machines."""
+    announce: str | None = None
+    """Address to announce instead of ``host`` (libp2p and HTTP): the public address of a router that forwards
+    this node's ports, or of a machine listening on 0.0.0.0."""
     p2p_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """libp2p TCP port (0: any free port)."""
     http_port: Annotated[int, Field(ge=0, le=65535)] = 0

@@ -44,6 +44,21 @@ MULTISTREAM = b"\x13/multistream/1.0.0\n"
 _IP4 = re.compile(r"^/ip4/([0-9.]+)/tcp/([0-9]+)")
 
 
+def announced(host: str, announce: str | None, maddrs: list[str], http_port: int) -> tuple[list[str], str]:
+    """The libp2p addresses and HTTP URL a node announces: at ``announce`` when given (first, before what the
+    daemon lists); for a wildcard ``host`` (0.0.0.0), at the first non-loopback IPv4 address the daemon listens on."""
+    wildcard = host in ("0.0.0.0", "::", "")
+    usable = [m for m in maddrs if "/ip4/0.0.0.0/" not in m and "/ip6/::/" not in m]
+    target = announce or host
+    if not announce and wildcard:
+        found = [m.group(1) for m in (_IP4.match(a) for a in usable) if m and not m.group(1).startswith("127.")]
+        target = found[0] if found else "127.0.0.1"
+    if announce and maddrs and "/tcp/" in maddrs[0] and "/p2p/" in maddrs[0]:
+        port, peer = maddrs[0].split("/tcp/", 1)[1].split("/", 1)[0], maddrs[0].rsplit("/p2p/", 1)[1]
+        usable = [f"/ip4/{announce}/tcp/{port}/p2p/{peer}", *usable]
+    return list(dict.fromkeys(usable)), f"http://{target}:{http_port}"
+
+
 def dialback_protocol(run_id: str) -> str:
     return f"intellect-node/{run_id}/dialback/v1"
 

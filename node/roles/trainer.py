@@ -33,6 +33,7 @@ from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import EncodedList, HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.reach import announced
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
 from intellect_node.policy.model import build_model, build_tokenizer, resolve_device
@@ -461,7 +462,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         try:
             self.maddrs = await self._join_dht()  # first: the DHT process must not inherit a listening socket
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
-            self.status_url = f"http://{self.cfg.host}:{port}"
+            self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()

@@ -23,7 +23,7 @@ from intellect_node.p2p.gossip import Gossip
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.p2p.reach import ask_dialback
+from intellect_node.p2p.reach import announced, ask_dialback
 from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.runtime import announce
 from intellect_node.weights.files import HTTP_TIMEOUT
@@ -269,7 +269,7 @@ class Volunteer(abc.ABC):
             self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers,
                                                       self.cfg.data_dir)  # fmt: skip
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
-            self.status_url = f"http://{self.cfg.host}:{port}"
+            self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             spec = self.spec = await self._wait_for_spec()
             self.store.set_epoch(spec.epoch)  # versions held from an earlier start of the run are deleted
             await self._prove_identity(spec)
@@ -334,7 +334,7 @@ class Volunteer(abc.ABC):
                 f"peers cannot reach this node at {r.observed_ip} (p2p {'ok' if r.p2p_ok else 'unreachable'}, "
                 f"http {'ok' if r.http_ok else 'unreachable'}): it produces rollouts but relays no weights. To "
                 f"relay too, forward TCP ports {p2p_port} and {http_port} of your router to this machine (start with "
-                "--p2p-port and --http-port to keep them fixed) and --host 0.0.0.0"
+                f"--p2p-port and --http-port to keep them fixed), --host 0.0.0.0 and --announce {r.observed_ip}"
             )
             logger.warning("reachability: %s", self.reachability["fix"])
             self._publish_soon.set()

@@ -10,7 +10,7 @@ import pytest
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.p2p.reach import DialBackServer, _targets, ask_dialback
+from intellect_node.p2p.reach import DialBackServer, _targets, announced, ask_dialback
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import DialBack
@@ -77,3 +77,14 @@ async def _dialback() -> None:
             await server.close()
         await joiner.close()
         await trainer.close()
+
+
+def test_what_a_node_announces() -> None:
+    lo = "/ip4/127.0.0.1/tcp/4001/p2p/QmPeer"
+    lan = "/ip4/192.168.1.7/tcp/4001/p2p/QmPeer"
+    assert announced("127.0.0.1", None, [lo], 8000) == ([lo], "http://127.0.0.1:8000")
+    # listening everywhere: the HTTP URL names an address others can use, never 0.0.0.0
+    assert announced("0.0.0.0", None, [lo, lan], 8000) == ([lo, lan], "http://192.168.1.7:8000")
+    # behind a router that forwards the ports: its public address first
+    maddrs, url = announced("0.0.0.0", "203.0.113.9", [lan, lo], 8000)
+    assert maddrs[0] == "/ip4/203.0.113.9/tcp/4001/p2p/QmPeer" and url == "http://203.0.113.9:8000"
