@@ -38,7 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-SCHEMAS = ("RunSpec", "NodeRecord", "Manifest", "RolloutBatch", "SubmitReply", "Verdict", "Invite")
+SCHEMAS = ("RunSpec", "NodeRecord", "Manifest", "RolloutBatch", "SubmitReply", "Verdict", "Invite", "VersionNotice",
+           "BatchAnnounce", "BatchAck", "BatchRequest", "DialBack", "Reachability")
 TARGETS = ("codec", "envelope", *(f"schema.{s}" for s in SCHEMAS), "manifest", "dht_record", "frame", "http",
            "submit", "invite")  # fmt: skip
 
@@ -82,6 +83,14 @@ def _setup(target: str) -> tuple[Callable[[bytes], None], list[bytes]]:
         "Verdict": m.Verdict(run_id=run_id, node_id=node_id, version=0, batch_index=0, batch_sha256="00" * 32,
                              ok=True),
         "Invite": m.Invite(run_id=run_id, token_id="ab" * 8, expires=now + 3600, uses=3),
+        "VersionNotice": m.VersionNotice(run_id=run_id, version=3, checkpoint_sha256="ab" * 32, issued=now),
+        "BatchAnnounce": m.BatchAnnounce(run_id=run_id, node_id=node_id, version=0, batch_index=1,
+                                         batch_sha256="cd" * 32, size=1000, issued=now),
+        "BatchAck": m.BatchAck(run_id=run_id, node_id=node_id, version=0, batch_index=1, batch_sha256="cd" * 32,
+                               judges=[node_id], issued=now),
+        "BatchRequest": m.BatchRequest(run_id=run_id, batch_sha256="cd" * 32),
+        "DialBack": m.DialBack(run_id=run_id, node_id=node_id, p2p_maddrs=["/ip4/10.0.0.1/tcp/4001"], http_port=80),
+        "Reachability": m.Reachability(node_id=node_id, observed_ip="10.0.0.1", p2p_ok=True),
     }  # fmt: skip
     bodies = {k: pack(v.model_dump(mode="python")) for k, v in examples.items()}
 

@@ -123,13 +123,14 @@ class Net:
         run("ip", "-n", ns, "link", "set", "lo", "up")
         return inner, outer
 
-    def p2p_bytes(self) -> int:
-        total = 0
-        for ns in self.ns.values():
+    def p2p_bytes(self) -> dict[str, int]:
+        """Bytes each host sent on libp2p connections so far."""
+        sent = {}
+        for name, ns in self.ns.items():
             out = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-L", "OUTPUT", "-v", "-x", "-n"],
                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
-            total += sum(int(line.split()[1]) for line in out.splitlines() if f"pt:{P2P_PORT}" in line)
-        return total
+            sent[name] = sum(int(line.split()[1]) for line in out.splitlines() if f"pt:{P2P_PORT}" in line)
+        return sent
 
     def prefix(self, name: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns[name]]
@@ -197,7 +198,9 @@ def main() -> None:
             nodes[name].terminate()
         for name in producers:
             nodes[name].proc.wait(timeout=60)
-        wire, seconds = net.p2p_bytes() - bytes0, time.monotonic() - t0
+        bytes1, seconds = net.p2p_bytes(), time.monotonic() - t0
+        by_host = {name: bytes1[name] - bytes0[name] for name in bytes1}
+        wire = sum(by_host.values())
         deadline = time.monotonic() + 180
         while (st := status(net, "t", t["status_url"]))["judging"] and time.monotonic() < deadline:
             time.sleep(2)
@@ -237,6 +240,9 @@ def main() -> None:
              f"{st['verdicts_remote']} / {st['verdicts_self']}"),  # fmt: skip
             ("p2p bytes on the wire per acked batch", f"{wire / max(1, len(acked)) / 1e3:.1f} kB"),
             ("batch size (a direct push's bytes)", f"{batch_bytes / 1e3:.1f} kB"),
+            ("p2p MB sent: trainer / validators / producers", f"{by_host['t'] / 1e6:.1f} / "
+             f"{(by_host['v0'] + by_host['v1']) / 1e6:.1f} / {sum(by_host[n] for n in producers) / 1e6:.1f}"),
+            ("gossip messages handled per node per second", f"{st['gossip_received'] / seconds:.1f} (trainer)"),
             ("acknowledged groups lost", lost),
             ("NATed producers' batches accepted", sum(end[n]["batches_accepted"] for n in natted)),
             ("NATed reachability (p2p, http)", [(end[n]["reachability"].get("p2p"), end[n]["reachability"].get("http"))

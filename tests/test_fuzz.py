@@ -16,6 +16,6 @@ def test_every_decoder_and_handler_a_peer_reaches_survives_a_short_fuzzing_run(t
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert summary.startswith("fuzz targets=15 ") and summary.endswith(" crashes=0 hangs=0"), summary
+    assert summary.startswith("fuzz targets=21 ") and summary.endswith(" crashes=0 hangs=0"), summary
     inputs = int(summary.split("inputs=")[1].split()[0])
     assert inputs >= 15 * 400, summary

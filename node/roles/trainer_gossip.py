@@ -140,6 +140,7 @@ class TrainerGossip:
             "duplicates": {"announcement": int(m.counter("node_trainer_duplicates_total", "announcement")),
                            "body": int(m.by_label("node_trainer_batches_rejected_total").get("duplicate", 0))},
             "pulls": m.by_label("node_trainer_pulls_total"),
+            "gossip_received": int(sum(m.by_label("node_gossip_received_total").values())),
         }  # fmt: skip
 
     def _remember(self, digest: str, entry: tuple[Any, list[str], float]) -> None:
