@@ -46,10 +46,8 @@ RECORDS_MAX_AGE_S = 5.0
 """Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
 SILENT_KEEPALIVES = 2
 """Keep-alives in a row without a usable answer after which a node leaves its parent."""
-SLOW_FACTOR = 2.0
-SLOW_MIN_SHARDS = 3
-FAST_ROUNDS = 6
-FAST_KEEPALIVE_S = 0.5
+SLOW_FACTOR, SLOW_MIN_SHARDS = 2.0, 3
+FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
 """Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
@@ -139,8 +137,7 @@ class WeightFollower:
         )
 
     async def _records(self, max_age: float = 0.0) -> dict[str, NodeRecord]:
-        """Every node's newest record; from the last read if it is at most ``max_age`` seconds old (a DHT read
-        takes a few hundred milliseconds on a busy machine, and a fetch should not wait for one at each level)."""
+        """Every node's newest record; from the last read if at most ``max_age`` seconds old (DHT reads are slow)."""
         now = time.monotonic()
         if now - self._read_at <= max_age:
             return {n: r for n, (_, r) in self._seen.items()}
@@ -157,9 +154,12 @@ class WeightFollower:
         return {n: r for n, (_, r) in self._seen.items()}
 
     async def is_member(self, node_id: str) -> bool:
-        """Whether ``node_id`` has a valid record in the run (this node's relay slots are for members only). An
-        unknown id costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
-        return node_id in await self._records(max_age=MEMBER_REFRESH_S)
+        """Whether ``node_id`` has a valid record in the run (relay slots are for members only): known within
+        NODE_TTL_S, at once (reading all records per keepalive was most of a relay's libp2p bytes); an unknown id
+        costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
+        seen = self._seen.get(node_id)
+        return (seen is not None and time.monotonic() - seen[0] < NODE_TTL_S) or node_id in await self._records(
+            max_age=MEMBER_REFRESH_S)  # fmt: skip
 
     def _avoiding(self) -> set[str]:
         now = time.monotonic()
