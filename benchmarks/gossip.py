@@ -150,6 +150,19 @@ def status(net: Net, name: str, url: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
+def counters(net: Net, name: str, url: str) -> dict[str, float]:
+    """A node's /metrics, each counter summed over its labels."""
+    code = ("import sys,urllib.request;"
+            f"sys.stdout.write(urllib.request.urlopen('{url}/metrics',timeout=20).read().decode())")
+    out = subprocess.run([*net.prefix(name), sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    sums: dict[str, float] = defaultdict(float)
+    for line in out.stdout.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            sums[key.split("{", 1)[0]] += float(value)
+    return sums
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
@@ -194,6 +207,7 @@ def main() -> None:
         bytes0, t0 = net.p2p_bytes(), time.monotonic()
         time.sleep(args.minutes * 60)
         end = {name: status(net, name, ready[name]["status_url"]) for name in producers}
+        count = {name: counters(net, name, ready[name]["status_url"]) for name in producers}
         for name in producers:  # settle: no new batches; the trainer judges what it holds
             nodes[name].terminate()
         for name in producers:
@@ -205,6 +219,9 @@ def main() -> None:
         while (st := status(net, "t", t["status_url"]))["judging"] and time.monotonic() < deadline:
             time.sleep(2)
         others = {name: status(net, name, ready[name]["status_url"]) for name in ("v0", "v1")}
+        count.update({name: counters(net, name, ready[name]["status_url"]) for name in ("t", "v0", "v1")})
+        total = {k: sum(c.get(k, 0.0) for c in count.values()) for k in
+                 ("node_gossip_received_bytes_total", "node_batches_served_bytes_total", "node_dht_stores_total")}
         acked: dict[tuple[str, ...], int] = {}
         accounted: dict[tuple[str, ...], int] = defaultdict(int)
         trained: set[tuple[str, ...]] = set()
@@ -243,6 +260,10 @@ def main() -> None:
             ("p2p MB sent: trainer / validators / producers", f"{by_host['t'] / 1e6:.1f} / "
              f"{(by_host['v0'] + by_host['v1']) / 1e6:.1f} / {sum(by_host[n] for n in producers) / 1e6:.1f}"),
             ("gossip messages handled per node per second", f"{st['gossip_received'] / seconds:.1f} (trainer)"),
+            ("per acked batch, app level: push / fetched by digest / gossip delivered",
+             f"{batch_bytes / 1e3:.1f} / {total['node_batches_served_bytes_total'] / max(1, len(acked)) / 1e3:.1f} / "
+             f"{total['node_gossip_received_bytes_total'] / max(1, len(acked)) / 1e3:.1f} kB"),
+            ("DHT record stores by all nodes, whole run", int(total["node_dht_stores_total"])),
             ("acknowledged groups lost", lost),
             ("NATed producers' batches accepted", sum(end[n]["batches_accepted"] for n in natted)),
             ("NATed reachability (p2p, http)", [(end[n]["reachability"].get("p2p"), end[n]["reachability"].get("http"))

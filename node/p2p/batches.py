@@ -85,6 +85,7 @@ class BatchServer:
                     raise Rejected("wrong_run", ask.run_id)
                 body = self._lookup(ask.batch_sha256) or b""
                 self.metrics.inc("node_batches_served_total", label="found" if body else "missing")
+                self.metrics.inc("node_batches_served_bytes_total", len(body), help="batch bodies served by digest")
                 await asyncio.wait_for(_write_frame(writer, body), IO_TIMEOUT_S)
                 await asyncio.wait_for(reader.read(1), LINGER_S)  # until the asker has read it (transport.py)
             finally:

@@ -333,6 +333,7 @@ class Membership:
 
     async def _store(self, key: str, subkey: str, value: bytes, ttl: float) -> bool:
         dht = self._require()
+        self.metrics.inc("node_dht_stores_total", label=key.rsplit("/", 1)[-1], help="DHT stores, by key")
         return bool(
             await asyncio.wait_for(
                 self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S
@@ -341,6 +342,7 @@ class Membership:
 
     async def _get(self, key: str) -> dict[object, object]:
         dht = self._require()
+        self.metrics.inc("node_dht_gets_total", label=key.rsplit("/", 1)[-1], help="DHT reads, by key")
         found = await asyncio.wait_for(self._call(dht.get, key, True), DHT_TIMEOUT_S)
         if found is None or not isinstance(found.value, dict):
             return {}

@@ -126,6 +126,7 @@ class Gossip:
             raise Rejected("oversized", f"{len(data)} bytes > the {name} topic's limit of {limit}")
         await self._control(pb.PSRequest(type=pb.PSRequest.PUBLISH, topic=topic(self.run_id, name), data=data))
         self.metrics.inc("node_gossip_published_total", label=name, help="messages published, by topic")
+        self.metrics.inc("node_gossip_published_bytes_total", len(data), label=name)
 
     async def peers(self, name: str) -> list[str]:
         """Peers this daemon knows to be subscribed to ``name`` (base58)."""
@@ -189,6 +190,7 @@ class Gossip:
                 self.metrics.inc("node_gossip_dropped_total", label="rate")
                 continue
             self.metrics.inc("node_gossip_received_total", label=name, help="gossip messages handled, by topic")
+            self.metrics.inc("node_gossip_received_bytes_total", len(data), label=name)
             try:
                 await handler(data, peer)
             except Rejected as e:

@@ -37,6 +37,7 @@ from intellect_protocol.messages import NodeRecord, Role, RunSpec, VersionNotice
 logger = logging.getLogger(__name__)
 POLL_S = 0.25
 """How often to look at the trainer's record while waiting for something to do."""
+PUBLISH_MIN_S = 1.0
 TRAINER_REFRESH_S = 10.0
 """The trainer's DHT record is read at most this often: new versions arrive as signed notices on the run's
 ``versions`` topic (node/p2p/gossip.py); the record is for the trainer's addresses and the run's epoch."""
@@ -118,13 +119,19 @@ class Volunteer(abc.ABC):
         except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
             logger.warning("could not publish the DHT record: %s", e)
 
+    async def _coalesced_publish(self) -> None:
+        """The follower's changes (parent, versions held) go out with the next coalesced store."""
+        self._publish_soon.set()
+
     async def publish_on_change(self) -> None:
         """Republish as soon as something others plan with changes (a slot taken or freed)."""
         while True:
             await self._publish_soon.wait()
             self._publish_soon.clear()
             await self.publish()
-            await asyncio.sleep(0.2)  # at most five DHT stores a second, however busy the slots are
+            # at most one DHT store a second, however busy the slots and versions are: each store of a record
+            # travels to several DHT peers, and republishing at every change was most of a node's libp2p bytes
+            await asyncio.sleep(PUBLISH_MIN_S)
 
     def status(self) -> dict[str, Any]:
         f = self.follower
@@ -281,7 +288,7 @@ class Volunteer(abc.ABC):
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
             self.follower = WeightFollower(
                 self.identity, self.run_id, self.membership, self.store, self.metrics, self.server,
-                keep, max_bytes, self.publish,
+                keep, max_bytes, self._coalesced_publish,
             )  # fmt: skip
             if self.server is not None:
                 follower = self.follower
