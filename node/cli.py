@@ -1,4 +1,4 @@
-"""The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, or run the local ``demo``.
+"""The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, run the local ``demo``; ``id`` and ``invite``.
 
 Arguments are parsed before torch or hivemind is imported, so ``--help`` is instant.
 """
@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="a node setting, e.g. --set inference.backend=vllm (repeatable)")  # fmt: skip
 
+    ident = sub.add_parser("id", help="print this node's id (creating its key if there is none): give a validator's "
+                                      "to the trainer's --validator before either starts")  # fmt: skip
+    ident.add_argument("--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or "
+                                                     "~/.intellect-node)")  # fmt: skip
+
     invite = sub.add_parser("invite", help="mint an invite to the run whose key is in --data-dir (invite-only runs)")
     invite.add_argument("--data-dir", type=Path, help="the trainer's data dir (its node.key is the run key)")
     invite.add_argument("--uses", type=int, default=1, help="how many distinct nodes may join with it (default 1)")
@@ -151,6 +156,12 @@ def _main(args: argparse.Namespace) -> None:
     if args.command == "invite":
         _invite(args)
         return
+    if args.command == "id":
+        from intellect_node.config import default_data_dir
+        from intellect_node.p2p.keys import load_or_create
+
+        print(load_or_create((args.data_dir or default_data_dir()) / "node.key").node_id)
+        return
     _setup_logging(args.log_level)
     fields: dict[str, Any] = dict(
         host=args.host,
@@ -166,6 +177,7 @@ def _main(args: argparse.Namespace) -> None:
     )
     if args.data_dir is not None:
         fields["data_dir"] = args.data_dir
+    _writable(fields.get("data_dir"))
     if args.backend is not None:
         fields["inference"] = {"backend": args.backend}
     run_overrides, node_overrides = split_overrides(args.overrides)
@@ -209,6 +221,23 @@ def _main(args: argparse.Namespace) -> None:
             from intellect_node.roles.inference import InferenceNode
 
             run_until_signalled(InferenceNode(node).run())
+
+
+def _writable(data_dir: Path | None) -> None:
+    """The data dir exists (made if need be) and takes files: said now, with the flag to change, not as an errno
+    from deep inside a node."""
+    import tempfile
+
+    from intellect_node.config import default_data_dir
+
+    path = data_dir or default_data_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        sys.exit(f"intellect-node: --data-dir {path}: cannot create or write files there ({e.strerror}); give a "
+                 "directory you can write to (or set INTELLECT_NODE_HOME)")  # fmt: skip
 
 
 def _invite(args: argparse.Namespace) -> None:

@@ -67,6 +67,10 @@ class RunConfig(BaseModel):
             if not m.name:
                 raise ValueError("model.kind = 'hf' needs model.name: a local folder, a hub id, or 'smollm2'")
             return self
+        if self.sampling.max_new_tokens >= m.max_positions:
+            raise ValueError(f"sampling.max_new_tokens = {self.sampling.max_new_tokens} leaves no room for a prompt "
+                             f"in model.max_positions = {m.max_positions}: lower it, or raise "
+                             "model.max_positions")  # fmt: skip
         if self.verify.topk > m.hidden_size:
             raise ValueError(f"verify.topk={self.verify.topk} exceeds model.hidden_size={m.hidden_size}: a proof "
                              "over one decode step needs that many values; lower verify.topk")  # fmt: skip
@@ -216,8 +220,24 @@ def node_settings(overrides: list[str] | tuple[str, ...], fields: dict[str, Any]
 def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
     tree: dict[str, Any] = {}
     if path is not None:
-        with open(path, "rb") as f:
-            tree = tomllib.load(f).get("run", {})
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"--config {path}: no such file (node/configs/ has examples)") from None
+        except IsADirectoryError:
+            raise ValueError(f"--config {path}: a directory, not a TOML file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+        outside = sorted(k for k in doc if k != "run")
+        if outside:
+            hint = [k for k in outside if k in RunConfig.model_fields]
+            raise ValueError(
+                f"--config {path}: {', '.join(f'[{k}]' if isinstance(doc[k], dict) else k for k in outside)} "
+                "outside [run]: run settings go under [run], e.g. "
+                + (f"[run.{hint[0]}]" if hint else "[run.train]") + " (see node/configs/tiny.toml)"
+            )
+        tree = doc.get("run", {})
     for item in split_overrides(overrides)[0]:  # node settings (inference.*) are the caller's to apply
         _set_dotted(tree, *parse_override(item))
     _reject_unknown(tree, RunConfig)

@@ -170,6 +170,10 @@ class Validator:
         self.eos = int(tokenizer.eos_token_id)
         self.pad = int(tokenizer.pad_token_id)
         self.vocab = int(model.config.vocab_size)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and spec.sampling.max_new_tokens >= positions:
+            raise ValueError(f"sampling.max_new_tokens = {spec.sampling.max_new_tokens} leaves no room for a prompt "
+                             f"in the model's {positions} positions: lower it")  # fmt: skip
         self.source = task_source(spec.task)
         self.secret = secret if secret is not None else os.urandom(32)
         """Keys the spot-check choice (``verify.check_fraction``); never leaves this process."""

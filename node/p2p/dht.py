@@ -13,11 +13,13 @@ line its operator printed, and every peer's routing table, stay valid.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +60,21 @@ SHUTDOWN_S = 5.0
 """How long closing waits for the DHT process before it is killed (with its daemon)."""
 T = TypeVar("T")
 _CLOCK = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
+
+
+def _require_free(host: str, port: int) -> None:
+    """Refuse a --p2p-port another program listens on, saying so (the daemon reports it as a failure to reach
+    the bootstrap peers)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise SystemExit(f"--p2p-port {port} is already in use on {host} (another intellect-node, or another "
+                                 "program): stop it, or choose another port") from None  # fmt: skip
+            raise SystemExit(f"--host {host} --p2p-port {port}: cannot listen there ({e.strerror}); give an "
+                             "address of this machine") from None  # fmt: skip
 
 
 def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
@@ -258,6 +275,8 @@ class Membership:
     async def start(self, host: str, port: int, peers: list[str], state_dir: Path | None = None) -> list[str]:
         """Join the DHT (alone when ``peers`` is empty). With ``state_dir``, the libp2p key is kept there
         (``p2p.key``), and with ``port`` 0 the port of the last start is tried first (``p2p.port``)."""
+        if port:
+            _require_free(host, port)
         identity_path = None
         saved_port = 0
         if state_dir is not None:
