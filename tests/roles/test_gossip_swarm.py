@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import defaultdict
@@ -19,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from intellect_node.launch import NodeProcess, join_argv
-from intellect_node.p2p.keys import load_or_create
 from intellect_node.roles.volunteer import TRAINER_REFRESH_S
 
 LEDGER = re.compile(r"LEDGER (\w+) (\d+) ([0-9a-f]{32}) (\d+) (\d+) (\d+) (\d+)")
@@ -47,7 +48,9 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
 
 def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    validator_id = load_or_create(tmp_path / "v" / "node.key").node_id
+    # the README's sequence: the validator's id first (`intellect-node id`), the trainer started trusting it
+    validator_id = subprocess.run([sys.executable, "-m", "intellect_node.cli", "id", "--data-dir", str(tmp_path / "v")],
+                                  capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
     nodes: list[NodeProcess] = []
     try:
         trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t"), "--validator", validator_id,
