@@ -1,4 +1,5 @@
-"""The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, run the local ``demo``; ``id`` and ``invite``.
+"""The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, run the local ``demo``; ``status``,
+``doctor``, ``id`` and ``invite``.
 
 Arguments are parsed before torch or hivemind is imported, so ``--help`` is instant.
 """
@@ -93,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or "
                                                      "~/.intellect-node)")  # fmt: skip
 
+    status = sub.add_parser("status", help="a running node's state in the terminal")
+    status.add_argument("url", nargs="?", help="the node's HTTP URL (default: the node started with --data-dir)")
+    status.add_argument("--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or "
+                                                      "~/.intellect-node)")  # fmt: skip
+
+    doctor = sub.add_parser("doctor", help="check this machine before joining: memory, disk, GPU, backend, clock, "
+                                           "ports reachable from outside")  # fmt: skip
+    doctor.add_argument("--data-dir", type=Path, help="where the node would keep its files")
+    doctor.add_argument("--config", type=Path, help="the run's config, for its model's size (default: the tiny run)")
+    doctor.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    doctor.add_argument("--peers", action="append", default=[], metavar="MULTIADDR",
+                        help="the run's join line: with --run-id, the trainer checks the ports from outside")
+    doctor.add_argument("--run-id")
+    doctor.add_argument("--host", default="0.0.0.0", help="address the node would listen on (default 0.0.0.0)")
+    doctor.add_argument("--p2p-port", type=int, default=0)
+    doctor.add_argument("--http-port", type=int, default=0)
+
     invite = sub.add_parser("invite", help="mint an invite to the run whose key is in --data-dir (invite-only runs)")
     invite.add_argument("--data-dir", type=Path, help="the trainer's data dir (its node.key is the run key)")
     invite.add_argument("--uses", type=int, default=1, help="how many distinct nodes may join with it (default 1)")
@@ -156,6 +174,18 @@ def _main(args: argparse.Namespace) -> None:
     if args.command == "invite":
         _invite(args)
         return
+    if args.command == "status":
+        from intellect_node.config import default_data_dir
+        from intellect_node.doctor import show_status, status_url
+
+        show_status(args.url or status_url(args.data_dir or default_data_dir()))
+        return
+    if args.command == "doctor":
+        from intellect_node.config import default_data_dir
+        from intellect_node.doctor import run_doctor
+
+        sys.exit(run_doctor(args.data_dir or default_data_dir(), args.config, args.backend, args.peers, args.run_id,
+                            args.host, args.p2p_port, args.http_port))  # fmt: skip
     if args.command == "id":
         from intellect_node.config import default_data_dir
         from intellect_node.p2p.keys import load_or_create

@@ -16,7 +16,7 @@ NODE = ROOT / "node"
 SUBSYSTEMS = ("p2p", "weights", "policy", "judging", "roles")
 SHARED = ("config", "runtime")
 """Top-level modules every role's process shares: a role may import them, a subsystem may not."""
-ENTRY = ("cli", "demo", "launch")
+ENTRY = ("cli", "demo", "doctor", "launch")
 ALLOWED: dict[str, set[str]] = {
     "p2p": {"p2p"},
     "policy": {"policy"},

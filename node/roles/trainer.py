@@ -146,8 +146,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         if self.resumed is not None:
             self._restore(self.resumed)
         self._store_lock = threading.Lock()
-        self.validation_pool = ThreadPoolExecutor(1, thread_name_prefix="validation")
-        """The validator's model: one batch at a time, on a thread of its own (never behind DHT calls)."""
+        self.validation_pool = ThreadPoolExecutor(1, thread_name_prefix="validation")  # its model: a batch at a time
         self.reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix="rewards")
         """Scoring (code tests and math checks run jailed programs) has threads of its own: a slow batch never
         holds up checkpointing and publishing, which use the default executor."""
@@ -463,6 +462,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             self.maddrs = await self._join_dht()  # first: the DHT process must not inherit a listening socket
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
+            (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
             await server.start()

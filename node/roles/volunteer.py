@@ -277,6 +277,7 @@ class Volunteer(abc.ABC):
                                                       self.cfg.data_dir)  # fmt: skip
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
+            (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
             spec = self.spec = await self._wait_for_spec()
             self.store.set_epoch(spec.epoch)  # versions held from an earlier start of the run are deleted
             await self._prove_identity(spec)

@@ -10,6 +10,7 @@ refused for a reason, or still held). The validator restarts with the same ident
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -77,6 +78,18 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         assert len(loaded) >= 3, loaded
         assert reads <= (time.monotonic() - started) / TRAINER_REFRESH_S + 3, reads
         assert _metric(w, "node_inference_acks_total") > 0  # the trainer's acknowledgements reached it on gossip
+
+        # the terminal's view of it (`intellect-node status`), and `doctor` against the run: ports reachable
+        cli = [sys.executable, "-m", "intellect_node.cli"]
+        env = {**os.environ, "COLUMNS": "200"}
+        shown = subprocess.run([*cli, "status", "--data-dir", str(tmp_path / "t")], capture_output=True, text=True,
+                               timeout=60, check=True, env=env).stdout  # fmt: skip
+        assert "trainer" in shown and "validators" in shown and "1 present" in shown, shown
+        doctor = subprocess.run([*cli, "doctor", "--data-dir", str(tmp_path / "d"), "--host", "127.0.0.1", "--peers",
+                                 ready["p2p_maddrs"][0], "--run-id", ready["run_id"]], capture_output=True, text=True,
+                                timeout=120, env=env)  # fmt: skip
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert doctor.stdout.count("reachable from outside: yes") == 2, doctor.stdout
 
         # the validator dies: what it was named for is judged here, nothing is lost
         validator.proc.send_signal(signal.SIGKILL)
