@@ -26,6 +26,7 @@ from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
 from intellect_node.p2p.batches import BatchServer
 from intellect_node.p2p.gossip import LIMITS, raise_if_cancelled
+from intellect_node.p2p.metrics import TOKENS_PER_S
 from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
@@ -103,6 +104,8 @@ class InferenceNode(Volunteer):
         self.batch_index = 0
         self.versions_loaded.append(target)
         self.metrics.set("node_inference_weight_version", target)
+        self.metrics.observe("node_weights_fetch_seconds", time.monotonic() - started,
+                             help="a new version received, verified and loaded")  # fmt: skip
         logger.info("loaded version=%d bytes=%d seconds=%.2f", target, manifest.total_size, time.monotonic() - started)
 
     async def ready(self, spec: RunSpec) -> None:
@@ -224,7 +227,11 @@ class InferenceNode(Volunteer):
                 unsent = None  # acknowledged on gossip (the trainer pulled it) while the push kept failing
                 self.batches_accepted += 1
             if unsent is None:
+                began = time.monotonic()
                 batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
+                tokens = sum(len(c) for g in batch.groups for c in g.completions)
+                self.metrics.observe("node_generation_tokens_per_second", tokens / max(1e-6, time.monotonic() - began),
+                                     help="new tokens per second of a batch", buckets=TOKENS_PER_S)  # fmt: skip
                 unsent = (batch, seal(self.identity, batch))
                 self._keep(*unsent)
                 await self.announce(*unsent)

@@ -5,8 +5,7 @@ Invariants:
   at least ``step - async_level``, it was not seen before, and its tasks are exactly the ones assigned to that
   node; everything else is rejected with a reason, counted and logged, and the node keeps running.
 - Rewards are recomputed here from the completions; nothing the worker says about rewards is read.
-- Training step ``n`` turns version ``n`` into ``n + 1``; submissions are handled on the event loop while the
-  step runs in a thread, so inference never waits for training or publishing.
+- Step ``n`` turns version ``n`` into ``n + 1`` in a thread: inference never waits for training or publishing.
 """
 
 from __future__ import annotations
@@ -386,6 +385,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 await previous
             self._persisting = asyncio.create_task(self._persist(self.step, tensors, meta))
             self.metrics.inc("node_trainer_steps_total")
+            self.metrics.observe("node_trainer_step_seconds", stats["seconds"], help="a training step and snapshot")
             self.metrics.set("node_trainer_step", self.step)
             self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
             self.metrics.set("node_trainer_idle_seconds", self.idle_s, help="time the trainer waited for rollouts")

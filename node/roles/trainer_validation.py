@@ -284,6 +284,7 @@ class ValidationPipeline:
         verdict = finding.verdict(batch, envelope)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
         self.metrics.inc("node_trainer_self_verdicts_total", help="batches judged by the trainer itself")
+        self.metrics.observe("node_validation_seconds", time.monotonic() - started, help="a batch judged")
         await self._apply(batch, slots, verdict, seal(self.identity, verdict))
 
     async def _apply(self, batch: RolloutBatch, slots: list[int], verdict: Verdict, sealed: bytes) -> None:

@@ -135,6 +135,7 @@ class ValidatorNode(Volunteer):
         self.judged += 1
         self.metrics.inc("node_validator_batches_total", label="ok" if verdict.ok else verdict.reason)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
+        self.metrics.observe("node_validation_seconds", time.monotonic() - started, help="a batch judged")
         logger.info("verdict node=%s version=%d batch=%d ok=%s reason=%s", batch.node_id, batch.version,
                     batch.batch_index, verdict.ok, verdict.reason)  # fmt: skip
         return verdict
