@@ -133,6 +133,7 @@ class TrainerGossip:
     def gossip_status(self) -> dict[str, Any]:
         m = self.metrics
         return {
+            "peers": len(self.registry.records),  # nodes with a record in the run, as last read
             "validators_present": self.validators_present,
             "awaiting_verdicts": len(self.waits),
             "verdicts_remote": int(m.counter("node_trainer_remote_verdicts_total")),

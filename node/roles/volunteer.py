@@ -142,6 +142,7 @@ class Volunteer(abc.ABC):
             "epoch": self.store.epoch,
             "weight_version": self.version,
             "reachability": self.reachability,
+            "peers": len(f._seen) if f else 0,  # nodes whose records it read (the relay tree's view)
             "versions_held": self.store.complete_versions(),
             "relay": {
                 "enabled": self.server is not None,

@@ -44,3 +44,24 @@ def test_status_served_over_http_grows_with_each_step() -> None:
     seen = asyncio.run(main())
     assert [s["step"] for s in seen] == [1, 2, 3]
     assert seen[-1]["history"] == [{"step": 1}, {"step": 2}, {"step": 3}]
+
+
+def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only() -> None:
+    """Works offline (nothing loaded from elsewhere: no CDN, no build step), and the browser is told so (CSP)."""
+
+    async def main() -> tuple[int, str, str, str]:
+        http = HttpServer(Metrics(), lambda: {"role": "relay"})
+        port = await http.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/") as r:
+                    return r.status, r.content_type, r.headers.get("Content-Security-Policy", ""), await r.text()
+        finally:
+            await http.close()
+
+    status, ctype, csp, page = asyncio.run(main())
+    assert status == 200 and ctype == "text/html"
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert "http://" not in page and "https://" not in page and "src=" not in page  # no external script or image
+    assert 'fetch("status"' in page and "setInterval(refresh" in page  # it refreshes itself from its own node
+    assert "esc(" in page  # peer-controlled strings (ids, reasons) are escaped before they are shown
