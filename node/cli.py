@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--checkpoint-every", type=int, default=1,
                       help="checkpoint every N steps (default 1; 0: never). Rerunning bootstrap with the same "
                            "--data-dir resumes from the newest checkpoint")  # fmt: skip
+    boot.add_argument("--track", choices=("none", "tensorboard", "wandb"), default="none",
+                      help="log each step's metrics to TensorBoard event files or W&B (offline mode)")  # fmt: skip
+    boot.add_argument("--track-dir", type=Path, help="where --track writes (default: <data dir>/tracking)")
     boot.add_argument("--fresh", action="store_true", help="discard this key's checkpoints and start the run over")
     boot.add_argument("--peers", action="append", default=[], metavar="MULTIADDR",
                       help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
@@ -229,6 +232,8 @@ def _main(args: argparse.Namespace) -> None:
             validators=args.validator,
             checkpoint_every=args.checkpoint_every,
             fresh=args.fresh,
+            track=args.track,
+            track_dir=args.track_dir,
             peers=args.peers,
             invite_uses=args.invite_uses,
             invite_days=args.invite_days,

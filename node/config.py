@@ -130,6 +130,10 @@ class NodeConfig(BaseModel):
     checkpoint_every: Annotated[int, Field(ge=0)] = 1
     """Trainer: checkpoint every this many steps (0: never). A restarted trainer resumes from its newest one;
     with N > 1 a crash loses up to N - 1 steps of training (version numbers still never repeat)."""
+    track: Literal["none", "tensorboard", "wandb"] = "none"
+    """Trainer: log every step's metrics to TensorBoard event files or a W&B run in offline mode."""
+    track_dir: Path | None = None
+    """Trainer: where tracking writes (default ``<data_dir>/tracking``)."""
     fresh: bool = False
     """Trainer: delete this run key's checkpoints and weights and start the run over."""
     shard_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024

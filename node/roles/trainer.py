@@ -37,6 +37,7 @@ from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
 from intellect_node.policy.model import build_model, build_tokenizer, resolve_device
 from intellect_node.roles.admission import Admission, mint_invite
+from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
@@ -141,6 +142,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.validate_s = self.publish_s = 0.0
         """Seconds this trainer spent judging batches itself, and publishing versions (the step split)."""
         self._init_gossip()
+        where = node.track_dir or node.data_dir / "tracking"
+        self.tracker = (None if node.track == "none"
+                        else Tracker(node.track, where, self.run_id, self.spec.model_dump(mode="json")))  # fmt: skip
         self._shed_at = -1e9
         if self.resumed is not None:
             self._restore(self.resumed)
@@ -372,6 +376,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 staleness_mean=float(sum(self.step - 1 - v for v in versions) / len(versions)),
             )
             self.history.append(stats)
+            if self.tracker is not None:
+                self.tracker.log(self.step, stats)
             meta = None
             if engine_state is not None:
                 try:  # batches accepted from now on go to the next spool; if it cannot be made, no checkpoint now
@@ -438,18 +444,6 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             return ""
         return f" --invite {mint_invite(self.identity, self.cfg.invite_uses, self.cfg.invite_days)}"
 
-    async def _join_dht(self) -> list[str]:
-        """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
-        peers = self.cfg.peers or getattr(self, "_saved_peers", [])
-        state = self.cfg.data_dir
-        if not self.cfg.peers and peers:
-            try:
-                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state)
-            except SystemExit as e:
-                logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
-                               "alone: nodes reconnect to this address (kept across restarts)", e)  # fmt: skip
-        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state)
-
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
         await self._publish_current()
@@ -490,6 +484,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 tasks.create_task(self.repeat_notices())
         finally:
             await self.stop_gossip()
+            if self.tracker is not None:
+                self.tracker.close()
             if server is not None:
                 await server.close()
             await self.http.close()

@@ -415,6 +415,18 @@ class Checkpoints:
                                 "unreadable_batches": unreadable}  # fmt: skip
             logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)
 
+    async def _join_dht(self) -> list[str]:
+        """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
+        peers = self.cfg.peers or getattr(self, "_saved_peers", [])
+        state = self.cfg.data_dir
+        if not self.cfg.peers and peers:
+            try:
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state)
+            except SystemExit as e:
+                logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
+                               "alone: nodes reconnect to this address (kept across restarts)", e)  # fmt: skip
+        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state)
+
     async def _publish_current(self) -> None:
         """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
         was published before the restart). Versions a previous life published beyond the checkpoint (possible
