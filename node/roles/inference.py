@@ -42,6 +42,8 @@ RETRY_SAME = frozenset({"busy", "unknown_signer"})
 DISK_RETRY_S = 5.0
 """After a local disk error (full, out of file handles), the node waits this long before trying again."""
 REANNOUNCE_S = 5.0
+LOAD_LOG_S = 30.0
+"""A loaded version is logged at INFO at most this often (DEBUG otherwise; /status lists them all)."""
 RECENT = 32
 PAUSE_MAX_S = 10.0
 """A producer the trainer told to wait asks again after this long even without a new version: backpressure
@@ -65,6 +67,7 @@ class InferenceNode(Volunteer):
         self.recent: OrderedDict[str, bytes] = OrderedDict()
         """The last RECENT batches made, by digest: served to the validators that judge them."""
         self.batches_announced = 0
+        self._logged_load = -LOAD_LOG_S
         self.batches_made = self.batch_bytes = 0
         self.acked_on_gossip: OrderedDict[str, bool] = OrderedDict()
         self._made_at: dict[str, float] = {}
@@ -106,7 +109,12 @@ class InferenceNode(Volunteer):
         self.metrics.set("node_inference_weight_version", target)
         self.metrics.observe("node_weights_fetch_seconds", time.monotonic() - started,
                              help="a new version received, verified and loaded")  # fmt: skip
-        logger.info("loaded version=%d bytes=%d seconds=%.2f", target, manifest.total_size, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        quiet = time.monotonic() - self._logged_load < LOAD_LOG_S  # a fast run loads versions every second
+        logger.log(logging.DEBUG if quiet else logging.INFO, "loaded version=%d bytes=%d seconds=%.2f (%d versions "
+                   "loaded so far)", target, manifest.total_size, seconds, len(self.versions_loaded))  # fmt: skip
+        if not quiet:
+            self._logged_load = time.monotonic()
 
     async def ready(self, spec: RunSpec) -> None:
         await super().ready(spec)
