@@ -100,12 +100,14 @@ class BatchServer:
             writer.close()
 
 
-async def fetch_batch(p2p: P2P, identity: Identity, run_id: str, peer_id: str, digest: str) -> bytes | None:
-    """The batch of SHA-256 ``digest`` from ``peer_id``: its exact envelope, or None when the peer does not hold
-    it. Raises ConnectionError (unreachable, busy) or Rejected('bad_digest') when the bytes are not that batch."""
+async def fetch_batch(p2p: P2P, identity: Identity, run_id: str, peer_id: str, digest: str,
+                      limit: int = Channel.ROLLOUT_BATCH.value) -> bytes | None:  # fmt: skip
+    """The batch of SHA-256 ``digest`` from ``peer_id``: its exact envelope (at most ``limit`` bytes are read), or
+    None when the peer does not hold it. Raises ConnectionError (unreachable, busy), or Rejected: 'bad_digest'
+    when the bytes are not that batch, 'oversized' past ``limit``."""
     ask = seal(identity, BatchRequest(run_id=run_id, batch_sha256=digest))
     try:
-        body = await request(p2p, peer_id, batch_protocol(run_id), ask, Channel.ROLLOUT_BATCH.value, FETCH_TIMEOUT_S)
+        body = await request(p2p, peer_id, batch_protocol(run_id), ask, limit, FETCH_TIMEOUT_S)
     except asyncio.IncompleteReadError as e:
         raise ConnectionError(f"peer {peer_id} did not answer (busy or gone)") from e
     if not body:

@@ -41,6 +41,9 @@ LIMITS = {"versions": Channel.GOSSIP.value, "rollouts": Channel.GOSSIP.value, "v
 RATE_PER_PEER = 20.0
 """Messages per second a sending peer may have handled, on average (a burst of ``BURST`` is allowed)."""
 BURST = 60.0
+GLOBAL_RATE = 400.0
+"""Messages per second handled on one topic from all rate-limited peers together: a flood from many identities
+costs at most this many signature checks a second (what is dropped is counted; senders repeat what matters)."""
 QUEUE = 1024
 """Messages read off a subscription and waiting for their handler; past this the oldest are dropped (counted)."""
 RESUBSCRIBE_S = 1.0
@@ -98,6 +101,7 @@ class Gossip:
         self.run_id = run_id
         self.metrics = metrics
         self._buckets = TokenBuckets(RATE_PER_PEER, BURST)
+        self._all = TokenBuckets(GLOBAL_RATE, 2 * GLOBAL_RATE)  # one bucket per topic
         self._tasks: set[asyncio.Task[None]] = set()
         self.subscribed: dict[str, asyncio.Event] = {}
         self.unlimited: set[str] = set()
@@ -186,7 +190,7 @@ class Gossip:
     async def _handle(self, name: str, queue: asyncio.Queue[tuple[bytes, str]], handler: Handler) -> None:
         while True:
             data, peer = await queue.get()
-            if peer not in self.unlimited and not self._buckets.take(peer):
+            if peer not in self.unlimited and not (self._buckets.take(peer) and self._all.take(name)):
                 self.metrics.inc("node_gossip_dropped_total", label="rate")
                 continue
             self.metrics.inc("node_gossip_received_total", label=name, help="gossip messages handled, by topic")

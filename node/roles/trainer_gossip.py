@@ -26,7 +26,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from intellect_node.p2p.batches import BatchServer, fetch_batch
@@ -41,6 +41,7 @@ PULL_AFTER_S = 3.0
 """An announced batch that was not pushed within this long is fetched from its producer."""
 ACK_REPEAT_S = 2.0
 """At most one repeated acknowledgement per batch in this long, however often it is announced."""
+PULLS_PER_NODE = 1
 KNOWN = 8192
 """Digests remembered (admitted, or being fetched): what tells a repeated announcement from a new one."""
 
@@ -85,6 +86,9 @@ class TrainerGossip:
         """Admitted batches' envelopes by digest, the newest ``KNOWN``: served to the validators that judge them."""
         self.waits: dict[str, VerdictWait] = {}
         self._notice: bytes = b""
+        self._pulling: Counter[str] = Counter()
+        """Announced batches being fetched, by producer: at most PULLS_PER_NODE each (a producer announcing made-up
+        digests gets one fetch at a time, each read only up to the size it announced)."""
         self._turn = 0
 
     async def start_gossip(self) -> None:
@@ -195,8 +199,13 @@ class TrainerGossip:
         record = await self.registry.registered(a.node_id)
         if record is None or record.role != "inference":
             raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
+        if self._pulling[a.node_id] >= PULLS_PER_NODE:
+            self.metrics.inc("node_trainer_pulls_total", label="busy")
+            return  # one of its batches is being fetched: it announces this one again later
         self._remember(a.batch_sha256, (None, [], 0.0))
-        asyncio.ensure_future(self._pull(a, peer))
+        self._pulling[a.node_id] += 1
+        task = asyncio.ensure_future(self._pull(a, peer))
+        task.add_done_callback(lambda _: self._pulling.subtract([a.node_id]))
 
     @staticmethod
     def _keyed(key: Any) -> RolloutBatch:
@@ -211,7 +220,7 @@ class TrainerGossip:
         if known is not None and known[0] is not None:
             return  # pushed meanwhile
         try:
-            body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256)
+            body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256, a.size)
         except (ConnectionError, TimeoutError, Rejected) as e:
             self.known.pop(a.batch_sha256, None)  # the next announcement tries again
             self.metrics.inc("node_trainer_pulls_total", label=getattr(e, "reason", "unreachable"),
