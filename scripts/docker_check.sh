@@ -76,7 +76,8 @@ done
 t0=$(date +%s.%N); docker stop inode-check >/dev/null; t1=$(date +%s.%N)
 stop_s=$(python -c "print(f'{$t1 - $t0:.1f}')")
 "${join[@]}" >/dev/null  # a new container on the same volume
-again=$(docker exec inode-check cat /data/node.key | python -c "import sys; from intellect_protocol.identity import Identity; print(Identity.from_private_bytes(sys.stdin.buffer.read()).node_id)")
+sleep 5
+again=$(docker exec inode-check intellect-node id)  # the id the new container's node runs with
 same=$([ "$again" = "$node_id" ] && echo yes || echo no)
 docker stop inode-check >/dev/null
 echo "node $node_id: accepted groups $accepted; healthy $healthy; stop ${stop_s} s; same id after restart: $same"
