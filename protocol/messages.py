@@ -196,7 +196,7 @@ class VerifySpec(BaseModel):
     second_opinion: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     """With two or more trusted validators present, the share of batches (drawn by the trainer) that two of them
     must each accept; the rest need one accepting verdict. Any refusing verdict refuses the batch."""
-    verdict_wait_s: Annotated[float, Field(gt=0.0, le=600.0)] = 20.0
+    verdict_wait_s: Annotated[float, Field(gt=0.0, le=600.0)] = 60.0
     """How long the trainer waits for the validators' verdicts on a batch before it judges the batch itself."""
 
 
@@ -458,6 +458,8 @@ class BatchAck(WireModel):
     batch_index: U31
     batch_sha256: Sha256Hex
     judges: Annotated[list[NodeId], Field(max_length=4)] = []
+    full: bool = False
+    """Judge every completion, whatever ``verify.check_fraction`` (the producer's key is on probation)."""
     issued: float
 
 

@@ -163,19 +163,19 @@ class TrainerGossip:
         n = 2 if len(present) >= 2 and random.random() < self.spec.verify.second_opinion else 1
         return [present[(self._turn + i) % len(present)] for i in range(n)]
 
-    def admitted(self, batch: RolloutBatch, envelope: bytes, judges: list[str]) -> str:
+    def admitted(self, batch: RolloutBatch, envelope: bytes, judges: list[str], full: bool = False) -> str:
         """Record an admitted batch and acknowledge it on gossip (the push's reply already told its producer)."""
         digest = hashlib.sha256(envelope).hexdigest()
         self._remember(digest, ((batch.node_id, batch.version, batch.batch_index), judges, time.monotonic()))
         self.held[digest] = envelope
         while len(self.held) > KNOWN // 8:
             self.held.popitem(last=False)
-        asyncio.ensure_future(self._ack(batch, digest, judges))
+        asyncio.ensure_future(self._ack(batch, digest, judges, full))
         return digest
 
-    async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str]) -> None:
+    async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str], full: bool = False) -> None:
         ack = BatchAck(run_id=self.run_id, epoch=self.spec.epoch, node_id=batch.node_id, version=batch.version,
-                       batch_index=batch.batch_index, batch_sha256=digest, judges=judges,
+                       batch_index=batch.batch_index, batch_sha256=digest, judges=judges, full=full,
                        issued=time.time())  # fmt: skip
         await self._gossip_out("verdicts", seal(self.identity, ack))
 

@@ -149,7 +149,7 @@ class ValidationPipeline:
     validate_s: float
     step: int
     choose_judges: Callable[[], list[str]]
-    admitted: Callable[[RolloutBatch, bytes, list[str]], str]
+    admitted: Callable[[RolloutBatch, bytes, list[str], bool], str]
 
     def ledger(self, event: str, key: BatchKey, groups: int) -> None:
         if groups > 0 and ledger_log.isEnabledFor(logging.INFO):
@@ -211,11 +211,12 @@ class ValidationPipeline:
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
     def dispatch(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
-        """An admitted batch goes to the validators named in its acknowledgement, or to this trainer's own queue
-        (no validator present; or a key on probation with spot checks on, which is checked in full here)."""
+        """An admitted batch goes to the validators named in its acknowledgement (asked to check every completion
+        when its producer's key is on probation and spot checks are on), or to this trainer's own queue when no
+        validator is present."""
         newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
-        judges = [] if newcomer else self.choose_judges()
-        digest = self.admitted(batch, envelope, judges)
+        judges = self.choose_judges()
+        digest = self.admitted(batch, envelope, judges, newcomer)
         if not judges:
             self.pending.put_nowait((batch, slots, envelope))
             return

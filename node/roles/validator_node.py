@@ -65,7 +65,7 @@ class ValidatorNode(Volunteer):
         logger.info("refused validation request peer=%s reason=%s detail=%s", peer, e.reason, e.detail)
         return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500])
 
-    def _judge(self, batch: RolloutBatch, data: bytes) -> Verdict:
+    def _judge(self, batch: RolloutBatch, data: bytes, full: bool = False) -> Verdict:
         assert self.validator is not None
         if self.loaded != batch.version:
             manifest = self.store.manifest(batch.version)
@@ -73,7 +73,7 @@ class ValidatorNode(Volunteer):
                 raise Rejected("version_unavailable", f"version {batch.version} is not held here")
             load_weights(self.validator.model, load_checkpoint(self.store.folder(batch.version), manifest))
             self.loaded = batch.version
-        return self.validator.check(batch).verdict(batch, data)
+        return self.validator.check(batch, full=full).verdict(batch, data)
 
     async def _on_announce(self, data: bytes, peer: str) -> None:
         """Who holds which batch: the producer's peer, to fetch the body from when we are asked to judge it."""
@@ -114,7 +114,7 @@ class ValidatorNode(Volunteer):
                 return body
         raise Rejected("unavailable", f"nobody served batch {ack.batch_sha256[:12]}")
 
-    async def judge(self, data: bytes) -> Verdict:
+    async def judge(self, data: bytes, full: bool = False) -> Verdict:
         """A signed verdict about exactly ``data``, a producer's batch; Rejected when it cannot be judged here."""
         signer, body = await off_loop_if_large(len(data), open_envelope, data, RolloutBatch)
         batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
@@ -131,7 +131,7 @@ class ValidatorNode(Volunteer):
             await asyncio.sleep(WATCH_S)  # the version may still be on its way down the tree
         async with self._lock:  # one model, one batch at a time
             started = time.monotonic()
-            verdict = await asyncio.to_thread(self._judge, batch, data)
+            verdict = await asyncio.to_thread(self._judge, batch, data, full)
         self.judged += 1
         self.metrics.inc("node_validator_batches_total", label="ok" if verdict.ok else verdict.reason)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
@@ -144,7 +144,7 @@ class ValidatorNode(Volunteer):
         while True:
             ack, trainer_peer = await self.jobs.get()
             try:
-                verdict = await self.judge(await self._fetch(ack, trainer_peer))
+                verdict = await self.judge(await self._fetch(ack, trainer_peer), ack.full)
                 assert self.gossip is not None
                 await self.gossip.publish("verdicts", seal(self.identity, verdict))
             except Rejected as e:
