@@ -63,5 +63,6 @@ def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only
     assert status == 200 and ctype == "text/html"
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     assert "http://" not in page and "https://" not in page and "src=" not in page  # no external script or image
+    assert '<link rel="icon" href="data:,">' in page  # no favicon request (a 404 in every browser's console)
     assert 'fetch("status"' in page and "setInterval(refresh" in page  # it refreshes itself from its own node
     assert "esc(" in page  # peer-controlled strings (ids, reasons) are escaped before they are shown
