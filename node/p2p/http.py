@@ -78,7 +78,8 @@ def encode_status(status: dict[str, Any]) -> bytes:
 
 
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_bytes()
-CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:"
+CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+       "img-src 'self' data:")
 """The page may talk to its own node only: peer-controlled strings it shows are escaped, and even a slip there
 could not load or send anything elsewhere."""
 

@@ -135,8 +135,15 @@ class TrainerGossip:
                 await self._gossip_out("versions", self._notice)
 
     def gossip_status(self) -> dict[str, Any]:
+        """The trainer's /status fields about its peers: gossip, verdicts, and its place as the relay tree's root."""
         m = self.metrics
+        origin = self.origin  # type: ignore[attr-defined]
         return {
+            "versions_held": self.store.complete_versions(),
+            "relay": {"enabled": True, "depth": 0, "parent": None, "children": origin.children(),
+                      "slots_free": origin.slots_free(), "fetching": -1, "fetching_verified_shards": 0,
+                      "bans": m.counter("node_relay_bans_total"), "bytes_received": 0,
+                      "bytes_sent": m.counter("node_relay_bytes_sent_total")},
             "peers": len(self.registry.records),  # nodes with a record in the run, as last read
             "validators_present": self.validators_present,
             "awaiting_verdicts": len(self.waits),
