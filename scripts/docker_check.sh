@@ -7,7 +7,8 @@
 #
 # On a machine without a registry or internet access (this project's), it starts dockerd (vfs), makes a local
 # python:3.11-slim-equivalent base with debootstrap, and builds against local package indexes served from
-# /opt/pypi, /opt/pypi-more and /opt/wheels (ENVIRONMENT.md). Everything it starts is stopped on exit.
+# /opt/wheels (the CPU torch) and /opt/pypi-more, PyPI for the rest (ENVIRONMENT.md). Everything it starts is
+# stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-intellect-node:check}
@@ -39,13 +40,11 @@ if ! docker image inspect python:3.11-slim >/dev/null 2>&1; then
 fi
 
 BUILD_ARGS=()
-if [ -d /opt/pypi/simple ]; then  # no internet here: local indexes
-    python -m http.server 18765 --bind 127.0.0.1 --directory /opt/pypi >/dev/null 2>&1 & PIDS+=($!)
+if [ -d /opt/wheels ]; then  # this project's machine: the PyTorch CPU index is unreachable; its wheel is local
     python -m http.server 18766 --bind 127.0.0.1 --directory /opt/wheels >/dev/null 2>&1 & PIDS+=($!)
     python -m http.server 18767 --bind 127.0.0.1 --directory /opt/pypi-more >/dev/null 2>&1 & PIDS+=($!)
     sleep 1
-    BUILD_ARGS=(--network host --build-arg PIP_INDEX_URL=http://127.0.0.1:18765/simple
-                --build-arg PIP_FIND_LINKS=http://127.0.0.1:18766/ --build-arg PIP_TRUSTED_HOST=127.0.0.1
+    BUILD_ARGS=(--network host --build-arg PIP_FIND_LINKS=http://127.0.0.1:18766/ --build-arg PIP_TRUSTED_HOST=127.0.0.1
                 --build-arg TORCH_INDEX_URL=http://127.0.0.1:18767/simple)
 fi
 started=$(date +%s)
