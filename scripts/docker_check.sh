@@ -74,6 +74,7 @@ for _ in $(seq 200); do
 done
 t0=$(date +%s.%N); docker stop inode-check >/dev/null; t1=$(date +%s.%N)
 stop_s=$(python -c "print(f'{$t1 - $t0:.1f}')")
+for _ in $(seq 60); do docker inspect inode-check >/dev/null 2>&1 || break; sleep 1; done  # --rm removes it
 "${join[@]}" >/dev/null  # a new container on the same volume
 sleep 5
 again=$(docker exec inode-check intellect-node id)  # the id the new container's node runs with
