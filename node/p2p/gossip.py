@@ -107,7 +107,9 @@ class Gossip:
         self.unlimited: set[str] = set()
         """Peers whose messages are not rate-limited (a volunteer's trainer, which acknowledges every batch)."""
 
-    async def _control(self, request: pb.PSRequest) -> pb.Response:
+    async def _ask(self, request: pb.PSRequest) -> tuple[pb.Response, asyncio.StreamReader, asyncio.StreamWriter]:
+        """Send one pubsub request on a new control connection; the daemon's answer and the open connection (the
+        caller closes it; after SUBSCRIBE it carries the topic's messages)."""
         reader, writer = await asyncio.wait_for(self._connector.open_connection(), CONTROL_TIMEOUT_S)
         try:
             await write_pbmsg(writer, pb.Request(type=pb.Request.PUBSUB, pubsub=request))
@@ -116,9 +118,15 @@ class Gossip:
             response.ParseFromString(await asyncio.wait_for(reader.readexactly(length), CONTROL_TIMEOUT_S))
             if response.type == pb.Response.ERROR:
                 raise ConnectionError(f"the p2p daemon refused a pubsub request: {response.error.msg}")
-            return response
-        finally:
+        except BaseException:
             writer.close()
+            raise
+        return response, reader, writer
+
+    async def _control(self, request: pb.PSRequest) -> pb.Response:
+        response, _, writer = await self._ask(request)
+        writer.close()
+        return response
 
     async def publish(self, name: str, data: bytes) -> None:
         """Publish one message on the run's topic ``name``; refused here (Rejected 'oversized') over its limit,
@@ -152,14 +160,8 @@ class Gossip:
         while True:
             writer = None
             try:
-                reader, writer = await asyncio.wait_for(self._connector.open_connection(), CONTROL_TIMEOUT_S)
                 request = pb.PSRequest(type=pb.PSRequest.SUBSCRIBE, topic=topic(self.run_id, name))
-                await write_pbmsg(writer, pb.Request(type=pb.Request.PUBSUB, pubsub=request))
-                response = pb.Response()
-                length = await asyncio.wait_for(read_unsigned_varint(reader), CONTROL_TIMEOUT_S)
-                response.ParseFromString(await asyncio.wait_for(reader.readexactly(length), CONTROL_TIMEOUT_S))
-                if response.type == pb.Response.ERROR:
-                    raise ConnectionError(f"subscribe refused: {response.error.msg}")
+                _, reader, writer = await self._ask(request)
                 raise_if_cancelled()  # a wait_for above may have lost it (see raise_if_cancelled)
                 self.subscribed[name].set()
                 while True:
