@@ -16,6 +16,7 @@ from intellect_node import __version__
 
 logger = logging.getLogger(__name__)
 READY_PREFIX = "READY "
+STOP_GRACE_S = 15.0
 
 
 def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None:
@@ -39,6 +40,19 @@ def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None
     print(READY_PREFIX + json.dumps(ready), flush=True)
 
 
+def dump_tasks() -> None:
+    """``kill -USR1 <pid>``: every asyncio task of the node and where it waits, to the log (a node that seems stuck
+    tells what it is waiting for, without stopping it)."""
+    tasks = asyncio.all_tasks()
+    lines = [f"{len(tasks)} tasks:"]
+    for task in tasks:
+        frames = task.get_stack()
+        where = " <- ".join(f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+                            for f in reversed(frames))  # fmt: skip
+        lines.append(f"  {task.get_name()}: {where or 'not started'}")
+    logger.warning("\n".join(lines))
+
+
 def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True) -> None:
     """Run ``main`` on uvloop; SIGINT/SIGTERM cancel it, so its ``finally`` blocks drain and close.
 
@@ -49,8 +63,27 @@ def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True)
     async def _runner() -> None:
         task = asyncio.ensure_future(main)
         loop = asyncio.get_running_loop()
+        runner = asyncio.current_task()
+        overdue: list[asyncio.TimerHandle] = []
+
+        def stop() -> None:
+            task.cancel()
+            if not overdue:
+                overdue.append(loop.call_later(STOP_GRACE_S, still_stopping))
+
+        def still_stopping() -> None:
+            """A part that lost its cancellation (a library's ``wait_for``) costs STOP_GRACE_S, never a hung node:
+            every task is cancelled again (a task group that is already stopping would not pass it on)."""
+            logger.warning("still stopping after %.0f s; cancelling every task again", STOP_GRACE_S)
+            dump_tasks()
+            for other in asyncio.all_tasks():
+                if other is not runner:
+                    other.cancel()
+            overdue.append(loop.call_later(STOP_GRACE_S, still_stopping))
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
         try:
             await task
         except asyncio.CancelledError:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from intellect_node.aio import within
 from intellect_node.p2p.gossip import TokenBuckets
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import (
@@ -79,15 +80,15 @@ class BatchServer:
                 return  # closed unanswered: the asker tries another holder, or later
             self._serving[peer] = self._serving.get(peer, 0) + 1
             try:
-                raw = await asyncio.wait_for(_read_frame(reader, Channel.REPLY.value), HEADER_TIMEOUT_S)
+                raw = await within(_read_frame(reader, Channel.REPLY.value), HEADER_TIMEOUT_S)
                 ask = open_signed(raw, BatchRequest).message
                 if ask.run_id != self.run_id:
                     raise Rejected("wrong_run", ask.run_id)
                 body = self._lookup(ask.batch_sha256) or b""
                 self.metrics.inc("node_batches_served_total", label="found" if body else "missing")
                 self.metrics.inc("node_batches_served_bytes_total", len(body), help="batch bodies served by digest")
-                await asyncio.wait_for(_write_frame(writer, body), IO_TIMEOUT_S)
-                await asyncio.wait_for(reader.read(1), LINGER_S)  # until the asker has read it (transport.py)
+                await within(_write_frame(writer, body), IO_TIMEOUT_S)
+                await within(reader.read(1), LINGER_S)  # until the asker has read it (transport.py)
             finally:
                 self._serving[peer] -= 1
                 if not self._serving[peer]:

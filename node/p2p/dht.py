@@ -37,6 +37,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
+from intellect_node.aio import within
 from intellect_node.p2p.gossip import enable_pubsub
 from intellect_node.p2p.metrics import Metrics
 from intellect_protocol.envelope import Rejected, open_signed, seal
@@ -112,13 +113,13 @@ async def _rebootstrap(maddrs: list[str], _dht: DHT, node: Any) -> int:
     for maddr in maddrs:
         try:
             peer = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[-1])
-            await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(maddr.rsplit("/p2p/", 1)[0])]), 5)
-            if await asyncio.wait_for(node.protocol.call_ping(peer), 5) is not None:
+            await within(node.p2p._client.connect(peer, [Multiaddr(maddr.rsplit("/p2p/", 1)[0])]), 5)
+            if await within(node.protocol.call_ping(peer), 5) is not None:
                 answered += 1
         except Exception as e:  # unreachable, or a malformed address from a record: the next one
             logger.debug("re-bootstrap through %s failed: %r", maddr[:80], e)
     if answered:
-        await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), 10)
+        await within(node.find_nearest_nodes([node.node_id]), 10)
     return answered
 
 
@@ -338,7 +339,7 @@ class Membership:
         trainer's last known addresses and saved peers. Returns how many of them answered."""
         dht = self._require()
         fn = functools.partial(_rebootstrap, [m for m in maddrs if "/p2p/" in m][:16])
-        answered = await asyncio.wait_for(self._call(dht.run_coroutine, fn), DHT_TIMEOUT_S + 30)
+        answered = await within(self._call(dht.run_coroutine, fn), DHT_TIMEOUT_S + 30)
         self.metrics.inc("node_dht_rebootstraps_total", help="times this node re-joined the DHT through known peers")
         return int(answered)
 
@@ -354,7 +355,7 @@ class Membership:
         dht = self._require()
         self.metrics.inc("node_dht_stores_total", label=key.rsplit("/", 1)[-1], help="DHT stores, by key")
         return bool(
-            await asyncio.wait_for(
+            await within(
                 self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S
             )
         )
@@ -362,7 +363,7 @@ class Membership:
     async def _get(self, key: str) -> dict[object, object]:
         dht = self._require()
         self.metrics.inc("node_dht_gets_total", label=key.rsplit("/", 1)[-1], help="DHT reads, by key")
-        found = await asyncio.wait_for(self._call(dht.get, key, True), DHT_TIMEOUT_S)
+        found = await within(self._call(dht.get, key, True), DHT_TIMEOUT_S)
         if found is None or not isinstance(found.value, dict):
             return {}
         return {k: v.value for k, v in found.value.items()}
@@ -438,7 +439,7 @@ class Membership:
             except psutil.Error:
                 pass
             try:
-                await asyncio.wait_for(asyncio.to_thread(dht.shutdown), SHUTDOWN_S)
+                await within(asyncio.to_thread(dht.shutdown), SHUTDOWN_S)
             except (Exception, TimeoutError) as e:
                 logger.warning("the DHT process did not stop in %.0fs (%r); killing it", SHUTDOWN_S, e)
             for p in family:  # what is left of it and its daemon

@@ -30,6 +30,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import read_unsigned_varint, write_pbmsg
 from hivemind.proto import p2pd_pb2 as pb
 
+from intellect_node.aio import raise_if_cancelled, within
 from intellect_node.p2p.metrics import Metrics
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
@@ -51,15 +52,6 @@ CONTROL_TIMEOUT_S = 10.0
 
 Handler = Callable[[bytes, str], Awaitable[None]]
 """Called with a message's bytes and the libp2p peer id (base58) that published it."""
-
-
-def raise_if_cancelled() -> None:
-    """After catching an error: re-raise a cancellation that came meanwhile. On Python 3.11 ``asyncio.wait_for``
-    loses a cancellation that arrives as its operation fails (the daemon's socket gone at SIGTERM, say): the
-    error is raised instead, and a loop that logs it and goes on would keep a stopping node alive."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def enable_pubsub() -> None:
@@ -110,12 +102,12 @@ class Gossip:
     async def _ask(self, request: pb.PSRequest) -> tuple[pb.Response, asyncio.StreamReader, asyncio.StreamWriter]:
         """Send one pubsub request on a new control connection; the daemon's answer and the open connection (the
         caller closes it; after SUBSCRIBE it carries the topic's messages)."""
-        reader, writer = await asyncio.wait_for(self._connector.open_connection(), CONTROL_TIMEOUT_S)
+        reader, writer = await within(self._connector.open_connection(), CONTROL_TIMEOUT_S)
         try:
             await write_pbmsg(writer, pb.Request(type=pb.Request.PUBSUB, pubsub=request))
             response = pb.Response()
-            length = await asyncio.wait_for(read_unsigned_varint(reader), CONTROL_TIMEOUT_S)
-            response.ParseFromString(await asyncio.wait_for(reader.readexactly(length), CONTROL_TIMEOUT_S))
+            length = await within(read_unsigned_varint(reader), CONTROL_TIMEOUT_S)
+            response.ParseFromString(await within(reader.readexactly(length), CONTROL_TIMEOUT_S))
             if response.type == pb.Response.ERROR:
                 raise ConnectionError(f"the p2p daemon refused a pubsub request: {response.error.msg}")
         except BaseException:
@@ -162,7 +154,7 @@ class Gossip:
             try:
                 request = pb.PSRequest(type=pb.PSRequest.SUBSCRIBE, topic=topic(self.run_id, name))
                 _, reader, writer = await self._ask(request)
-                raise_if_cancelled()  # a wait_for above may have lost it (see raise_if_cancelled)
+                raise_if_cancelled()
                 self.subscribed[name].set()
                 while True:
                     length = await read_unsigned_varint(reader)

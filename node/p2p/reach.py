@@ -26,6 +26,7 @@ import aiohttp
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from intellect_node.aio import within
 from intellect_node.p2p.gossip import TokenBuckets
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import HEADER_TIMEOUT_S, IO_TIMEOUT_S, LINGER_S, _read_frame, _write_frame, request
@@ -66,13 +67,13 @@ def dialback_protocol(run_id: str) -> str:
 async def libp2p_listening(ip: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """Whether a libp2p listener answers at ip:port (its multistream-select header), on a fresh connection."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+        reader, writer = await within(asyncio.open_connection(ip, port), timeout)
     except (OSError, TimeoutError):
         return False
     try:
         writer.write(MULTISTREAM)
         await writer.drain()
-        return (await asyncio.wait_for(reader.readexactly(len(MULTISTREAM)), timeout)) == MULTISTREAM
+        return (await within(reader.readexactly(len(MULTISTREAM)), timeout)) == MULTISTREAM
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
         return False
     finally:
@@ -135,7 +136,7 @@ class DialBackServer:
                 self.metrics.inc("node_dialbacks_total", label="rate")
                 return
             m = _IP4.match(str(info.addr))
-            raw = await asyncio.wait_for(_read_frame(reader, Channel.REPLY.value), HEADER_TIMEOUT_S)
+            raw = await within(_read_frame(reader, Channel.REPLY.value), HEADER_TIMEOUT_S)
             ask = open_signed(raw, DialBack).message
             if ask.run_id != self.run_id:
                 raise Rejected("wrong_run", ask.run_id)
@@ -144,8 +145,8 @@ class DialBackServer:
                 if m
                 else Reachability(node_id=ask.node_id, detail=f"came over {str(info.addr)[:200]}, not IPv4/TCP")
             )
-            await asyncio.wait_for(_write_frame(writer, seal(self.identity, result)), IO_TIMEOUT_S)
-            await asyncio.wait_for(reader.read(1), LINGER_S)
+            await within(_write_frame(writer, seal(self.identity, result)), IO_TIMEOUT_S)
+            await within(reader.read(1), LINGER_S)
         except Rejected as e:
             self.metrics.inc("node_dialbacks_total", label=e.reason)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:

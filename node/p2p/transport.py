@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from intellect_node.aio import within
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
@@ -83,16 +84,16 @@ async def read_frame_within(reader: asyncio.StreamReader, limit: int) -> bytes:
     """A frame from a peer under deadlines: the header within ``HEADER_TIMEOUT_S``, the body at ``MIN_SEND_BPS``
     or better. Raises TimeoutError for a peer that stalls or trickles; a body that does not start as an envelope
     is refused before the rest of it is read."""
-    length = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER), HEADER_TIMEOUT_S), "big")
+    length = int.from_bytes(await within(reader.readexactly(HEADER), HEADER_TIMEOUT_S), "big")
     if length > limit:
         raise Rejected("oversized", f"{length} bytes > limit of {limit}")
     if length == 0:
         raise Rejected("malformed", "an empty frame")
     deadline = HEADER_TIMEOUT_S + length / MIN_SEND_BPS
-    first = await asyncio.wait_for(reader.readexactly(1), deadline)
+    first = await within(reader.readexactly(1), deadline)
     if first[0] != ENVELOPE_FIRST_BYTE:
         raise Rejected("malformed", "not a signed envelope")
-    return first + await asyncio.wait_for(reader.readexactly(length - 1), deadline)
+    return first + await within(reader.readexactly(length - 1), deadline)
 
 
 async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -172,7 +173,7 @@ class RolloutServer:
 
         async def drop() -> None:
             try:
-                await asyncio.wait_for(self._p2p._client.disconnect(peer_id), IO_TIMEOUT_S)
+                await within(self._p2p._client.disconnect(peer_id), IO_TIMEOUT_S)
             except Exception as e:  # the daemon's errors, a peer already gone: nothing to do
                 logger.debug("could not disconnect peer=%s: %r", peer, e)
 
@@ -218,10 +219,10 @@ class RolloutServer:
                         reply = await self._handle(data, peer)
                 if getattr(reply, "reason", "") in PENALIZED:
                     self._strike(peer)
-            await asyncio.wait_for(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
+            await within(_write_frame(writer, seal(self._identity, reply)), IO_TIMEOUT_S)
             # Close only once the peer has read the reply and closed its side (or after LINGER_S): closing at
             # once after the write lost the reply's body now and then (the daemon dropped what it had not sent).
-            await asyncio.wait_for(reader.read(1), LINGER_S)
+            await within(reader.read(1), LINGER_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             logger.debug("stream from peer=%s broke: %r", peer, e)
         finally:
@@ -239,14 +240,14 @@ async def request(
     A peer that cannot be reached (gone, restarted at another address) raises ConnectionError, like any socket:
     the daemon's own error types never reach the caller's loop."""
     try:
-        _, reader, writer = await asyncio.wait_for(
+        _, reader, writer = await within(
             p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), IO_TIMEOUT_S
         )
     except (P2PDaemonError, P2PHandlerError) as e:  # ControlFailure (dial failed) is a P2PDaemonError
         raise ConnectionError(f"cannot reach peer {peer_id}: {e}") from e
     try:
-        await asyncio.wait_for(_write_frame(writer, data), IO_TIMEOUT_S)
-        return await asyncio.wait_for(_read_frame(reader, limit), timeout)
+        await within(_write_frame(writer, data), IO_TIMEOUT_S)
+        return await within(_read_frame(reader, limit), timeout)
     finally:
         writer.close()
 

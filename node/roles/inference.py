@@ -22,10 +22,11 @@ from typing import Any
 import aiohttp
 import torch
 
+from intellect_node.aio import raise_if_cancelled
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
 from intellect_node.p2p.batches import BatchServer
-from intellect_node.p2p.gossip import LIMITS, raise_if_cancelled
+from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.metrics import TOKENS_PER_S
 from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend

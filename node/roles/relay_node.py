@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 
+from intellect_node.aio import within
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Role, RunSpec
@@ -43,7 +44,7 @@ class RelayNode(Volunteer):
                     target = trainer.weight_version
             if target < 0:
                 try:
-                    await asyncio.wait_for(f.news.wait(), WATCH_S)
+                    await within(f.news.wait(), WATCH_S)
                 except TimeoutError:
                     pass
                 continue

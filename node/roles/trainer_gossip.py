@@ -29,8 +29,9 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
+from intellect_node.aio import raise_if_cancelled
 from intellect_node.p2p.batches import BatchServer, fetch_batch
-from intellect_node.p2p.gossip import LIMITS, Gossip, raise_if_cancelled
+from intellect_node.p2p.gossip import LIMITS, Gossip
 from intellect_node.p2p.reach import DialBackServer
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, Verdict, VersionNotice

@@ -23,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from intellect_node.aio import within
 from intellect_node.config import NodeConfig
 from intellect_node.judging.validator import Finding, Validator, task_reward
 from intellect_node.p2p.metrics import Metrics
@@ -233,7 +234,7 @@ class ValidationPipeline:
         handed_over = False
         try:
             try:
-                await asyncio.wait_for(wait.done.wait(), self.spec.verify.verdict_wait_s)
+                await within(wait.done.wait(), self.spec.verify.verdict_wait_s)
             except TimeoutError:
                 pass
             refusals = [(v, s) for v, s in wait.verdicts.values() if not v.ok]

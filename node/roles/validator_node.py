@@ -24,9 +24,10 @@ from typing import Any
 import aiohttp
 import torch
 
+from intellect_node.aio import raise_if_cancelled
 from intellect_node.judging.validator import Validator
 from intellect_node.p2p.batches import fetch_batch
-from intellect_node.p2p.gossip import LIMITS, raise_if_cancelled
+from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.transport import off_loop_if_large
 from intellect_node.policy.model import build_model, build_tokenizer, load_weights, resolve_device
 from intellect_node.roles.volunteer import POLL_S, Volunteer

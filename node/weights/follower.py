@@ -5,8 +5,7 @@ the candidates ``tree.parents`` orders from fresh DHT records, holds the slot wi
 the parent's path from the origin, and leaves a parent that refuses it, cannot be reached, has lost its own way
 to the origin for ``UNROOTED_GRACE_S``, or turns out to hang below it (a cycle). ``sync(v)`` announces that the
 node is receiving ``v``, fetches it through ``fetch.ShardFetcher`` from the parent (alternates: nodes that hold
-the whole version; the origin last), then keeps only the newest ``keep`` versions within the disk budget.
-Everything this node holds, it serves (unless started with ``--no-relay``).
+the whole version; the origin last), keeps the newest ``keep`` versions the disk budget allows, serves them.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from intellect_node.aio import within
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, server_clock_offset, signed_headers
@@ -391,7 +391,7 @@ class WeightFollower:
                 await asyncio.sleep(FAST_KEEPALIVE_S)
             else:
                 try:
-                    await asyncio.wait_for(self.changed.wait(), KEEPALIVE_S)
+                    await within(self.changed.wait(), KEEPALIVE_S)
                     continue
                 except TimeoutError:
                     pass

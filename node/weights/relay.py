@@ -31,6 +31,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
@@ -311,7 +312,7 @@ class ShardServer:
                     break
                 changed = growing.changed
                 try:
-                    await asyncio.wait_for(changed.wait(), STREAM_STALL_S)
+                    await within(changed.wait(), STREAM_STALL_S)
                 except TimeoutError:
                     break
         sent = pos - start

@@ -24,6 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from intellect_node.aio import within
 from intellect_node.weights.files import MANIFEST_NAME, fsync_dir, fsync_file, sha256_file, verify_manifest
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, ShardEntry
@@ -161,7 +162,7 @@ class WeightStore:
             if remaining <= 0:
                 return None
             try:
-                await asyncio.wait_for(self._begun.wait(), remaining)
+                await within(self._begun.wait(), remaining)
             except TimeoutError:
                 return None
         return newest
@@ -190,7 +191,7 @@ class WeightStore:
         while (found := self.shard_file(version, name) or self.growing(version, name)) is None:
             event = self._arrived.setdefault((version, name), asyncio.Event())
             try:
-                await asyncio.wait_for(event.wait(), max(0.0, deadline - loop.time()))
+                await within(event.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 return None
             if version not in self._verified:  # abandoned or finished meanwhile
