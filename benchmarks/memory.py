@@ -8,6 +8,7 @@ prompt plus ``sampling.max_new_tokens`` tokens), which allocates the optimizer's
 in a thread; the step's figure is its peak above the memory before it. Prints a table, and per parameter and per
 rollout token figures, then one summary line:
     memory model=... params_m=... trainer_rss_mb=... step_peak_mb=... bytes_per_param=... step_bytes_per_token=...
+        step_s=...
 
     python benchmarks/memory.py [--config node/configs/smollm2-addition.toml] [--set train.micro_rows=8]
 """
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "node" / "configs" / "smollm2-addition.toml")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
+    from intellect_node.runtime import return_freed_memory
+
+    return_freed_memory()  # as every node process does first (node/cli.py)
     rows: list[tuple[str, float]] = []
     start = rss()
 
@@ -68,7 +72,7 @@ def main() -> None:
 
     from intellect_node.config import load_run_config
     from intellect_node.policy.engine import Group, Packed, local_engine, pack_sequences
-    from intellect_node.policy.model import build_model, build_tokenizer
+    from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, stored_in
 
     torch.set_num_threads(2)
     run = load_run_config(args.config, args.overrides)
@@ -89,7 +93,9 @@ def main() -> None:
     engine = part("policy engine (fp32 weights" + (", reference model)" if spec.train.kl_coef > 0 else ")"),
                   lambda: local_engine(spec, tokenizer, device="cpu"))  # fmt: skip
     params = sum(p.numel() for p in engine.model.parameters())
-    part("validator's model (fp32)", lambda: build_model(spec.model, tokenizer, torch.float32))
+    stored = DTYPES[spec.model.dtype]
+    part(f"validator's model (kept in {spec.model.dtype}, computing in fp32)",
+         lambda: stored_in(build_model(spec.model, tokenizer, torch.float32), stored))  # fmt: skip
 
     n_rows = spec.task.tasks_per_batch * spec.sampling.group_size
     prompt, new = 40, spec.sampling.max_new_tokens
@@ -105,12 +111,18 @@ def main() -> None:
     ids, attn, mask, logp_old = pack_sequences(groups, int(tokenizer.pad_token_id))
     advantages = torch.tensor([g.rewards for g in groups]).flatten() - 0.5
     packed = Packed(ids, attn, mask, logp_old, advantages)
+    from intellect_node.runtime import trim_freed
+
     before = rss()
     _, first_peak = peak_during(lambda: engine.step(packed, 1e-6))
     gc.collect()
-    rows.append(("optimizer state (after the first step)", (rss() - before) / MB))
+    trim_freed()  # as the trainer does after each step: what the step freed is not held for the next
+    rows.append((f"optimizer state, {spec.train.optimizer_state_dtype} moments (after the first step)",
+                 (rss() - before) / MB))  # fmt: skip
     last = rss()
+    began = time.perf_counter()
     _, peak = peak_during(lambda: engine.step(packed, 1e-6))
+    step_s = time.perf_counter() - began
     step_peak = peak - last
     tokens = int(mask.sum())
     total = last / MB
@@ -122,11 +134,12 @@ def main() -> None:
     print(f"{'a training step, peak above that':<{width}}  {step_peak / MB:>8.0f}   ({n_rows} rows x "
           f"{ids.shape[1]} positions, {tokens} completion tokens, micro_rows={spec.train.micro_rows or n_rows})")
     print(f"{'first step, peak (optimizer state allocated)':<{width}}  {(first_peak - before) / MB:>8.0f}")
+    print(f"{'a training step, seconds (2 threads)':<{width}}  {step_s:>8.1f}")
     print(f"parameters: {params / 1e6:.1f} M; resident after setup per parameter: {last / params:.1f} bytes; "
           f"step peak per completion token: {step_peak / tokens / 1e3:.0f} kB")  # fmt: skip
     print(f"memory model={spec.model.name or spec.model.kind} params_m={params / 1e6:.1f} trainer_rss_mb={total:.0f} "
           f"step_peak_mb={step_peak / MB:.0f} bytes_per_param={last / params:.1f} "
-          f"step_bytes_per_token={step_peak / tokens:.0f}")
+          f"step_bytes_per_token={step_peak / tokens:.0f} step_s={step_s:.1f}")
 
 
 if __name__ == "__main__":

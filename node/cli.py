@@ -144,6 +144,9 @@ def _setup_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from intellect_node.runtime import return_freed_memory
+
+    return_freed_memory()
     args = build_parser().parse_args(argv)
     import pydantic
 

@@ -4,7 +4,8 @@ Starts one trainer (``bootstrap``) and N inference nodes (``join``) as separate 
 volunteers would run them, follows the trainer's steps, then prints steps trained, rollouts received and
 accepted per node, mean reward per step, and the weight versions each inference node loaded.
 
-By default the model is SmolLM2-135M-Instruct learning two-digit addition (node/configs/smollm2-addition.toml):
+By default the model is SmolLM2-135M-Instruct learning two-digit addition with low-rank adapters, to fit 4 GB
+(node/configs/smollm2-addition-lora.toml; benchmarks/learning.py fine-tunes every weight, smollm2-addition.toml):
 the demo scores the policy on held-out problems before and after (greedy, the run's own answer check), and
 writes a plot of mean reward and held-out accuracy against time. ``--tiny`` runs the tiny model from scratch.
 """
@@ -24,7 +25,7 @@ from typing import Any
 from intellect_node.config import RunConfig, split_overrides
 from intellect_node.launch import NodeExited, NodeProcess
 
-SMOLLM2_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-addition.toml"
+SMOLLM2_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-addition-lora.toml"
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def summarize(run: RunConfig, trainer: dict[str, Any], workers: list[dict[str, A
 
 
 class Evaluator:
-    """Held-out accuracy of a pretrained run's policy, in the demo's own process (before and after the run)."""
+    """Held-out accuracy of a pretrained run's policy (greedy, the run's own answer check)."""
 
     def __init__(self, run: RunConfig, problems: int) -> None:
         import torch
@@ -101,7 +102,22 @@ class Evaluator:
         return accuracy(self.spec, self.model, self.tokenizer, self.tasks)
 
 
-def _prepare_pretrained(run: RunConfig, problems: int) -> tuple[Evaluator, float]:
+def _score(run: RunConfig, problems: int, folder: Path | None) -> tuple[float, int]:
+    evaluator = Evaluator(run, problems)
+    return evaluator.score(folder), len(evaluator.tasks)
+
+
+def score_apart(run: RunConfig, problems: int, folder: Path | None = None) -> tuple[float, int]:
+    """(held-out accuracy, problems scored) of version 0, or of the weights in ``folder``, computed in a child
+    process that ends with it: the demo itself holds no model (nor torch) while its nodes run; it held ~1 GB."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_score, run, problems, folder).result()
+
+
+def _prepare_pretrained(run: RunConfig, problems: int) -> float:
     from intellect_node.policy.hf import INSTALL_HINT, smollm2_folder
 
     if run.model.name in ("smollm2", "smollm2-135m"):
@@ -111,30 +127,30 @@ def _prepare_pretrained(run: RunConfig, problems: int) -> tuple[Evaluator, float
         except (FileNotFoundError, ImportError) as e:
             raise SystemExit(f"demo: {e}\n  install it with: {INSTALL_HINT}\n  or run the tiny model: "
                              "intellect-node demo --tiny") from None  # fmt: skip
-    evaluator = Evaluator(run, problems)
     started = time.monotonic()
-    before = evaluator.score()
-    print(f"demo: held-out accuracy before training: {before:.1%} on {len(evaluator.tasks)} problems never "
+    before, scored = score_apart(run, problems)
+    print(f"demo: held-out accuracy before training: {before:.1%} on {scored} problems never "
           f"trained on ({time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
-    return evaluator, before
+    return before
 
 
 def _report_pretrained(
-    evaluator: Evaluator, before: float, workdir: Path, trainer: dict[str, Any], launched: float, minutes: float
-) -> None:
+    run: RunConfig, problems: int, before: float, workdir: Path, trainer: dict[str, Any], launched: float,
+    minutes: float,
+) -> None:  # fmt: skip
     from intellect_node.judging.evaluate import newest_version
 
     newest = newest_version(workdir / "trainer" / "weights" / trainer["run_id"])
     if newest is None:
         print("demo: the trainer published no version to evaluate", flush=True)
         return
-    after = evaluator.score(newest)
+    after, scored = score_apart(run, problems, newest)
     curve = Curve(f"swarm (version {newest.name})")
     curve.rewards = [(h["time"] - launched, h["reward_mean"]) for h in trainer["history"]]
     end = trainer["history"][-1]["time"] - launched if trainer["history"] else minutes * 60
     curve.accuracy = [(0.0, before), (end, after)]
     png = plot([curve], workdir / "demo.png", "intellect-node demo: SmolLM2-135M-Instruct, two-digit addition")
-    print(f"\nheld-out accuracy (greedy, {len(evaluator.tasks)} problems never trained on): {before:.1%} before, "
+    print(f"\nheld-out accuracy (greedy, {scored} problems never trained on): {before:.1%} before, "
           f"{after:.1%} after {trainer['step']} steps (version {newest.name})\nplot: {png}", flush=True)  # fmt: skip
 
 
@@ -146,7 +162,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     threads = ["--threads", "1"] if pretrained else []
     budget = args.minutes * 60 if pretrained else None
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))
-    evaluator, before = _prepare_pretrained(run, args.eval_problems) if pretrained else (None, 0.0)
+    before = _prepare_pretrained(run, args.eval_problems) if pretrained else 0.0
     logs = workdir / "logs"
     run_overrides, node_overrides = split_overrides(args.overrides)  # inference.*: the inference nodes' own
     config_args = (["--config", str(args.config)] if args.config else []) + [
@@ -221,8 +237,10 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
         for n in nodes:  # free the cores for the evaluation
             n.terminate()
         print(summarize(run, trainer_status, worker_status, seconds), flush=True)
-        if evaluator is not None:
-            _report_pretrained(evaluator, before, workdir, trainer_status, launched, args.minutes)
+        if pretrained:
+            for n in nodes:  # the evaluation's model and the nodes' must not be in memory at once
+                n.stop()
+            _report_pretrained(run, args.eval_problems, before, workdir, trainer_status, launched, args.minutes)
         return 0
     except (NodeExited, TimeoutError) as e:
         print(f"demo failed: {e}", flush=True)

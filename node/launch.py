@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,11 +75,19 @@ class NodeProcess:
 
     def wait_for_line(self, prefix: str, timeout: float) -> str:
         """The next stdout line starting with ``prefix``; raises if the process exits or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                line = self.lines.get(timeout=timeout)
+                line = self.lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
-                raise TimeoutError(f"{self.name}: no line starting {prefix!r} within {timeout}s") from None
+                # its output may stay open after it died (killed by the OOM killer, say): children that inherited
+                # it outlive it for a moment, or for ever if one misbehaves; the process itself is what counts
+                if self.proc.poll() is not None:
+                    line = None
+                elif time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.name}: no line starting {prefix!r} within {timeout}s") from None
+                else:
+                    continue
             if line is None:
                 raise NodeExited(f"{self.name} exited with {self.proc.wait()}; see {self.log_path}\n{self.tail()}")
             if line.startswith(prefix):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -17,6 +18,42 @@ from intellect_node import __version__
 logger = logging.getLogger(__name__)
 READY_PREFIX = "READY "
 STOP_GRACE_S = 15.0
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc only)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Make glibc give freed memory back to the system, before the node allocates much: a training step's
+    transient gigabyte (logits, activations) stayed resident after it, held by the allocator (tensors up to its
+    dynamic 32 MiB mmap threshold live in heap arenas, one arena per thread), and the next part's peak came on top.
+    Blocks over 1 MiB are mapped and unmapped on their own; two arenas. Elsewhere than glibc: nothing to do."""
+    import ctypes
+
+    libc = _libc()
+    if libc is None:
+        return
+    for option, value in ((-3, 1 << 20), (-1, 16 << 20), (-8, 2)):  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX
+        libc.mallopt(ctypes.c_int(option), ctypes.c_int(value))
+
+
+def trim_freed() -> None:
+    """After a phase that allocated much in small blocks (a training step, a judged batch, a generated one): the
+    free parts of the heap go back to the system (``malloc_trim``), not held for this process alone. A SmolLM2
+    step left ~650 MB so held, measured; this takes milliseconds."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None:

@@ -144,22 +144,26 @@ class TrainSpec(BaseModel):
     max_grad_norm: Annotated[float, Field(gt=0.0)] = 1.0
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Linear learning-rate warmup over this many steps ..."""
-    decay_steps: Annotated[int, Field(ge=0)] = 0
-    """... then cosine decay down to ``min_lr_ratio * lr`` at this step (0: constant after warmup)."""
+    """Linear learning-rate warmup over this many steps, then cosine decay to ``min_lr_ratio * lr`` at ..."""
+    decay_steps: Annotated[int, Field(ge=0)] = 0  # ... this step (0: constant after warmup)
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     online_filter: bool = True
     """Drop groups whose rewards are all equal (no advantage, no gradient) and wait for more rollouts."""
     optimizer_steps: Annotated[int, Field(ge=1, le=64)] = 1
     """Optimizer steps per rollout step: the batch is split into this many minibatches, one step each."""
     recompute_logp_old: bool = False
-    """Take logp_old from the trainer's own forward before the first update instead of the sampler's log-probs
-    (the ratio then starts at exactly 1 whatever the sampler's numerics; the sampler's are still checked)."""
+    """logp_old from the trainer's own forward, not the sampler's log-probs (still checked): the ratio starts at 1."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Training forward/backward: bfloat16 runs under autocast over the fp32 master weights."""
     micro_rows: Annotated[int, Field(ge=0, le=65536)] = 0
-    """Rows per forward/backward, gradients accumulated (0: a whole minibatch at once). Bounds the trainer's
-    memory; the step is the same up to float rounding."""
+    """Rows per forward/backward, gradients accumulated (0: all at once): bounds memory, same step up to rounding."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in backward: a third more compute, a step's activations ~1/30."""
+    lora_rank: Annotated[int, Field(ge=0, le=1024)] = 0
+    """>0: train adapters of this rank (``lora_alpha / lora_rank`` scale), publish merged (node/policy/lora.py)."""
+    lora_alpha: Annotated[float, Field(gt=0.0, le=4096.0)] = 32.0
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """bfloat16: AdamW's moments stochastically rounded to bf16, 4 bytes a parameter less (node/policy/optim.py)."""
 
 
 class VerifySpec(BaseModel):

@@ -4,5 +4,6 @@ Owns DHT membership and record validation (``dht``), rollout delivery over libp2
 node's HTTP server (``http``: /health, /status, /metrics and the routes other services mount), Prometheus
 metrics (``metrics``) and the node's persistent identity (``keys``).
 
-May import: ``intellect_protocol`` and the top package's ``__version__``; no other subsystem, no role.
+May import: ``intellect_protocol``, ``intellect_node.aio`` and the top package's ``__version__``; no other subsystem,
+no role.
 """

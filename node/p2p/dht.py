@@ -78,14 +78,27 @@ def _require_free(host: str, port: int) -> None:
                              "address of this machine") from None  # fmt: skip
 
 
-def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
+def die_with_parent(poll_s: float = PARENT_POLL_S, node_pid: int | None = None) -> None:
     """In a child process: once the parent is gone (killed with SIGKILL, say, so that it could clean nothing up),
     kill this process's own children (the go-libp2p daemon) and exit. Polls the parent pid: the kernel's
-    parent-death signal is tied to the thread that forked, which is not the process's lifetime."""
+    parent-death signal is tied to the thread that forked, which is not the process's lifetime. ``node_pid``:
+    the node's process when it is not the parent (a fork server's child, which also keeps the fork server up)."""
     parent = os.getppid()
+    try:
+        node = psutil.Process(node_pid) if node_pid is not None else None
+    except psutil.NoSuchProcess:
+        os._exit(0)
+
+    def alive() -> bool:
+        if node is None:
+            return os.getppid() == parent
+        try:  # is_running: the same process, not a reused pid; a zombie is dead (nobody has reaped it yet)
+            return node.is_running() and node.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while alive():
             time.sleep(poll_s)
         for child in psutil.Process().children(recursive=True):
             try:
@@ -98,10 +111,28 @@ def die_with_parent(poll_s: float = PARENT_POLL_S) -> None:
 
 
 class _NodeDHT(DHT):
-    """hivemind's DHT process, which dies with the node process, and whose daemon runs gossipsub."""
+    """hivemind's DHT process, which dies with the node process, and whose daemon runs gossipsub.
+
+    With ``fresh_process`` it is started by multiprocessing's fork server, not forked from the node. A fork shares
+    the node's pages copy-on-write, and every page the node writes afterwards is copied, the child keeping the old
+    one: the trainer's weights (and a resumed checkpoint), in memory before its DHT starts and written each step,
+    then cost twice (its DHT process held 1.3 GB of them, measured). The fork server is a fresh interpreter that
+    imports this module, hivemind and torch only (~440 MB with the DHT process, against ~240 MB for a fork of a
+    node that has not loaded its model yet, which volunteers' nodes still do)."""
+
+    fresh_process = False
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        if not getattr(process_obj, "fresh_process", False):
+            return DHT._Popen(process_obj)
+        from multiprocessing import forkserver, popen_forkserver
+
+        forkserver.set_forkserver_preload(["intellect_node.p2p.dht"])
+        return popen_forkserver.Popen(process_obj)
 
     def run(self) -> None:
-        die_with_parent()
+        die_with_parent(node_pid=self._parent_pid if self.fresh_process else None)
         enable_pubsub()  # the run's gossip topics (node/p2p/gossip.py) ride on this daemon
         super().run()
 
@@ -273,9 +304,12 @@ class Membership:
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def start(self, host: str, port: int, peers: list[str], state_dir: Path | None = None) -> list[str]:
+    async def start(
+        self, host: str, port: int, peers: list[str], state_dir: Path | None = None, fresh_process: bool = False
+    ) -> list[str]:
         """Join the DHT (alone when ``peers`` is empty). With ``state_dir``, the libp2p key is kept there
-        (``p2p.key``), and with ``port`` 0 the port of the last start is tried first (``p2p.port``)."""
+        (``p2p.key``), and with ``port`` 0 the port of the last start is tried first (``p2p.port``). With
+        ``fresh_process`` (a node that already holds much memory) the DHT process is not forked from this one."""
         if port:
             _require_free(host, port)
         identity_path = None
@@ -292,14 +326,17 @@ class Membership:
             extra: dict[str, Any] = {}
             if identity_path is not None:
                 extra = {"identity_path": str(identity_path), "check_if_identity_free": False}
-            return _NodeDHT(
+            dht = _NodeDHT(
                 initial_peers=peers or None,
-                start=True,
+                start=False,
                 host_maddrs=[f"/ip4/{host}/tcp/{at}"],
                 record_validators=[RecordValidator(self.run_id)],
                 startup_timeout=30,
                 **extra,
             )
+            dht.fresh_process = fresh_process
+            dht.run_in_background(await_ready=True)
+            return dht
 
         try:
             try:
@@ -354,11 +391,7 @@ class Membership:
     async def _store(self, key: str, subkey: str, value: bytes, ttl: float) -> bool:
         dht = self._require()
         self.metrics.inc("node_dht_stores_total", label=key.rsplit("/", 1)[-1], help="DHT stores, by key")
-        return bool(
-            await within(
-                self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S
-            )
-        )
+        return bool(await within(self._call(dht.store, key, value, get_dht_time() + ttl, subkey=subkey), DHT_TIMEOUT_S))
 
     async def _get(self, key: str) -> dict[object, object]:
         dht = self._require()

@@ -22,7 +22,9 @@ import torch
 
 from intellect_kernels.grpo import LossStats, grpo_loss
 from intellect_kernels.logprobs import token_entropy, token_logprobs
+from intellect_node.policy.lora import add_adapters, merged_state
 from intellect_node.policy.model import DTYPES, build_model, resolve_device, state_dict_for_export
+from intellect_node.policy.optim import AdamWBf16State
 from intellect_protocol.messages import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,18 @@ class PolicyEngine:
         self.model = model.float()  # master weights stay fp32 whatever is published or computed in
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         t = spec.train
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        if t.gradient_checkpointing:
+            enable = getattr(self.model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise ValueError("train.gradient_checkpointing: this model cannot recompute its blocks; set it false")
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trained = (add_adapters(self.model, t.lora_rank, t.lora_alpha, spec.seed) if t.lora_rank
+                   else list(self.model.parameters()))  # fmt: skip
+        self.optimizer: torch.optim.Optimizer
+        if t.optimizer_state_dtype == "bfloat16":
+            self.optimizer = AdamWBf16State(trained, lr=t.lr, weight_decay=t.weight_decay, seed=spec.seed)
+        else:
+            self.optimizer = torch.optim.AdamW(trained, lr=t.lr, weight_decay=t.weight_decay)
         self.skipped = 0
 
     def _autocast(self) -> Any:
@@ -99,10 +112,14 @@ class PolicyEngine:
             return torch.autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logp(self, model: torch.nn.Module, b: Packed) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies ``[rows, width - 1]``, computed only from the first column any completion
-        scores on (the LM head and the softmaxes over a 49k vocabulary at prompt positions were half the step);
-        columns before it are zero, where the mask is zero too."""
+    def _logp(
+        self, model: torch.nn.Module, b: Packed, entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs and (with ``entropy``) entropies ``[rows, width - 1]``, computed only from the first column any
+        completion scores on (the LM head and the softmaxes over a 49k vocabulary at prompt positions were half the
+        step); columns before it are zero, where the mask is zero too. The entropy carries a gradient only when
+        the loss uses it (``train.entropy_coef``); as a statistic it is computed without one, a piece at a time
+        (its softmaxes held for backward were three more copies of the logits)."""
         scored = b.mask.any(dim=0).nonzero()
         first = int(scored[0]) if len(scored) else b.mask.shape[1] - 1
         keep = b.ids.shape[1] - first
@@ -110,8 +127,11 @@ class PolicyEngine:
             logits = model(input_ids=b.ids, attention_mask=b.attention, logits_to_keep=keep).logits[:, :-1].float()
         temp = self.spec.sampling.temperature
         pad = (first, 0)
-        logp = token_logprobs(logits, b.ids[:, first + 1 :], temp)
-        return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(token_entropy(logits, temp), pad)
+        logp = torch.nn.functional.pad(token_logprobs(logits, b.ids[:, first + 1 :], temp), pad)
+        if not entropy:
+            return logp, None
+        source = logits if self.spec.train.entropy_coef else logits.detach()
+        return logp, torch.nn.functional.pad(token_entropy(source, temp), pad)
 
     def step(self, batch: Packed, lr: float) -> dict[str, float]:
         t = self.spec.train
@@ -119,9 +139,11 @@ class PolicyEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         logp_gap = 0.0
-        if t.recompute_logp_old:
+        if t.recompute_logp_old:  # in micro-batches too: the whole batch's logits at once were ~0.5 GB per copy
             with torch.no_grad():
-                mine = self._logp(self.model, batch)[0]
+                micro = t.micro_rows or batch.ids.shape[0]
+                mine = torch.cat([self._logp(self.model, batch.rows(slice(i, i + micro)), entropy=False)[0]
+                                  for i in range(0, batch.ids.shape[0], micro)])  # fmt: skip
             tokens = batch.mask.sum().clamp(min=1.0)
             logp_gap = float(((mine - batch.logp_old).abs() * batch.mask).sum() / tokens)
             batch = Packed(batch.ids, batch.attention, batch.mask, mine, batch.advantages)
@@ -150,7 +172,7 @@ class PolicyEngine:
         logp_ref = None
         if self.reference is not None:
             with torch.no_grad():
-                logp_ref = self._logp(self.reference, b)[0]
+                logp_ref = self._logp(self.reference, b, entropy=False)[0]
         return grpo_loss(
             logp, b.logp_old, b.advantages, b.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
             entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
@@ -183,11 +205,15 @@ class PolicyEngine:
         else:
             self.skipped += 1
             logger.error("skipped an optimizer step: gradient norm is %s", float(grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)  # 4 bytes per parameter not held while judging between steps
         return {**acc, "grad_norm": float(grad_norm)}
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The weights to publish, in the run's published dtype."""
-        return state_dict_for_export(self.model, DTYPES[self.spec.model.dtype])
+        dtype = DTYPES[self.spec.model.dtype]
+        if self.spec.train.lora_rank:
+            return merged_state(self.model, dtype)
+        return state_dict_for_export(self.model, dtype)
 
     def state(self) -> dict[str, Any]:
         """Everything a resumed trainer needs to continue bit-for-bit: fp32 weights and the optimizer."""

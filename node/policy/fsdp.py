@@ -141,6 +141,12 @@ class ShardedEngine(PolicyEngine):
     def __init__(self, spec: RunSpec, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("call intellect_node.policy.fsdp.init() before building a ShardedEngine")
+        if spec.train.lora_rank:
+            raise ValueError("train.lora_rank is for a trainer in one process; a sharded one (torchrun) trains every "
+                             "weight: set train.lora_rank = 0")  # fmt: skip
+        if spec.train.optimizer_state_dtype != "float32":
+            raise ValueError('train.optimizer_state_dtype = "bfloat16" is for a trainer in one process; a sharded one '
+                             '(torchrun) keeps AdamW\'s moments in fp32: set it to "float32"')  # fmt: skip
         self.device = device()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         model = model.float().to(self.device)

@@ -32,6 +32,7 @@ from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_node.roles.volunteer import POLL_S, Volunteer
+from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
@@ -104,6 +105,8 @@ class InferenceNode(Volunteer):
         manifest = await self.follower.sync(target)
         tensors = await asyncio.to_thread(load_checkpoint, self.store.folder(target), manifest)
         await asyncio.to_thread(backend.load_weights, tensors)
+        del tensors
+        trim_freed()
         self.loaded = target
         self.batch_index = 0
         self.versions_loaded.append(target)
@@ -186,7 +189,10 @@ class InferenceNode(Volunteer):
                     await self.announce(batch, data)
 
     def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
-        return generate_batch(spec, backend, tokenizer, self.identity.node_id, self.loaded, self.batch_index)
+        try:
+            return generate_batch(spec, backend, tokenizer, self.identity.node_id, self.loaded, self.batch_index)
+        finally:
+            trim_freed()
 
 
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:

@@ -35,14 +35,14 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import announced
 from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
-from intellect_node.policy.model import build_model, build_tokenizer, resolve_device
+from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, resolve_device, stored_in
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
-from intellect_node.runtime import announce
+from intellect_node.runtime import announce, trim_freed
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
@@ -118,8 +118,10 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.idle_s = 0.0
         self.maddrs: list[str] = []
         self.status_url = ""
-        # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims
+        # Validation (node/judging/validator.py) on a second copy of the model holding the version a batch claims,
+        # kept in the published dtype (policy/model.py stored_in)
         model = build_model(self.spec.model, self.tokenizer).to(resolve_device(node.device))
+        model = stored_in(model, DTYPES[self.spec.model.dtype])
         self.validator = Validator(self.spec, self.tokenizer, model)
         self.validator_version = -1
         self.pending = PendingBatches()
@@ -301,6 +303,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         lr = t.lr * lr_factor(self.step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
         skipped = self.engine.skipped
         stats = self.engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
+        trim_freed()
         if self.engine.skipped > skipped:  # never publish weights a bad batch turned into NaN
             self.metrics.inc("node_trainer_steps_skipped_total", self.engine.skipped - skipped,
                              label="nonfinite_gradient", help="optimizer steps skipped")  # fmt: skip

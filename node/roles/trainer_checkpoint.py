@@ -421,11 +421,13 @@ class Checkpoints:
         state = self.cfg.data_dir
         if not self.cfg.peers and peers:
             try:
-                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state)
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state, fresh_process=True)
             except SystemExit as e:
                 logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
                                "alone: nodes reconnect to this address (kept across restarts)", e)  # fmt: skip
-        return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state)
+        return await self.membership.start(
+            self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state, fresh_process=True
+        )
 
     async def _publish_current(self) -> None:
         """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it

@@ -32,6 +32,7 @@ from intellect_node.policy.model import encode_prompt, load_weights
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_gossip import VerdictWait
 from intellect_node.roles.trainer_registry import VALIDATOR_REFRESH_S, NodeRegistry
+from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, seal
@@ -193,7 +194,10 @@ class ValidationPipeline:
     def _validate(self, batch: RolloutBatch, full: bool = False) -> Finding:
         if self.validator_version != batch.version:
             self._load_validator(batch.version)
-        return self.validator.check(batch, full=full)
+        try:
+            return self.validator.check(batch, full=full)
+        finally:
+            trim_freed()
 
     async def validate_forever(self) -> None:
         """Train only on what passed: every batch is checked against the exact version it claims. Nothing a batch

@@ -29,8 +29,9 @@ from intellect_node.judging.validator import Validator
 from intellect_node.p2p.batches import fetch_batch
 from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.transport import off_loop_if_large
-from intellect_node.policy.model import build_model, build_tokenizer, load_weights, resolve_device
+from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, load_weights, resolve_device, stored_in
 from intellect_node.roles.volunteer import POLL_S, Volunteer
+from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
 from intellect_protocol.envelope import Rejected, decode_body, kind_of, open_envelope, open_signed, seal
 from intellect_protocol.identity import node_id_of
@@ -74,7 +75,10 @@ class ValidatorNode(Volunteer):
                 raise Rejected("version_unavailable", f"version {batch.version} is not held here")
             load_weights(self.validator.model, load_checkpoint(self.store.folder(batch.version), manifest))
             self.loaded = batch.version
-        return self.validator.check(batch, full=full).verdict(batch, data)
+        try:
+            return self.validator.check(batch, full=full).verdict(batch, data)
+        finally:
+            trim_freed()
 
     async def _on_announce(self, data: bytes, peer: str) -> None:
         """Who holds which batch: the producer's peer, to fetch the body from when we are asked to judge it."""
@@ -159,7 +163,8 @@ class ValidatorNode(Volunteer):
                 logger.exception("judging batch %s failed", ack.batch_sha256[:12])
 
     def _validator(self, spec: RunSpec, tokenizer: Any) -> Validator:
-        return Validator(spec, tokenizer, build_model(spec.model, tokenizer).to(resolve_device(self.cfg.device)))
+        model = build_model(spec.model, tokenizer).to(resolve_device(self.cfg.device))
+        return Validator(spec, tokenizer, stored_in(model, DTYPES[spec.model.dtype]))  # half the memory, same forward
 
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         assert self.follower is not None

@@ -4,5 +4,6 @@ Owns checkpoint files and their signed manifests (``files``), one run's folder o
 (``store``), the HTTP shard server and relay slots (``relay``) and who may hold them (``auth``), receiving a
 version from several sources (``fetch``), choosing and keeping a parent (``tree`` plans, ``follower`` acts).
 
-May import: ``p2p`` (metrics, DHT membership), ``intellect_protocol``; never ``policy``, ``judging`` or a role.
+May import: ``p2p`` (metrics, DHT membership), ``intellect_node.aio``, ``intellect_protocol``; never ``policy``,
+``judging`` or a role.
 """

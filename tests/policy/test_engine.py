@@ -3,6 +3,7 @@ trimmed to the completion columns, and bf16 publishing from fp32 master weights.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from intellect_kernels.grpo import group_advantages
@@ -89,3 +90,27 @@ def test_gradient_accumulation_over_micro_batches_gives_the_same_step() -> None:
     assert any(
         not torch.equal(t, build_model(RUN.model, TOK).state_dict()[n]) for n, t in whole.model.state_dict().items()
     )
+
+
+def test_a_model_stored_in_bf16_computes_exactly_as_its_fp32_upcast_in_half_the_memory() -> None:
+    """The trainer's (and a validator's) judging copy is kept in the published dtype: it must give the very numbers
+    an fp32 model holding the same published weights gives, or honest producers' proofs would be judged off."""
+    from intellect_node.policy.model import load_weights, state_dict_for_export, stored_in
+
+    published = state_dict_for_export(build_model(RUN.model, TOK, torch.float32), torch.bfloat16)
+    reference = build_model(RUN.model, TOK, torch.float32)
+    load_weights(reference, published)
+    stored = stored_in(build_model(RUN.model, TOK, torch.float32), torch.bfloat16)
+    load_weights(stored, published)
+    assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}
+    size = sum(p.numel() * p.element_size() for p in stored.parameters())
+    assert size * 2 == sum(p.numel() * p.element_size() for p in reference.parameters())
+    batch = _batch(reference)
+    with torch.no_grad():
+        want = reference(input_ids=batch.ids, attention_mask=batch.attention).logits
+        got = stored(input_ids=batch.ids, attention_mask=batch.attention).logits
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}  # the fp32 copies were dropped
+    with pytest.raises(IndexError):  # a forward that fails half-way leaves the weights stored as they were
+        stored(input_ids=torch.tensor([[10**6]]))
+    assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}
