@@ -78,21 +78,18 @@ def _require_free(host: str, port: int) -> None:
                              "address of this machine") from None  # fmt: skip
 
 
-def die_with_parent(poll_s: float = PARENT_POLL_S, node_pid: int | None = None) -> None:
-    """In a child process: once the parent is gone (killed with SIGKILL, say, so that it could clean nothing up),
-    kill this process's own children (the go-libp2p daemon) and exit. Polls the parent pid: the kernel's
-    parent-death signal is tied to the thread that forked, which is not the process's lifetime. ``node_pid``:
-    the node's process when it is not the parent (a fork server's child, which also keeps the fork server up)."""
-    parent = os.getppid()
+def die_with_parent(node_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """In a node's DHT process: once the node is gone (killed with SIGKILL, say, so that it could clean nothing up,
+    or killed and not yet reaped: a zombie), kill this process's own children (the go-libp2p daemon) and exit.
+    Polls the node's pid (the kernel's parent-death signal is tied to the thread that forked, which is not the
+    process's lifetime); the node is the parent, or the fork server's client when started by one."""
     try:
-        node = psutil.Process(node_pid) if node_pid is not None else None
+        node = psutil.Process(node_pid)
     except psutil.NoSuchProcess:
         os._exit(0)
 
     def alive() -> bool:
-        if node is None:
-            return os.getppid() == parent
-        try:  # is_running: the same process, not a reused pid; a zombie is dead (nobody has reaped it yet)
+        try:  # is_running: the same process, not a reused pid
             return node.is_running() and node.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
@@ -124,7 +121,7 @@ class _NodeDHT(DHT):
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
-        if not getattr(process_obj, "fresh_process", False):
+        if not process_obj.fresh_process:
             return DHT._Popen(process_obj)
         from multiprocessing import forkserver, popen_forkserver
 
@@ -132,7 +129,7 @@ class _NodeDHT(DHT):
         return popen_forkserver.Popen(process_obj)
 
     def run(self) -> None:
-        die_with_parent(node_pid=self._parent_pid if self.fresh_process else None)
+        die_with_parent(self._parent_pid)  # the node that created this DHT object
         enable_pubsub()  # the run's gossip topics (node/p2p/gossip.py) ride on this daemon
         super().run()
 
