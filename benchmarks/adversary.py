@@ -40,6 +40,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from intellect_kernels.toploc import proof_bytes
 from intellect_node.config import load_run_config
 from intellect_node.judging.validator import expected_proofs
 from intellect_node.judging.verifiers import run_code_tests
@@ -134,7 +135,7 @@ class Swarm:
         for slot in range(run.task.tasks_per_batch):
             task = assigned_task(run.seed, identity.node_id, version, index, slot, run.task.max_operand)
             answer = list(self.tok.encode(task.answer, add_special_tokens=False)) + [eos]
-            proofs = [bytes(258)] * expected_proofs(len(answer), run.verify.decode_batch)
+            proofs = [bytes(proof_bytes(run.verify.topk))] * expected_proofs(len(answer), run.verify.decode_batch)
             groups.append(RolloutGroup(slot=slot, prompt_ids=encode_prompt(self.tok, task.prompt),
                                        completions=[answer] * run.sampling.group_size,
                                        logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,

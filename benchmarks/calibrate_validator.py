@@ -5,7 +5,12 @@
 
 Generates honest rollouts at several generation batch sizes (the numerics of a decode step depend on the batch
 and on the KV cache; the validator's are one prefill), and dishonest ones: one decoder layer's weights with
-relative noise, greedy decoding, and another sampling temperature. The validator measures every rollout with
+relative noise, greedy decoding, and another sampling temperature. For the tiny model also the swarm's own
+setting (``--versions``, ``--run-batches``): the run's task and sampling (node/configs/tiny.toml: one-digit
+sums, 8 new tokens, so many completions of 2-3 tokens and one-step decode chunks), a whole batch in one
+generation call, each batch judged as a newcomer's is (every completion; the first alone), on versions 0, 1, ...
+of the weights, each trained from the last by a GRPO step of the run's settings on its own rollouts, as the
+trainer does; and the perturbed layer on the last version. The validator measures every rollout with
 no thresholds; then each threshold is set above the largest honest value by a margin (``--headroom`` times it,
 plus a floor), and the table shows how many honest and dishonest rollouts the chosen thresholds reject.
 The ``[verify]`` section printed (and written with ``--out``) goes into the run's TOML config. Calibration
@@ -26,9 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from intellect_kernels.grpo import group_advantages  # noqa: E402
 from intellect_node.config import RunConfig  # noqa: E402
 from intellect_node.judging.validator import Finding, Validator  # noqa: E402
-from intellect_node.policy.model import build_model, build_tokenizer  # noqa: E402
+from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402
+from intellect_node.policy.model import build_model, build_tokenizer, load_weights  # noqa: E402
 from intellect_node.roles.inference import generate_batch  # noqa: E402
 from intellect_protocol.messages import RunSpec, SamplingSpec, TaskSpec, VerifySpec  # noqa: E402
 
@@ -41,6 +48,11 @@ MEASURE = VerifySpec(
     max_logprob_error=math.inf,
 )
 """Thresholds that reject nothing: the validator only measures."""
+
+
+def run_topk(model: str) -> int:
+    """The ``verify.topk`` the model's runs use: the tiny run's (node/configs/tiny.toml), SmolLM2's configs' 128."""
+    return RunConfig().verify.topk if model == "tiny" else 128
 
 
 def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
@@ -104,18 +116,67 @@ def rollouts(
     max_rows: int | None,
     node: str,
     first_index: int = 0,
+    version: int = 0,
+    newcomer: bool = False,
+    made: list[Any] | None = None,
     **sampling: Any,
 ) -> tuple[list[Finding], float, float]:
-    """(findings, generation seconds, validation seconds) for ``batches`` batches."""
+    """(findings, generation seconds, validation seconds) for ``batches`` batches. ``newcomer``: judged as a key
+    on probation is (every completion, the first alone, then the rest 16 to a prefill), else exhaustively (16 to a
+    prefill). ``made`` collects the batches."""
     findings, gen_s, val_s = [], 0.0, 0.0
     for b in range(first_index, first_index + batches):
         t = time.perf_counter()
-        batch = generate_batch(spec, producer, tok, node, 0, b, max_rows=max_rows, **sampling)
+        batch = generate_batch(spec, producer, tok, node, version, b, max_rows=max_rows, **sampling)
         gen_s += time.perf_counter() - t
         t = time.perf_counter()
-        findings.append(validator.check(batch, exhaustive=True))
+        findings.append(validator.check(batch, full=True) if newcomer else validator.check(batch, exhaustive=True))
         val_s += time.perf_counter() - t
+        if made is not None:
+            made.append(batch)
     return findings, gen_s, val_s
+
+
+def grpo_step(engine: PolicyEngine, batches: list[Any], pad: int) -> None:
+    """One trainer step (the run's train settings) on the first ``train.batch_groups`` groups of ``batches`` (with
+    ``train.online_filter``, of those whose rewards differ)."""
+    t = engine.spec.train
+    groups = [Group(b.node_id, b.version, g.prompt_ids, g.completions, g.logprobs, g.rewards) for b in batches
+              for g in b.groups if len(set(g.rewards)) > 1 or not t.online_filter][: t.batch_groups]  # fmt: skip
+    if not groups:
+        return
+    ids, attn, mask, logp_old = pack_sequences(groups, pad)
+    advantages = group_advantages(torch.tensor([g.rewards for g in groups])).flatten()
+    engine.step(Packed(ids, attn, mask, logp_old, advantages), engine.spec.train.lr)
+
+
+def swarm_setting(
+    model: Any, tok: Any, verify: VerifySpec, versions: int, batches: int, dishonest_batches: int, noise: float,
+    layer: int, node: str,
+) -> list[tuple[str, dict[str, list[float]], float, float]]:
+    """The tiny swarm's rollouts (see the module's docstring): table rows for versions 0..``versions``-1, honest,
+    then the perturbed layer on the last version."""
+    run = RunConfig()
+    spec = RunSpec(run_id="c" * 32, created=0.0, seed=1_000_003, model=run.model, task=run.task,
+                   sampling=run.sampling, train=run.train, verify=verify)  # fmt: skip
+    engine = PolicyEngine(spec, copy.deepcopy(model))
+    policy = copy.deepcopy(model)  # producer and validator: each version in turn
+    validator = Validator(spec, tok, policy)
+    rows = []
+    made: list[Any] = []
+    for version in range(versions):
+        if version:
+            grpo_step(engine, made, int(tok.pad_token_id))
+        load_weights(policy, engine.export_state())
+        made = []
+        f, g, v = rollouts(spec, policy, tok, validator, batches, None, node, version=version, newcomer=True,
+                           made=made)  # fmt: skip
+        rows.append((f"honest, run's setting, version {version}", stats(f), g, v))
+    bad = perturb_layer(policy, noise, layer, weights=checkpoint_dtype("tiny"))
+    f, g, v = rollouts(spec, bad, tok, validator, dishonest_batches, None, node, first_index=7000,
+                       version=versions - 1, newcomer=True)  # fmt: skip
+    rows.append((f"layer {layer} x (1 + {noise:g} N(0,1)), run's v{versions - 1}", stats(f), g, v))
+    return rows
 
 
 def stats(findings: list[Finding]) -> dict[str, list[float]]:
@@ -140,9 +201,10 @@ def rejects(s: dict[str, list[float]], v: VerifySpec) -> int:
     return n
 
 
-def choose(honest: dict[str, list[float]], headroom: float) -> VerifySpec:
+def choose(honest: dict[str, list[float]], headroom: float, topk: int) -> VerifySpec:
     """Each threshold above the largest honest value: ``headroom`` times it, and at least a floor."""
     return VerifySpec(
+        topk=topk,
         max_exp_mismatches=int(math.ceil(max(max(honest["exp"]) * headroom, max(honest["exp"]) + 2))),
         max_mant_err_mean=round(max(max(honest["mean"]) * headroom, max(honest["mean"]) + 0.25), 3),
         max_mant_err_median=float(max(math.ceil(max(honest["median"]) * headroom), max(honest["median"]) + 1)),
@@ -157,15 +219,22 @@ def main() -> int:
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--batches", type=int, default=2, help="batches (4 tasks x 8 samples) per configuration")
     p.add_argument("--rel-noise", type=float, default=0.01, help="relative weight noise of the perturbed layer")
-    p.add_argument("--layer", type=int, default=15, help="which decoder layer to perturb (default 15, the middle)")
+    p.add_argument("--layer", type=int, help="which decoder layer to perturb (default: the middle one)")
     p.add_argument("--compute", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute in fp32 on the bf16 weights (default), in bf16, or in fp16")  # fmt: skip
     p.add_argument("--headroom", type=float, default=1.5)
+    p.add_argument("--topk", type=int, help="values per proof (default: the run's, tiny.toml's or SmolLM2's 128)")
+    p.add_argument("--versions", type=int, default=7,
+                   help="tiny: weight versions in the swarm's setting (0 and one GRPO step after another)")
+    p.add_argument("--run-batches", type=int, default=4, help="tiny: batches per version in the swarm's setting")
     p.add_argument("--out", type=Path, help="write the [verify] section here")
     args = p.parse_args()
     torch.manual_seed(0)
     model, tok = load(args.model, args.compute)
-    spec = make_spec(args.model, MEASURE, seed=1_000_003)
+    if args.layer is None:
+        args.layer = len(model.model.layers) // 2
+    measure = MEASURE.model_copy(update={"topk": args.topk or run_topk(args.model)})
+    spec = make_spec(args.model, measure, seed=1_000_003)
     validator = Validator(spec, tok, model)
     node = "d" * 32
     rows: list[tuple[str, dict[str, list[float]], float, float]] = []
@@ -189,7 +258,14 @@ def main() -> int:
     for name, producer, sampling in dishonest:
         findings, g, v = rollouts(spec, producer, tok, validator, args.batches, 32, node, first_index=7000, **sampling)
         rows.append((name, stats(findings), g, v))
-    chosen = choose(honest, args.headroom)
+    if args.model == "tiny" and args.versions > 0:
+        for row in swarm_setting(model, tok, measure, args.versions, args.run_batches, args.batches, args.rel_noise,
+                                 args.layer, node):  # fmt: skip
+            rows.append(row)
+            if row[0].startswith("honest"):
+                for k, vals in row[1].items():
+                    honest.setdefault(k, []).extend(vals)
+    chosen = choose(honest, args.headroom, measure.topk)
     print(f"calibration on {args.model} ({args.compute} compute): {len(honest['exp'])} honest rollouts; "
           f"thresholds {chosen.model_dump()}")  # fmt: skip
     print(f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "

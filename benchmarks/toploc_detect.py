@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate_validator import checkpoint_dtype, load, make_spec, perturb_layer  # noqa: E402
 
+from intellect_node.config import RunConfig  # noqa: E402
 from intellect_node.judging.validator import Gate, Validator  # noqa: E402
 from intellect_node.policy.backend import GenerationBackend  # noqa: E402
 from intellect_node.policy.model import state_dict_for_export  # noqa: E402
@@ -144,7 +145,8 @@ def main() -> int:
     args = p.parse_args()
     suffix = "" if args.compute == "fp32" else f"-{args.compute}"
     path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
-    verify = VerifySpec(**tomllib.loads(path.read_text())["verify"]) if path.exists() else VerifySpec()
+    default = RunConfig().verify if args.model == "tiny" else VerifySpec(topk=128)  # tiny.toml's; SmolLM2's
+    verify = VerifySpec(**tomllib.loads(path.read_text())["verify"]) if path.exists() else default
     model, tok = load(args.model, args.compute)
     spec = make_spec(args.model, verify, seed=20_261_130)
     vocab = int(model.config.vocab_size)
@@ -237,7 +239,7 @@ def main() -> int:
     attacks = [r for r in rows if not r[0].startswith("honest")]
     print(f"\nTOPLOC detection, {args.model}, rollouts from the {args.backend} backend "
           f"(weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
-          f"thresholds from {path.name if path.exists() else 'the defaults'}: {verify.model_dump()}")  # fmt: skip
+          f"thresholds from {path.name if path.exists() else 'the run config'}: {verify.model_dump()}")  # fmt: skip
     print(f"{'rollouts':52} {'n':>5} {'flagged':>8}  {'seconds':>8}  reasons")
     for name, n, flagged, reasons, secs in rows:
         print(f"{name:52} {n:5d} {flagged:8d}  {secs:8.1f}  {dict(reasons)}")

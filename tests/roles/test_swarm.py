@@ -25,6 +25,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from intellect_kernels.toploc import proof_bytes
 from intellect_node.config import RunConfig
 from intellect_node.judging.validator import expected_proofs
 from intellect_node.launch import NodeProcess
@@ -145,7 +146,7 @@ def _batch(identity: Identity, swarm: Swarm, version: int, batch_index: int) -> 
     for slot in range(run.task.tasks_per_batch):
         task = assigned_task(run.seed, identity.node_id, version, batch_index, slot, run.task.max_operand)
         answer = list(tok.encode(task.answer, add_special_tokens=False)) + [eos]
-        made_up = [bytes(258)] * expected_proofs(len(answer), run.verify.decode_batch)  # well-formed, not real
+        made_up = [bytes(proof_bytes(run.verify.topk))] * expected_proofs(len(answer), run.verify.decode_batch)
         groups.append(
             RolloutGroup(
                 slot=slot,
