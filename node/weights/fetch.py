@@ -16,7 +16,7 @@ import heapq
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -26,6 +26,7 @@ from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S, VERIFIED_HEADER
 from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import stripe_of
 from intellect_node.weights.tree import Candidate
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
@@ -68,6 +69,8 @@ class Source:
     url: str
     depth: int
     is_parent: bool = False
+    """Our parent in some stripe (``parent_of``: which; the origin can be ours in several)."""
+    parent_of: frozenset[int] = frozenset()
     bps: float = 0.0
     ok: int = 0
     failed: int = 0
@@ -78,9 +81,55 @@ class Source:
     active: set[asyncio.Timeout] = field(default_factory=set)
     """The deadlines of transfers from it in flight: ``abort_source`` brings them forward to now."""
 
-    def score(self) -> float:
+    def serves(self, stripe: int | None) -> bool:
+        """Whether it is our parent for a shard of ``stripe`` (None: any stripe)."""
+        return self.is_parent if stripe is None else stripe in self.parent_of
+
+    def score(self, stripe: int | None = None) -> float:
         base = self.bps if self.bps > 0 else 100e6 / (1 + self.depth)
-        return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.is_parent else 1.0)
+        return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.serves(stripe) else 1.0)
+
+
+def pick_source(
+    sources: Iterable[Source],
+    tried: set[str],
+    banned: dict[str, float] | set[str],
+    now: float,
+    probe: bool,
+    stripe: int | None = None,
+) -> Source | None:
+    """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried
+    for it (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (in
+    a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
+    when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
+    moves below the faster one)."""
+    usable = [s for s in sources if s.away_until <= now and s.node_id not in banned]
+    if not usable:
+        return None
+    fresh = [s for s in usable if s.node_id not in tried] or usable
+    if any(s.serves(stripe) for s in fresh):
+        untried = [s for s in fresh if not s.serves(stripe) and s.bps == 0 and s.failed == 0 and not s.full]
+        if untried and probe:
+            return untried[0]
+        fresh = [s for s in fresh if s.serves(stripe) or s.bps > 0]
+    return max(fresh, key=lambda s: s.score(stripe))
+
+
+SLOW_FACTOR, SLOW_MIN_SHARDS = 2.0, 3
+
+
+def faster_than_parent(
+    sources: dict[str, Source], parent: str, origin: str, banned: dict[str, float] | set[str]
+) -> Source | None:
+    """An alternate that delivered at least SLOW_FACTOR times the parent's rate, both over SLOW_MIN_SHARDS shards
+    or more (the origin excepted: it stays the last resort): the follower moves below it."""
+    mine = sources.get(parent)
+    if mine is None or mine.ok < SLOW_MIN_SHARDS or mine.bps <= 0:
+        return None
+    alts = [s for s in sources.values() if s.node_id != parent and not s.is_parent and s.node_id != origin
+            and s.ok >= SLOW_MIN_SHARDS and s.node_id not in banned]  # fmt: skip
+    best = max(alts, key=lambda s: s.bps, default=None)
+    return best if best is not None and best.bps >= SLOW_FACTOR * mine.bps else None
 
 
 SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
@@ -133,6 +182,8 @@ class ShardFetcher:
         self._find: SourceFinder | None = None
         self._refreshed = 0.0
         self._picks = 0
+        self.stripes = 1
+        """Stripes of the versions it fetches (stripes.py): shard i belongs to stripe i mod this."""
         self.token_for: Callable[[str], str] = lambda node_id: ""
         """The token a source gave us with a slot (our parent's), sent with our requests to it."""
         self.strikes: dict[str, int] = {}
@@ -175,26 +226,14 @@ class ShardFetcher:
         fresh: dict[str, Source] = {}
         for c in plan:
             src = self.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
-            src.url, src.depth, src.is_parent = c.url, c.depth, c.is_parent
+            src.url, src.depth, src.is_parent, src.parent_of = c.url, c.depth, c.is_parent, c.parent_of
             fresh[c.node_id] = src
         self.sources = fresh
 
-    def _pick(self, tried: set[str]) -> Source | None:
-        now = time.monotonic()
-        usable = [s for s in self.sources.values() if s.away_until <= now and s.node_id not in self.banned]
-        if not usable:
-            return None
-        fresh = [s for s in usable if s.node_id not in tried] or usable
+    def _pick(self, tried: set[str], stripe: int | None = None) -> Source | None:
         self._picks += 1
-        if any(s.is_parent for s in fresh):
-            # an alternate never measured does not win over a usable parent on an assumed rate (in a 16-node
-            # benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets one pick
-            # in PROBE_EVERY, so a parent slower than an alternate is found out (the follower then moves)
-            untried = [s for s in fresh if not s.is_parent and s.bps == 0 and s.failed == 0 and not s.full]
-            if untried and self._picks % PROBE_EVERY == 0:
-                return untried[0]
-            fresh = [s for s in fresh if s.is_parent or s.bps > 0]
-        return max(fresh, key=Source.score)
+        probe = self._picks % PROBE_EVERY == 0
+        return pick_source(self.sources.values(), tried, self.banned, time.monotonic(), probe, stripe)
 
     async def _manifest(self, version: int, deadline: float) -> bytes:
         while time.monotonic() < deadline:
@@ -232,17 +271,24 @@ class ShardFetcher:
         manifest, missing = self.store.begin(version, data)
         progress = Progress(version, manifest.total_size)
         progress.add(manifest.total_size - sum(s.size for s in missing))
-        # Shards go in manifest order, a failed one back to its place: a relay receives in order, so its
-        # children, asking in the same order, find each shard as soon as it can exist (pipelining).
+        # Shards go in manifest order within each stripe, a failed one back to its place: a relay receives in
+        # order, so its children, asking in the same order, find each shard as soon as it can exist (pipelining).
+        # Each stripe has its own workers (its own parent); one whose stripe is done helps the one furthest behind.
+        k = max(1, self.stripes)
         order = {s.name: i for i, s in enumerate(manifest.shards)}
-        pending: list[tuple[int, ShardEntry]] = [(order[s.name], s) for s in missing]
-        heapq.heapify(pending)
+        heaps: list[list[tuple[int, ShardEntry]]] = [[] for _ in range(k)]
+        for shard in missing:
+            heaps[stripe_of(order[shard.name], k)].append((order[shard.name], shard))
+        for heap in heaps:
+            heapq.heapify(heap)
         tried: dict[str, set[str]] = {}
         last_progress = time.monotonic()
 
-        async def worker() -> None:
+        async def worker(mine: int) -> None:
             nonlocal last_progress
-            while pending:
+            while any(heaps):
+                stripe = mine if heaps[mine] else max(range(k), key=lambda s: len(heaps[s]))
+                pending = heaps[stripe]
                 if time.monotonic() > deadline:
                     raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s")
                 if time.monotonic() - last_progress > self.stall_s:
@@ -252,7 +298,7 @@ class ShardFetcher:
                     continue  # another worker may have taken the last shard meanwhile
                 index, shard = heapq.heappop(pending)
                 attempted = tried.setdefault(shard.name, set())
-                src = self._pick(attempted)
+                src = self._pick(attempted, stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))
                     await self._refresh()
@@ -267,8 +313,9 @@ class ShardFetcher:
 
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())), asyncio.TaskGroup() as tasks:
-                for _ in range(min(self.parallel, max(1, len(missing)))):
-                    tasks.create_task(worker())
+                workers = self.parallel if k == 1 else k * max(1, self.parallel // 2)
+                for i in range(min(workers, max(1, len(missing)))):
+                    tasks.create_task(worker(i % k))
         except BaseException as e:
             self.store.abandon(version)
             if isinstance(e, BaseExceptionGroup):

@@ -22,7 +22,7 @@ from intellect_node.aio import within
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, server_clock_offset, signed_headers
-from intellect_node.weights.fetch import ShardFetcher, read_limited
+from intellect_node.weights.fetch import ShardFetcher, faster_than_parent, read_limited
 from intellect_node.weights.files import verify_manifest
 from intellect_node.weights.relay import LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
@@ -46,7 +46,6 @@ RECORDS_MAX_AGE_S = 5.0
 """Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
 SILENT_KEEPALIVES = 2
 """Keep-alives in a row without a usable answer after which a node leaves its parent."""
-SLOW_FACTOR, SLOW_MIN_SHARDS = 2.0, 3
 FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5
 ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
@@ -347,15 +346,10 @@ class WeightFollower:
         """An alternate that delivered at least SLOW_FACTOR times the parent's rate, both over SLOW_MIN_SHARDS
         shards or more in the last fetch (the origin excepted: it stays the last resort)."""
         f, c = self.fetcher, self._parent
-        mine = f.sources.get(c.node_id) if f is not None and c is not None else None
-        if f is None or mine is None or mine.ok < SLOW_MIN_SHARDS or mine.bps <= 0:
+        if f is None or c is None:
             return None
-        alts = [s for s in f.sources.values() if not s.is_parent and s.node_id != self.run_id
-                and s.ok >= SLOW_MIN_SHARDS and s.node_id not in f.banned]  # fmt: skip
-        best = max(alts, key=lambda s: s.bps, default=None)
-        if best is None or best.bps < SLOW_FACTOR * mine.bps:
-            return None
-        return Candidate(best.node_id, best.url, best.depth, True)
+        best = faster_than_parent(f.sources, c.node_id, self.run_id, f.banned)
+        return Candidate(best.node_id, best.url, best.depth, True) if best is not None else None
 
     async def _leave_slow_parent(self) -> None:
         """Move below a node that proved much faster than the parent, if it has a slot for us."""

@@ -22,6 +22,8 @@ class Candidate:
     url: str
     depth: int
     is_parent: bool
+    parent_of: frozenset[int] = frozenset()
+    """The stripes it is our parent in (stripes.py)."""
 
 
 def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> bool:
@@ -67,14 +69,22 @@ def _order(r: NodeRecord) -> tuple[int, float]:
 
 
 def parents(
-    records: dict[str, NodeRecord], me: str, origin: str, exclude: set[str] | frozenset[str] = frozenset()
+    records: dict[str, NodeRecord],
+    me: str,
+    origin: str,
+    exclude: set[str] | frozenset[str] = frozenset(),
+    stripe: int | None = None,
+    home: bool = True,
 ) -> list[Candidate]:
-    """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin last."""
+    """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin last.
+    ``stripe``: only relays whose home stripe it is (stripes.py). ``home``: whether it is ours too; in another
+    stripe we take no children, so no relay there can be our descendant and none is skipped as one."""
     relays = [
         r
         for r in _usable(records, me, exclude)
         if r.node_id != origin and r.relay is not None and r.relay.slots_free > 0
-        and not _descends_from(records, r.node_id, me)
+        and (stripe is None or r.relay.stripe == stripe)
+        and not (home and _descends_from(records, r.node_id, me))
     ]  # fmt: skip
     relays.sort(key=_order)
     out = [_cand(r) for r in relays]

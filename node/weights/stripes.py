@@ -1,0 +1,115 @@
+"""Striped broadcast: each version's shards are split into k stripes, each spread by its own tree (as in
+SplitStream), and every node takes children in one stripe only, its home stripe.
+
+A single tree cannot keep every upload busy at a fan-out above 1: a node with two children sends each half its
+upload, so the second level receives at half rate, and a chain (fan-out 1) is full rate but as deep as the swarm,
+stalled by any slow or departing node above. With k stripes, every node receives all k at once, each at rate
+R / k, and uploads its home stripe to about ``upload / (R / k)`` children: with equal links that is k children
+(fan-out k) and every upload busy at full rate; a node with ten times the upload serves ten times the children,
+and a node slower than a stripe (or unreachable) serves none and is a leaf everywhere. Trees stay logarithmic in
+depth. The common rate R is planned from the uploads nodes announce (capped as ``tree.MAX_CLAIMED_BPS``), a share
+``SLACK`` below what they could carry on average, so that rounding and an uneven share of nodes between stripes
+still leave a slot for everyone.
+
+Everything here is pure: the node (follower.py, relay.py) and the broadcast simulator (benchmarks/simulate.py)
+run the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+from intellect_node.weights.tree import MAX_CLAIMED_BPS
+from intellect_protocol.messages import NodeRecord
+
+DEFAULT_STRIPES = 4
+"""Stripes per version, set by the origin (its record carries them). Four keeps a 64 MiB version of 1 MiB shards
+at 16 shards a stripe, and a volunteer's fan-out at four children with equal links."""
+SLACK = 0.85
+"""The rate planned is this share of the average upload: spare slots for rounding and uneven stripes."""
+MAX_SLOTS = 256
+"""Children one node serves at most, whatever it claims (a claim is a peer's word)."""
+
+
+def stripe_of(index: int, stripes: int) -> int:
+    """The stripe of the ``index``-th shard of a manifest: round robin, so every stripe holds an even share."""
+    return index % max(1, stripes)
+
+
+def claim(r: NodeRecord) -> float:
+    """What a record says its node uploads (bytes/s), bounded; 0 when it does not say."""
+    if r.relay is None:
+        return 0.0
+    return min(max(r.relay.upload_bps, 0.0), MAX_CLAIMED_BPS)
+
+
+def planned_rate(uploads: Iterable[float], origin_bps: float, receivers: int, stripes: int) -> float:
+    """The per-stripe rate (bytes/s) the swarm can carry: ``SLACK`` of the mean upload over the receivers, the
+    origin's included, and never more than the origin can send of each stripe. Unknown uploads (0) count as the
+    mean of the known ones; with none known, as the origin's. 0 when nothing at all is known."""
+    ups = list(uploads)
+    known = [u for u in ups if u > 0]
+    if origin_bps <= 0 and not known:
+        return 0.0
+    mean = sum(known) / len(known) if known else origin_bps
+    origin = origin_bps if origin_bps > 0 else mean
+    total = origin + sum(known) + mean * (len(ups) - len(known))
+    common = SLACK * total / max(1, receivers)
+    return min(common, origin) / max(1, stripes)
+
+
+def fanout(upload_bps: float, stripe_bps: float, stripes: int) -> int:
+    """Children a node serves in its home stripe: its upload over the stripe rate, rounded (a node at 0.6 of a
+    slot's rate and above serves one; below that, none). Unknown rates (0): k children, as with equal links."""
+    if stripe_bps <= 0 or upload_bps <= 0:
+        return max(1, stripes)
+    return max(0, min(MAX_SLOTS, math.floor(upload_bps / stripe_bps + 0.4)))
+
+
+def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> int:
+    """The home stripe for a joining node: the one with the least serving capacity among the records (slots of
+    the nodes at home there, measured as ``fanout`` of their claims), so stripes fill evenly. Ties: the lowest."""
+    capacity = [0.0] * max(1, stripes)
+    for nid, r in records.items():
+        if nid == me or r.relay is None or r.role == "trainer" or not r.http_url:
+            continue
+        s = r.relay.stripe
+        if 0 <= s < len(capacity):
+            capacity[s] += r.relay.slots_total if r.relay.slots_total else fanout(claim(r), rate, stripes)
+    return min(range(len(capacity)), key=lambda s: (capacity[s], s))
+
+
+class UploadMeter:
+    """A node's upload capacity, from what it really sent: bytes per one-second bucket, and the estimate is the
+    mean of the last ``SPAN`` buckets in which the node sent all second long. A node that was never busy for a
+    whole second has no estimate (0). Pure: the caller passes the clock."""
+
+    SPAN = 8
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._bytes = 0
+        self._busy_all = True
+        self._full: deque[int] = deque(maxlen=self.SPAN)
+
+    def sent(self, n: int, now: float, busy: bool = True) -> None:
+        """``n`` bytes went out at ``now``; ``busy``: a response was in progress throughout since the last call."""
+        second = int(now)
+        if second != self._second:
+            consecutive = second == self._second + 1
+            if self._second >= 0 and self._busy_all and consecutive and self._bytes > 0:
+                self._full.append(self._bytes)
+            # a second counts only if sending went on from the one before: a start mid-second is a partial one
+            self._second, self._bytes, self._busy_all = second, 0, busy and consecutive
+        self._bytes += n
+        self._busy_all = self._busy_all and busy
+
+    def idle(self, now: float) -> None:
+        """Nothing was being sent at ``now``: the current second does not count as a busy one."""
+        if int(now) == self._second:
+            self._busy_all = False
+
+    def bps(self) -> float:
+        return sum(self._full) / len(self._full) if len(self._full) >= self.SPAN // 2 else 0.0
