@@ -72,15 +72,17 @@ def _wait_settled(logs: list[Path], quiet_s: float, timeout: float) -> float:
 
 
 def run_ours(
-    n: int, size_mb: int, mbit: float, slots: int, shard_mb: int, work: Path, log_level: str = "INFO"
+    n: int, size_mb: int, mbit: float, slots: int | None, shard_mb: int, work: Path, log_level: str = "INFO",
+    stripes: int = 4,
 ) -> dict[str, object]:
+    fanout = ["--slots", str(slots)] if slots else []
     nodes: list[NodeProcess] = []
     with Topology("ibo", n + 1, mbit) as topo:
         try:
             origin_host, hosts = topo.hosts[0], topo.hosts[1:]
             origin = NodeProcess(
                 "origin",
-                ["--host", origin_host.ip, "--data-dir", str(work / "origin"), "--slots", str(slots),
+                ["--host", origin_host.ip, "--data-dir", str(work / "origin"), *fanout, "--stripes", str(stripes),
                  "--size-mb", str(size_mb), "--shard-mb", str(shard_mb)],
                 work / "logs", command=[sys.executable, str(HERE / "broadcast_origin.py")],
                 prefix=origin_host.prefix, stdin=subprocess.PIPE,
@@ -89,7 +91,8 @@ def run_ours(
             ready = origin.wait_ready(timeout=120)
             for i, h in enumerate(hosts):
                 argv = ["join", "--role", "relay", "--host", h.ip, "--peers", ready["p2p_maddrs"][0],
-                        "--run-id", ready["run_id"], "--data-dir", str(work / f"r{i}"), "--relay-slots", str(slots),
+                        "--run-id", ready["run_id"], "--data-dir", str(work / f"r{i}"),
+                        *(["--relay-slots", str(slots)] if slots else []),
                         "--join-timeout", "300", "--log-level", log_level]  # fmt: skip
                 nodes.append(NodeProcess(f"r{i}", argv, work / "logs", prefix=h.prefix))
             for node in nodes[1:]:
@@ -151,7 +154,9 @@ def main() -> int:
     p.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--size-mb", type=int, default=64)
     p.add_argument("--mbit", type=float, default=25.0, help="each host's upload (tc tbf); see above for why 25")
-    p.add_argument("--slots", type=int, nargs="+", default=[1], help="our relay fan-out settings to measure")
+    p.add_argument("--slots", nargs="+", default=["auto"],
+                   help="our relay fan-out settings to measure: auto (the default, from measured upload) or N")
+    p.add_argument("--stripes", type=int, default=4, help="stripes per version (1: a single tree)")
     p.add_argument("--shard-mb", type=int, default=1)
     p.add_argument("--middles", type=int, nargs="+", default=[1, 2])
     p.add_argument(
@@ -172,16 +177,17 @@ def main() -> int:
     summaries: list[str] = []
     for n in args.n:
         bound = args.size_mb * 2**20 * 8 / (args.mbit * 1e6)
-        ours: dict[int, float] = {}
+        ours: dict[str, float] = {}
         for slots in args.slots:
             work = Path(tempfile.mkdtemp(prefix=f"bcast-ours-{n}-{slots}-"))
             try:
-                r = run_ours(n, args.size_mb, args.mbit, slots, args.shard_mb, work, args.node_log_level)
+                fixed = None if slots == "auto" else int(slots)
+                r = run_ours(n, args.size_mb, args.mbit, fixed, args.shard_mb, work, args.node_log_level, args.stripes)
             finally:
                 if not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
             ours[slots] = float(r["seconds"])  # type: ignore[arg-type]
-            rows.append({"system": f"intellect-node slots={slots}", "N": n, **r})
+            rows.append({"system": f"intellect-node slots={slots} stripes={args.stripes}", "N": n, **r})
             print(f"  ours N={n} slots={slots}: {r}", flush=True)
         sc: dict[int, float] = {}
         if not args.skip_shardcast:

@@ -28,7 +28,7 @@ from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import NodeRecord, RelayInfo, RunSpec
+from intellect_protocol.messages import NodeRecord, RunSpec
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -39,8 +39,9 @@ async def main(args: argparse.Namespace) -> None:
     metrics = Metrics()
     store = WeightStore(Path(args.data_dir) / run_id, run_id)
     limit = args.upload_limit_mbps * 1e6 / 8 if args.upload_limit_mbps else None
-    origin = ShardServer(store, metrics, args.slots, limit)
+    origin = ShardServer(store, metrics, args.slots or args.stripes, limit, node_id=run_id)
     origin.path = lambda: [run_id]  # the root of every path in the tree
+    origin.stripes = args.stripes
     http = HttpServer(metrics, lambda: {"role": "origin", "versions": store.complete_versions()}, origin.routes())
     port = await http.start(args.host, 0)
     url = f"http://{args.host}:{port}"
@@ -50,8 +51,7 @@ async def main(args: argparse.Namespace) -> None:
     version = 0
 
     def record() -> NodeRecord:
-        relay = RelayInfo(depth=0, slots_total=args.slots, slots_free=origin.slots_free(),
-                          upload_bps=origin.upload_bps(), versions=store.complete_versions())  # fmt: skip
+        relay = origin.origin_info({}, store.complete_versions(), args.slots)
         return NodeRecord(run_id=run_id, node_id=run_id, role="trainer", p2p_maddrs=maddrs, http_url=url,
                           weight_version=version, updated=time.time(), software=f"intellect-node/{__version__}",
                           relay=relay)  # fmt: skip
@@ -87,7 +87,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--slots", type=int, help="default: from the measured upload, as the trainer")
+    p.add_argument("--stripes", type=int, default=4)
     p.add_argument("--size-mb", type=int, default=64)
     p.add_argument("--shard-mb", type=int, default=1)
     p.add_argument("--upload-limit-mbps", type=float, help="in-process upload cap (when tc is not available)")

@@ -39,7 +39,8 @@ def _node_args(p: argparse.ArgumentParser) -> None:
                    help="where the transformers backend, the trainer and the validator compute (default auto: the "
                         "first GPU where one is present, else the CPU)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    p.add_argument("--relay-slots", type=int, default=2, help="nodes that may fetch weights from this one at once")
+    p.add_argument("--relay-slots", type=int, help="nodes that may fetch weights from this one at once "
+                   "(default: from the measured upload)")
     p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
     p.add_argument("--keep-versions", type=int, help="weight versions kept on disk (default: async_level + 1)")
     p.add_argument("--max-disk-gb", type=float, help="disk budget for weights (the newest version is always kept)")
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
                            "peers it saved in its checkpoint)")  # fmt: skip
     boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
+    boot.add_argument("--stripes", type=int, default=4, help="stripes per version, each spread by its own relay "
+                      "tree (default 4; 1: a single tree)")
     boot.add_argument("--validator", action="append", default=[], metavar="NODE_ID",
                       help="take verdicts from this validator (repeatable); else the trainer validates")  # fmt: skip
     boot.add_argument("--invite-uses", type=int, default=100,
@@ -232,6 +235,7 @@ def _main(args: argparse.Namespace) -> None:
             **fields,
             max_steps=args.max_steps,
             shard_bytes=int(args.shard_mb * 2**20),
+            stripes=args.stripes,
             validators=args.validator,
             checkpoint_every=args.checkpoint_every,
             fresh=args.fresh,

@@ -145,8 +145,11 @@ class NodeConfig(BaseModel):
     """Trainer: validator nodes whose signed verdicts it takes (it validates itself when none answers)."""
     relay: bool = True
     """Serve the weights this node holds to other nodes (inference nodes; `--no-relay` turns it off)."""
-    relay_slots: Annotated[int, Field(ge=1, le=1024)] = 2
-    """How many downstream nodes may fetch from this node at once (its fan-out in the relay tree)."""
+    relay_slots: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """How many downstream nodes may fetch from this node at once (its fan-out in its stripe's relay tree); by
+    default, from its measured upload against the rate the swarm's uploads can carry (weights/stripes.py)."""
+    stripes: Annotated[int, Field(ge=1, le=64)] = 4
+    """Trainer: stripes each version is split into, each spread by its own relay tree (weights/stripes.py)."""
     upload_limit_mbps: Annotated[float, Field(gt=0)] | None = None
     """Cap on what the node uploads, in Mbit/s (none by default)."""
     keep_versions: Annotated[int, Field(ge=1, le=64)] | None = None

@@ -48,7 +48,7 @@ from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.identity import node_id_of
-from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RunSpec, SubmitReply
+from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec, SubmitReply
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_PER_NODE = 2
@@ -94,9 +94,10 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         require_jail(self.spec.task)  # before any peer's completion is scored
         self.store = WeightStore(self.weights_root, self.run_id, self.spec.epoch)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
-        self.origin = ShardServer(self.store, self.metrics, node.relay_slots, limit, node_id=self.run_id,
-                                  members=self._is_member)  # fmt: skip
+        self.origin = ShardServer(self.store, self.metrics, node.relay_slots or node.stripes, limit,
+                                  node_id=self.run_id, members=self._is_member)  # fmt: skip
         self.origin.path = lambda: [self.run_id]
+        self.origin.stripes = node.stripes
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.registry = NodeRegistry(self.membership)
         self.admission = Admission(self.spec.admission, self.run_id)
@@ -341,13 +342,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             epoch=self.spec.epoch,
             updated=time.time(),
             software=f"intellect-node/{__version__}",
-            relay=RelayInfo(
-                depth=0,
-                slots_total=self.origin.slots,
-                slots_free=self.origin.slots_free(),
-                upload_bps=self.origin.upload_bps(),
-                versions=self.store.complete_versions()[-16:],
-            ),
+            relay=self.origin.origin_info(self.registry.records, self.store.complete_versions(), self.cfg.relay_slots),
         )
 
     async def train_forever(self) -> None:

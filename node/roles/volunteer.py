@@ -30,6 +30,7 @@ from intellect_node.weights.files import HTTP_TIMEOUT
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import DEFAULT_STRIPES
 from intellect_protocol.admission import invite_envelope, solve_pow
 from intellect_protocol.envelope import Rejected, open_signed
 from intellect_protocol.messages import NodeRecord, Role, RunSpec, VersionNotice
@@ -63,7 +64,8 @@ class Volunteer(abc.ABC):
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self._publish_soon = asyncio.Event()
         self.server = (
-            ShardServer(self.store, self.metrics, node.relay_slots, limit, on_change=self._publish_soon.set,
+            ShardServer(self.store, self.metrics, node.relay_slots or DEFAULT_STRIPES, limit,
+                        on_change=self._publish_soon.set,
                         node_id=self.identity.node_id)  # fmt: skip
             if node.relay
             else None
@@ -148,8 +150,12 @@ class Volunteer(abc.ABC):
                 "enabled": self.server is not None,
                 "depth": f.depth if f else -1,
                 "parent": f.parent if f else None,
+                "home_stripe": f.home if f else -1,
+                "parents": {str(s): p for s, p in f.parents().items()} if f else {},
                 "children": self.server.children() if self.server else [],
+                "slots": self.server.slots if self.server else 0,
                 "slots_free": self.server.slots_free() if self.server else 0,
+                "upload_mbps": round(self.server.upload_bps() * 8 / 1e6, 2) if self.server else 0.0,
                 "fetching": f.fetching if f else -1,
                 "fetching_verified_shards": self.store.verified_count(f.fetching) if f and f.fetching >= 0 else 0,
                 "bans": self.metrics.counter("node_relay_bans_total"),
@@ -297,6 +303,8 @@ class Volunteer(abc.ABC):
                 self.server.auth.members = follower.is_member
                 self.server.depth = lambda: follower.depth
                 self.server.path = lambda: follower.path
+                self.server.home = lambda: follower.home
+                follower.auto_slots = self.cfg.relay_slots is None
             await self.publish()
             await self.ready(spec)
             async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:

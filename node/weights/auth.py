@@ -120,7 +120,7 @@ class RequestAuth:
             raise Refused(401, "clock")
         if nonce in self._nonces:
             raise Refused(401, "replayed")
-        message = f"{request.method} {request.path} {self.server_id} {stamp} {nonce}".encode()
+        message = f"{request.method} {request.path_qs} {self.server_id} {stamp} {nonce}".encode()
         if not verify(key, KIND, message, bytes.fromhex(sig)):
             raise Refused(401, "bad_signature")
         if len(self._nonces) > MAX_NONCES:

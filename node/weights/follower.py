@@ -1,32 +1,38 @@
-"""Keeping a node's weights in step with the trainer, through the relay tree; shared by inference and relay.
+"""Keeping a node's weights in step with the trainer, through the relay trees; shared by inference and relay.
 
-``keep_attached`` keeps the node in the relay tree: it chooses a parent by attaching (``POST /relay/attach``) to
-the candidates ``tree.parents`` orders from fresh DHT records, holds the slot with a keep-alive that also tells it
-the parent's path from the origin, and leaves a parent that refuses it, cannot be reached, has lost its own way
-to the origin for ``UNROOTED_GRACE_S``, or turns out to hang below it (a cycle). ``sync(v)`` announces that the
-node is receiving ``v``, fetches it through ``fetch.ShardFetcher`` from the parent (alternates: nodes that hold
-the whole version; the origin last), keeps the newest ``keep`` versions the disk budget allows, serves them.
+Each version's shards travel in k stripes, each by its own tree (stripes.py; the origin's record says k). A node
+takes children in one stripe, its home stripe, chosen at join where serving capacity is lowest, and announces
+how many children it can serve there from its measured upload. ``keep_attached`` keeps the node in every stripe's
+tree (links.py): per stripe it chooses a parent by attaching (``POST /relay/attach?stripe=s``) to the candidates
+``tree.parents`` orders from fresh DHT records, holds the slot with a keep-alive that also tells it the parent's
+path from the origin, and leaves a parent that refuses it, cannot be reached, has lost its own way to the origin
+for ``UNROOTED_GRACE_S``, or turns out to hang below it (a cycle). ``sync(v)`` announces that the node is
+receiving ``v``, fetches it through ``fetch.ShardFetcher``, each stripe's shards from that stripe's parent
+(alternates: nodes that hold the whole version; the origin last), keeps the newest ``keep`` versions the disk
+budget allows, and serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import random
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from intellect_node.aio import within
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, server_clock_offset, signed_headers
-from intellect_node.weights.fetch import ShardFetcher, faster_than_parent, read_limited
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
+from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.files import verify_manifest
-from intellect_node.weights.relay import LONG_POLL_S, MAX_PATH, VERSION_HEADER, ShardServer
+from intellect_node.weights.links import KEEPALIVE_S, RECORDS_MAX_AGE_S, REFUSED_AVOID_S, Attachments, Link
+from intellect_node.weights.relay import LONG_POLL_S, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
-from intellect_node.weights.tree import Candidate, below, holders, is_path, parents
+from intellect_node.weights.stripes import choose_home, claim, fanout, planned_rate, stripe_capacity
+from intellect_node.weights.tree import Candidate, holders
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
@@ -34,31 +40,12 @@ from intellect_protocol.messages import Manifest, NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
 
 logger = logging.getLogger(__name__)
-KEEPALIVE_S = 1.0
-"""Keep-alive period: also how fast a change of path travels one level down the tree (well under CHILD_TTL_S)."""
-CYCLE_AVOID_S = 30.0
-REFUSED_AVOID_S = 2.0
-UNREACHABLE_AVOID_S = 10.0
-UNROOTED_GRACE_S = 5.0
-"""How long a parent may be cut off from the origin (re-parenting itself) before its child looks elsewhere."""
-MAX_ATTACH_TRIES = 24
-RECORDS_MAX_AGE_S = 5.0
-"""Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
-SILENT_KEEPALIVES = 2
-"""Keep-alives in a row without a usable answer after which a node leaves its parent."""
-FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5
-ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
-KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
-"""Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
-ASK_STAGGER_S = 0.5
-CHOOSE_BUDGET_S = 10.0
-"""At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
-ATTACH_BODY_LIMIT = 64 * 1024
 MEMBER_REFRESH_S = 2.0
-CLOCK_TOLERANCE_S = 5.0
+REHOME_S = 3.0
+"""About how often a node without children looks whether another stripe needs its upload more."""
 
 
-class WeightFollower:
+class WeightFollower(Attachments):
     def __init__(
         self,
         identity: Identity,
@@ -73,8 +60,6 @@ class WeightFollower:
     ) -> None:
         self.identity = identity
         self.node_id = identity.node_id
-        self.token = ""
-        """What the parent named us with when it gave us the slot (sent on shard and news requests)."""
         self.run_id = run_id
         self.membership = membership
         self.store = store
@@ -83,26 +68,21 @@ class WeightFollower:
         self.keep = keep
         self.max_bytes = max_bytes
         self.publish = publish
-        self.depth = -1
         self.fetching = -1
-        self.path: list[str] = []
-        """Node ids from the origin down to this node, as the parent last told it."""
+        self.links = [Link(0, True)]
+        """One parent per stripe (links.py); a single tree until the origin's record says how many stripes."""
+        self._planned = False
+        self.auto_slots = False
+        """Whether the server's slots follow the measured upload (stripes.fanout) rather than a set number."""
         self._seen: dict[str, tuple[float, NodeRecord]] = {}
         """The newest record read of every node, kept for a record's lifetime: one DHT read that misses a
         node (timeouts under load return partial results) must not make this node drop a working parent."""
         self.fetcher: ShardFetcher | None = None
         self.session: aiohttp.ClientSession | None = None
-        self._parent: Candidate | None = None
-        self._parent_was: str | None = None
-        self._unrooted_since: float | None = None
-        self._unreachable = 0
         self._read_at = -1e9
         self._avoid: dict[str, float] = {}
         """Nodes not to ask for a slot before the time given (we just left them)."""
-        self._choosing = asyncio.Lock()
         self._tasks: set[asyncio.Future[None]] = set()
-        self.changed = asyncio.Event()
-        """Set when the parent changes (keep_attached then checks the new parent's path at once)."""
         self.announced = -1
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
         self.news = asyncio.Event()
@@ -115,24 +95,91 @@ class WeightFollower:
     def start(self, session: aiohttp.ClientSession) -> None:
         self.session = session
         self.fetcher = ShardFetcher(session, self.store, self.node_id, self.metrics)
-        self.fetcher.token_for = lambda node: self.token if self.parent == node else ""
+        self.fetcher.token_for = self._token_for
+        self.fetcher.stripes = len(self.links)
+
+    def _token_for(self, node: str) -> str:
+        return next((x.token for x in self.links if x.parent is not None and x.parent.node_id == node), "")
+
+    @property
+    def home_link(self) -> Link:
+        return next((x for x in self.links if x.home), self.links[0])
+
+    @property
+    def home(self) -> int:
+        """The stripe this node takes children in (-1: none, it serves no one)."""
+        return self.home_link.stripe if self.home_link.home else -1
+
+    @property
+    def _parent(self) -> Candidate | None:
+        return self.home_link.parent
 
     @property
     def parent(self) -> str | None:
         return self._parent.node_id if self._parent is not None else None
 
+    @property
+    def depth(self) -> int:
+        return self.home_link.depth
+
+    @property
+    def path(self) -> list[str]:
+        return self.home_link.path
+
+    def parents(self) -> dict[int, str | None]:
+        """Per stripe, the parent's node id."""
+        return {x.stripe: x.parent.node_id if x.parent else None for x in self.links}
+
+    def _plan_stripes(self, records: dict[str, NodeRecord]) -> None:
+        """Once the origin's record is known, before any parent is chosen: one link per stripe it announces, and
+        the home stripe where serving capacity is lowest (a node that serves no one has none)."""
+        origin = records.get(self.run_id)
+        if self._planned or origin is None or origin.relay is None:
+            return
+        self._planned = True
+        k = origin.relay.stripes
+        if k == len(self.links) or any(x.parent is not None for x in self.links):
+            return
+        home = choose_home(records, self.node_id, k, self._rate(records)) if self.server is not None else -1
+        self.links = [Link(s, s == home) for s in range(k)]
+        if self.fetcher is not None:
+            self.fetcher.stripes = k
+        logger.info("stripes=%d home=%d", k, home)
+
+    def _rate(self, records: dict[str, NodeRecord]) -> float:
+        """The planned per-stripe rate (stripes.planned_rate) from the records' upload claims."""
+        origin = records.get(self.run_id)
+        ups = [claim(r) for n, r in records.items() if n != self.run_id and r.relay is not None]
+        receivers = sum(1 for n in records if n != self.run_id)
+        return planned_rate(ups, claim(origin) if origin else 0.0, receivers, len(self.links))
+
+    def _slots(self) -> int:
+        """Children this node can serve in its home stripe: its upload over the planned stripe rate (stripes.py;
+        no spare slot: the shallowest nodes fill first, and a fifth child there slows a whole stripe by a fifth,
+        measured); or the number the operator set."""
+        assert self.server is not None
+        if not self.auto_slots:
+            return self.server.slots
+        mine = self.server.upload_bps() or self.server.upload_limit_bps
+        rate = self._rate({n: r for n, (_, r) in self._seen.items()})
+        self.server.slots = fanout(mine, rate, len(self.links))
+        return self.server.slots
+
     def relay_info(self) -> RelayInfo | None:
         if self.server is None or self.depth < 0:
             return None
+        slots = self._slots()
         return RelayInfo(
             depth=self.depth,
             parent=self.parent,
-            slots_total=self.server.slots,
+            slots_total=slots,
             # no children while cut off from the origin, or while our disk cannot take new versions
             slots_free=self.server.slots_free() if self.path and time.monotonic() > self.disk_full_until else 0,
             upload_bps=self.server.upload_bps(),
             versions=self.store.complete_versions()[-16:],
             fetching=self.fetching,
+            stripe=max(0, self.home),
+            stripes=len(self.links),
         )
 
     async def _records(self, max_age: float = 0.0) -> dict[str, NodeRecord]:
@@ -166,109 +213,30 @@ class WeightFollower:
         return set(self._avoid)
 
     async def _find(self, exclude: set[str]) -> list[Candidate]:
-        """The fetcher's sources (see fetch.SourceFinder): the parent first (chosen now if there is none, or if
-        the fetcher saw it fail), then up to two nodes that hold the whole version, the origin last."""
-        if self._parent is not None and self._parent.node_id in exclude:
-            await self._drop_parent("it failed to serve", avoid_s=REFUSED_AVOID_S)
+        """The fetcher's sources (see fetch.SourceFinder): each stripe's parent first (chosen now if there is
+        none, or if the fetcher saw it fail), then up to two nodes that hold the whole version, the origin last."""
+        for link in self.links:
+            if link.parent is not None and link.parent.node_id in exclude:
+                await self._drop_parent("it failed to serve", REFUSED_AVOID_S, link)
         # records read a few seconds ago will do even without a parent: after leaving one (a partition, say) a
         # fresh DHT read can take many seconds while part of the DHT does not answer
         records = await self._records(max_age=RECORDS_MAX_AGE_S)
-        if self._parent is None:
-            await self._choose(records, exclude)
-        sources = [self._parent] if self._parent is not None else []
-        skip = self._avoiding() | exclude | {c.node_id for c in sources}
+        self._plan_stripes(records)
+        orphans = [link for link in self.links if link.parent is None]
+        if orphans:
+            await asyncio.gather(*(self._choose(records, exclude, link) for link in orphans))
+        mine: dict[str, Candidate] = {}
+        for link in self.links:
+            if link.parent is not None:
+                c = mine.get(link.parent.node_id, link.parent)
+                mine[c.node_id] = Candidate(c.node_id, c.url, c.depth, True, c.parent_of | {link.stripe})
+        sources = sorted(mine.values(), key=lambda c: min(c.parent_of))
+        skip = self._avoiding() | exclude | set(mine)
         sources += holders(records, self.node_id, self.run_id, self.fetching, skip) if self.fetching >= 0 else []
         origin = records.get(self.run_id)
         if origin is not None and origin.http_url and self.run_id not in skip:
             sources.append(Candidate(self.run_id, origin.http_url, 0, False))
         return sources
-
-    async def _choose(self, records: dict[str, NodeRecord], exclude: set[str]) -> None:
-        """Attach, then choose: ask the candidates for a slot, best first; a full node names its children, asked
-        next (the free slots are further down). A candidate silent for ``ASK_STAGGER_S`` (cut off, its request
-        would wait out the timeout) does not hold up the next: both are in flight, the first slot given wins."""
-        async with self._choosing:
-            if self._parent is not None or self.session is None:
-                return
-            tried: set[str] = set()
-            queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding())
-            deadline = time.monotonic() + CHOOSE_BUDGET_S
-            asking: dict[asyncio.Task[tuple[int | None, object]], Candidate] = {}
-            try:
-                while (queue or asking) and time.monotonic() < deadline:
-                    while queue and queue[0].node_id in tried:
-                        queue.pop(0)
-                    more = bool(queue) and len(tried) < MAX_ATTACH_TRIES
-                    if more:
-                        c = queue.pop(0)
-                        tried.add(c.node_id)
-                        asking[asyncio.ensure_future(self._post_attach(c))] = c
-                    elif not asking:
-                        break
-                    wait = ASK_STAGGER_S if queue and len(tried) < MAX_ATTACH_TRIES else deadline - time.monotonic()
-                    done, _ = await asyncio.wait(asking, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        c = asking.pop(task)
-                        status, body = task.result()
-                        if status == 200 and self._parent is None and self._adopt(c, body):
-                            continue
-                        if status is None or (status == 200 and self._parent and self._parent.node_id != c.node_id):
-                            self._detach_soon(c)  # a slot we may hold (timed out) or no longer need (another won)
-                        if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
-                            names = [x for x in body["children"][:64] if isinstance(x, str)]
-                            queue[:0] = below(records, names, tried | exclude | {self.node_id})
-                    if self._parent is not None:
-                        return
-            finally:
-                for task, c in asking.items():  # still waiting on slower candidates: they may give a slot
-                    task.cancel()
-                    self._detach_soon(c)
-
-    def _adopt(self, c: Candidate, body: object) -> bool:
-        """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
-        path = body.get("path") if isinstance(body, dict) else None
-        token = body.get("token") if isinstance(body, dict) else None
-        if not (is_path(path) and path and path[0] == self.run_id and self.node_id not in path
-                and isinstance(token, str) and len(token) <= 64):  # fmt: skip
-            self._detach_soon(c)
-            return False
-        self.token = token
-        was = self._parent_was
-        self._parent = Candidate(c.node_id, c.url, len(path) - 1, True)
-        self.path = [*path, self.node_id]
-        self.depth = len(path)
-        self._unrooted_since = None
-        self._unreachable = 0
-        if self.fetcher is not None:  # refused as an alternate a moment ago (full, say): as our parent it serves us
-            self.fetcher.forgive(c.node_id)
-        logger.info("parent=%s depth=%d (was %s)", c.node_id, self.depth, was)
-        if was is not None:
-            self.metrics.inc("node_relay_reparents_total")
-        self.changed.set()
-        self._publish_soon()
-        return True
-
-    async def _drop_parent(self, why: str, avoid_s: float) -> None:
-        c = self._parent
-        if c is None:
-            return
-        logger.info("leaving parent %s: %s", c.node_id, why)
-        self._parent_was = c.node_id
-        self._parent = None
-        self.path = []
-        self._avoid[c.node_id] = time.monotonic() + avoid_s
-        if self.fetcher is not None:  # what is in flight from it stops now, not at its deadline
-            self.fetcher.abort_source(c.node_id)
-        self._detach_soon(c)
-        self._publish_soon()
-
-    async def _leave(self, why: str, avoid_s: float) -> None:
-        """Drop the parent (see keep_attached), choose a new one now, and let a running fetch pick it up."""
-        await self._drop_parent(why, avoid_s)
-        records = await self._records(max_age=RECORDS_MAX_AGE_S)
-        await self._choose(records, self.fetcher._excluded() if self.fetcher is not None else set())
-        if self.fetcher is not None:
-            await self.fetcher.refresh_now()
 
     def _background(self, work: Awaitable[object]) -> None:
         async def run() -> None:
@@ -278,48 +246,44 @@ class WeightFollower:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _detach_soon(self, c: Candidate) -> None:
-        """Give the slot back at once (best effort; it frees itself after the child TTL otherwise)."""
-        if self.session is None:
-            return
-        session = self.session
-        headers = signed_headers(self.identity, "DELETE", "/relay/attach", c.node_id, self._clock.get(c.node_id, 0.0))
-
-        async def detach() -> None:
-            try:
-                async with session.delete(f"{c.url}/relay/attach", headers=headers, timeout=ATTACH_TIMEOUT):
-                    pass
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-
-        self._background(detach())
-
     def _publish_soon(self) -> None:
         self._background(self.publish())
 
-    async def _post_attach(
-        self, c: Candidate, timeout: aiohttp.ClientTimeout = ATTACH_TIMEOUT
-    ) -> tuple[int | None, object]:
-        """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
-        The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
-        assert self.session is not None
-        headers = signed_headers(self.identity, "POST", "/relay/attach", c.node_id, self._clock.get(c.node_id, 0.0))
-        try:
-            async with self.session.post(f"{c.url}/relay/attach", headers=headers, timeout=timeout) as resp:
-                offset = server_clock_offset(resp.headers.get("Date"))
-                if offset is not None:  # a clock far from the parent's would fail its time window: sign in its time
-                    self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
-                    if len(self._clock) > 4096:
-                        self._clock.clear()
-                body: object = None
-                if resp.status in (200, 409, 503):
-                    try:
-                        body = json.loads(await read_limited(resp, ATTACH_BODY_LIMIT))
-                    except (ValueError, RecursionError, Rejected):
-                        body = None
-                return resp.status, body
-        except (aiohttp.ClientError, TimeoutError):
-            return None, None
+    async def keep_attached(self, session: aiohttp.ClientSession) -> None:
+        """Once the stripes are known (the origin's record), hold a parent in each (links.keep_link), and while
+        this node has no children, move its home to a stripe with less serving capacity (nodes that join at once
+        all see the same records, and choose alike)."""
+        while not self._planned:
+            self._plan_stripes(await self._records(max_age=RECORDS_MAX_AGE_S))
+            if not self._planned:
+                await asyncio.sleep(KEEPALIVE_S)
+        async with asyncio.TaskGroup() as tasks:
+            for link in self.links:
+                tasks.create_task(self.keep_link(session, link))
+            while True:
+                await asyncio.sleep(REHOME_S * (0.5 + random.random()))
+                self._rehome(await self._records(max_age=REHOME_S))
+
+    def _rehome(self, records: dict[str, NodeRecord]) -> None:
+        """Between versions, move the home stripe to the one with the least serving capacity if that makes the
+        stripes more even (the capacity it leaves stays at least that of the one it joins). Of the nodes at home
+        in a crowded stripe one moves at a time: the first by a hash of the node ids (every node reads the same
+        records; while its move has not reached the records, the others still see it there, first, and wait).
+        Its children there are refused at their next keep-alive and choose again."""
+        if self.server is None or self.home < 0 or len(self.links) < 2 or self.fetching >= 0:
+            return
+        capacity = stripe_capacity(records, self.node_id, len(self.links), self._rate(records))
+        mine = self.server.slots
+        low = min(range(len(capacity)), key=lambda s: capacity[s])
+        crowd = [n for n, r in records.items() if n != self.node_id and r.relay is not None
+                 and r.relay.stripe == self.home and r.role != "trainer" and r.http_url]  # fmt: skip
+        first = min([*crowd, self.node_id], key=lambda n: zlib.crc32(n.encode()))
+        if capacity[self.home] >= capacity[low] + mine and first == self.node_id:
+            old = self.home_link
+            old.home, self.links[low].home = False, True
+            logger.info("home stripe %d -> %d (capacity %s)", old.stripe, low, [round(c) for c in capacity])
+            self.metrics.inc("node_relay_rehomed_total", help="moves of this node's home stripe to an emptier one")
+            self._publish_soon()
 
     async def sync(self, version: int) -> Manifest:
         """Hold a verified copy of ``version``; returns its manifest."""
@@ -342,120 +306,12 @@ class WeightFollower:
         await self._leave_slow_parent()
         return manifest
 
-    def _faster_holder(self) -> Candidate | None:
-        """An alternate that delivered at least SLOW_FACTOR times the parent's rate, both over SLOW_MIN_SHARDS
-        shards or more in the last fetch (the origin excepted: it stays the last resort)."""
-        f, c = self.fetcher, self._parent
-        if f is None or c is None:
-            return None
-        best = faster_than_parent(f.sources, c.node_id, self.run_id, f.banned)
-        return Candidate(best.node_id, best.url, best.depth, True) if best is not None else None
-
-    async def _leave_slow_parent(self) -> None:
-        """Move below a node that proved much faster than the parent, if it has a slot for us."""
-        c, old = self._faster_holder(), self._parent
-        if c is None or old is None or self.fetcher is None:
-            return
-        old_id = old.node_id
-        was, now = self.fetcher.sources[old_id].bps, self.fetcher.sources[c.node_id].bps
-        status, body = await self._post_attach(c)
-        if status != 200 or self._parent is not old:
-            if status == 200:
-                self._detach_soon(c)
-            return
-        self._parent_was = old_id
-        if self._adopt(c, body):
-            logger.info("left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old_id, was / 1e6, c.node_id,
-                        now / 1e6)  # fmt: skip
-            self.metrics.inc("node_relay_slow_parent_moves_total", help="moves from a parent much slower than another")
-            self._detach_soon(old)
-
-    async def keep_attached(self, session: aiohttp.ClientSession) -> None:
-        """Hold this node's slot at its parent, so the tree stays as it is between versions, and find a parent
-        when there is none. Right after a change of parent ask every half second for a few rounds: a cycle (two
-        nodes that re-parented below each other at once) shows in the parent's path, and is left before a
-        version has to go through it."""
-        fast = 0
-        while True:
-            if self.changed.is_set():
-                self.changed.clear()
-                fast = FAST_ROUNDS
-            if fast > 0 or self._unreachable:  # just moved, or the last keep-alive went unanswered: ask sooner
-                fast = max(0, fast - 1)
-                await asyncio.sleep(FAST_KEEPALIVE_S)
-            else:
-                try:
-                    await within(self.changed.wait(), KEEPALIVE_S)
-                    continue
-                except TimeoutError:
-                    pass
-            try:
-                if self._parent is None:
-                    await self._choose(await self._records(), self.fetcher._excluded() if self.fetcher else set())
-                    if self._parent is not None and self.fetcher is not None:
-                        await self.fetcher.refresh_now()
-                else:
-                    await self.attach_once(session)
-            except Exception:  # a bug here must not take the node down with it: logged, counted, tried again
-                self.metrics.inc("node_errors_total", label="keep_attached")
-                logger.exception("keeping the relay tree attachment failed; trying again")
-
-    async def attach_once(self, session: aiohttp.ClientSession) -> None:
-        """One keep-alive: hold the slot, learn the parent's depth and path, leave a cycle or a parent that
-        lost its way to the origin."""
-        c = self._parent
-        if c is None:
-            return
-        status, body = await self._post_attach(c, KEEPALIVE_TIMEOUT)
-        if c is not self._parent:  # changed meanwhile: do not keep a second slot there
-            if status == 200 and (self._parent is None or self._parent.node_id != c.node_id):
-                self._detach_soon(c)
-            return
-        path = body.get("path") if isinstance(body, dict) else None
-        reason = body.get("reason") if isinstance(body, dict) else None
-        if status == 409 and reason == "ancestor":  # it found us in its own path: a cycle, as below
-            status, path = 200, [self.node_id]
-        elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
-            await self._leave(f"it refused us ({status} {reason or ''})".strip(), avoid_s=REFUSED_AVOID_S)
-            return
-        if status != 200 or not is_path(path):
-            # unreachable, or an answer that holds no slot for us: two in a row and we look elsewhere
-            self._unreachable += 1
-            if self._unreachable >= SILENT_KEEPALIVES:
-                await self._leave(f"no usable keep-alive answer ({status})", avoid_s=UNREACHABLE_AVOID_S)
-            return
-        self._unreachable = 0
-        assert isinstance(path, list)
-        token = body.get("token") if isinstance(body, dict) else None
-        if isinstance(token, str) and len(token) <= 64:
-            self.token = token
-        if self.node_id in path:  # our parent descends from us: nothing can reach us through it
-            at = path.index(self.node_id)
-            logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
-            self.metrics.inc("node_relay_cycles_left_total", help="times this node found itself below its own child")
-            await self._leave("cycle", avoid_s=CYCLE_AVOID_S)
-            return
-        if not path or path[0] != self.run_id:  # the parent lost its way to the origin: it may find it again
-            self.path = []
-            now = time.monotonic()
-            self._unrooted_since = self._unrooted_since or now
-            if now - self._unrooted_since > UNROOTED_GRACE_S:
-                await self._leave("not connected to the origin", avoid_s=REFUSED_AVOID_S)
-            return
-        self._unrooted_since = None
-        self.path = [*path[-MAX_PATH:], self.node_id]
-        assert c is not None
-        if self.depth != len(path) or c.depth != len(path) - 1:
-            self.depth = len(path)  # the parent moved in the tree: so did we
-            self._parent = Candidate(c.node_id, c.url, len(path) - 1, True)
-            self._publish_soon()
-
     async def watch_parent(self, session: aiohttp.ClientSession) -> None:
         """Learn of new versions from the parent as they start arriving there (``GET /relay/next``, a long
         poll), so news travels down the tree as fast as the data, not at each node's next look at the DHT. Only
         a manifest signed by the run key counts: a parent cannot make us chase a version that does not exist."""
         while True:
-            c = self._parent
+            c = self._parent or next((x.parent for x in self.links if x.parent is not None), None)
             if c is None:
                 await asyncio.sleep(0.2)
                 continue
@@ -463,7 +319,7 @@ class WeightFollower:
             asked = time.monotonic()
             version = -1
             try:
-                headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self.token}
+                headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self._token_for(c.node_id)}
                 async with session.get(
                     f"{c.url}/relay/next", params={"after": str(after)}, headers=headers,
                     timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 5),

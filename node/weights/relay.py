@@ -4,29 +4,28 @@
 A shard of a version still arriving is served the moment its bytes arrive (cut-through) to the node's children:
 their requests wait (long poll) instead of failing, so each level of the relay tree adds about a round trip.
 
-Children: a downstream node attaches with ``POST /relay/attach``, signed with its node key (``auth.py``: only
+Children: a downstream node attaches with ``POST /relay/attach?stripe=S``, signed with its node key (``auth.py``: only
 keys the run knows, fresh, once, rate-limited per address), which takes one of this node's upload slots and
 answers with this node's path from the origin and a token the child names itself with on its other requests; the
 child keeps the slot with the same signed request at least every ``CHILD_TTL_S`` and gives it back with a signed
-``DELETE /relay/attach``. A node
-takes a new child only while it is itself connected to the origin (its path is known) and never one of its own
-ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with its children, the
-places to look for one further down. Other nodes (alternates) are served only what this node already has, at
-once and while a slot is free; anonymous clients (curl, a mirror) too, and they wait for what is arriving only
-while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a token bucket over all responses) lets
-a volunteer cap what the node sends.
+``DELETE /relay/attach``. A node takes children only in its home stripe (stripes.py; the origin in every stripe,
+keeping a slot for each stripe that has no child yet), only while it is itself connected to the origin (its path
+is known) and never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it
+answers 503 with its children, the places to look for one further down. Other nodes (alternates) are served
+only what this node already has, at once and while a slot is free; anonymous clients (curl, a mirror) too, and
+they wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a
+token bucket over all responses) lets a volunteer cap what the node sends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -35,7 +34,10 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
+from intellect_node.weights.pacing import Lockstep, TokenBucket
 from intellect_node.weights.store import Growing, WeightStore
+from intellect_node.weights.stripes import UploadMeter, origin_slots
+from intellect_protocol.messages import NodeRecord, RelayInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +61,6 @@ MAX_ANON_WAITS = 32
 """Requests from non-children waiting (long polls) at once; past this they get what is here, at once."""
 
 
-class TokenBucket:
-    """Shared upload budget: at most ``rate`` bytes per second, bursts of a quarter second."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.capacity = max(rate / 4, _CHUNK)
-        self.tokens = self.capacity
-        self.stamp = time.monotonic()
-        self._lock = asyncio.Lock()
-
-    async def take(self, n: int) -> None:
-        async with self._lock:
-            now = time.monotonic()
-            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-            self.stamp = now
-            self.tokens -= n
-            if self.tokens < 0:
-                await asyncio.sleep(-self.tokens / self.rate)
-
-
 class ShardServer:
     def __init__(
         self,
@@ -96,6 +78,9 @@ class ShardServer:
         self.auth = RequestAuth(node_id, members)
         self.metrics = metrics
         self.slots = slots
+        self.upload_limit_bps = upload_limit_bps or 0.0
+        self.home: Callable[[], int | None] = lambda: None
+        """The one stripe this node takes children in (None: every stripe, as the origin)."""
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
@@ -104,11 +89,19 @@ class ShardServer:
         """Node ids from the origin down to this node, told to children in each keep-alive: a child that finds
         itself in its parent's path has closed a cycle (two nodes chose each other at once) and leaves."""
         self._children: dict[str, float] = {}
+        """Child slot -> last heard from; a slot is ``node_id/stripe`` (the origin can serve a node in several)."""
         self._tokens: dict[str, str] = {}
-        """Token -> child: what a child names itself with on shard and news requests."""
+        """Token -> child slot: what a child names itself with on shard and news requests."""
+        self._sending = 0
+        self.meter = UploadMeter()
+        self._leaves: set[str] = set()
+        """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
+        self.lockstep = Lockstep()
+        self._told_bps = 0.0
         self._anon_waits = 0
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
-        self._rate = 0.0
+        self.stripes = 1
+        """Stripes per version (the origin's, announced in its record); shard i belongs to stripe i mod this."""
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -124,14 +117,22 @@ class ShardServer:
         self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
         if len(self._children) != before:
             self._tokens = {t: c for t, c in self._tokens.items() if c in self._children}
+            self._leaves &= set(self._children)
             if self.on_change is not None:
                 self.on_change()
         return self._children
 
     def _child_of(self, request: web.Request) -> str | None:
-        """The attached child a request comes from (by its token), or None."""
+        """The attached child slot a request comes from (by its token), or None."""
         child = self._tokens.get(request.headers.get(TOKEN_HEADER, "")[:64])
         return child if child is not None and child in self._active_children() else None
+
+    @staticmethod
+    def _stripe_wanted(request: web.Request) -> int:
+        raw = request.query.get("stripe", "0")
+        if not raw.isdigit() or len(raw) > 2 or int(raw) >= 64:
+            raise web.HTTPBadRequest(text="stripe=<0..63>")
+        return int(raw)
 
     def _token(self, child: str) -> str:
         for token, owner in self._tokens.items():
@@ -152,15 +153,51 @@ class ShardServer:
         return max(0, self.slots - len(self._active_children()))
 
     def children(self) -> list[str]:
-        return sorted(self._active_children())
+        """The nodes attached here (in any stripe)."""
+        return sorted({c.split("/")[0] for c in self._active_children()})
 
     def upload_bps(self) -> float:
-        """Delivered rate of recent transfers (an EWMA over responses of at least one chunk)."""
-        return self._rate
+        """Upload capacity measured over seconds spent sending (stripes.UploadMeter; 0 until measured)."""
+        return self.meter.bps()
 
-    def _admit(self, child: str) -> bool:
+    def origin_info(self, records: dict[str, NodeRecord], versions: list[int], slots: int | None) -> RelayInfo:
+        """What the origin announces of itself as a relay: its slots ``slots``, or by default from its measured
+        upload (stripes.origin_slots), and the stripes each version has."""
+        if slots is None:
+            self.slots = origin_slots(records, self.upload_bps(), self.stripes)
+        self.slots = max(self.slots, self.stripes)  # a slot for each stripe at least: else a stripe has no root
+        return RelayInfo(depth=0, slots_total=self.slots, slots_free=self.slots_free(), upload_bps=self.upload_bps(),
+                         versions=versions[-16:], stripes=self.stripes)  # fmt: skip
+
+    def _room(self, child: str) -> bool:
+        """Whether a slot is free for ``child`` (``node/stripe``): serving every stripe, a free slot is kept for
+        each stripe that has no child here yet, so a crowd in one stripe cannot shut the others out."""
+        active = self._children  # as the caller filtered it (a new filter makes a new dict: its writes would be lost)
+        free = self.slots - len(active)
+        if self.home() is not None or free <= 0:
+            return free > 0
+        served, stripe = {c.split("/")[1] for c in active}, child.split("/")[1]
+        empty = sum(1 for s in range(max(1, self.stripes)) if str(s) not in served)
+        return stripe not in served or free > empty  # a stripe's first child always; more if room stays
+
+    def _preempt_leaf(self, child: str) -> None:
+        """A node at home in the stripe asks and no slot is free: a child that is a leaf there gives its slot up
+        (one of the same stripe first). Interior nodes belong high in a stripe's tree, leaves below them: with
+        the origin's one slot per stripe taken by a leaf, that stripe's tree would have no root."""
         active = self._active_children()
-        if child not in active and len(active) >= self.slots:
+        stripe = child.split("/")[1]
+        leaves = sorted((c for c in self._leaves if c in active), key=lambda c: (c.split("/")[1] != stripe, active[c]))
+        if leaves:
+            logger.info("leaf %s gives its slot to %s, at home in stripe %s", leaves[0][:8], child[:8], stripe)
+            self.metrics.inc("node_relay_leaves_preempted_total", help="leaf children moved down for interior ones")
+            self._release(leaves[0])
+
+    def _admit(self, child: str, leaf: bool = False) -> bool:
+        active = self._active_children()
+        if child not in active and not self._room(child) and not leaf:
+            self._preempt_leaf(child)
+            active = self._active_children()
+        if child not in active and not self._room(child):
             now = time.monotonic()
             silent = min(active, key=lambda c: active[c], default=None)
             if silent is not None and now - active[silent] >= CONTESTED_TTL_S:
@@ -168,9 +205,13 @@ class ShardServer:
                 self.metrics.inc("node_relay_silent_children_replaced_total",
                                  help="slots of silent children given to a node that asked")  # fmt: skip
                 self._release(silent)
-        if child in active or len(active) < self.slots:
+        if child in active or self._room(child):
             new = child not in active
             active[child] = time.monotonic()
+            if leaf:
+                self._leaves.add(child)
+            else:
+                self._leaves.discard(child)
             if new and self.on_change is not None:
                 self.on_change()
             return True
@@ -179,9 +220,17 @@ class ShardServer:
     async def _attach(self, request: web.Request) -> web.Response:
         """Take (or keep) a slot as a child: answers this node's depth, its path from the origin and the child's
         token. Only a signed request from a node of the run gets that far (``auth.py``)."""
-        child = await self._authentic(request)
+        node = await self._authentic(request)
+        stripe, home = self._stripe_wanted(request), self.home()
+        child = f"{node}/{stripe}"
         path = self.path()
-        if child in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
+        if home is not None and stripe != home:
+            self.metrics.inc("node_relay_requests_refused_total", label="wrong_stripe")
+            raise web.HTTPConflict(
+                text=json.dumps({"reason": "wrong_stripe", "error": f"this node takes children in stripe {home}"}),
+                content_type="application/json",
+            )  # fmt: skip
+        if node in path:  # it re-parented below us (a cycle): it must leave, and its slot is free again
             self._release(child)
             self.metrics.inc("node_relay_requests_refused_total", label="ancestor")
             raise web.HTTPConflict(
@@ -194,7 +243,8 @@ class ShardServer:
                 text=json.dumps({"reason": "not_rooted", "error": "this node is not connected to the origin yet"}),
                 content_type="application/json",
             )  # fmt: skip
-        if not self._admit(child):
+        # "home=0": it takes no children in this stripe (said on every keep-alive, so a change of home counts)
+        if not self._admit(child, leaf=request.query.get("home") == "0"):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(
                 text=json.dumps({"children": self.children()}), content_type="application/json",
@@ -205,10 +255,12 @@ class ShardServer:
     async def _detach(self, request: web.Request) -> web.Response:
         """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``); only
         the child itself can (signed), so nobody evicts another node's child."""
-        self._release(await self._authentic(request))
+        node = await self._authentic(request)
+        self._release(f"{node}/{self._stripe_wanted(request)}")
         return web.Response(status=204)
 
     def _release(self, child: str) -> None:
+        self._leaves.discard(child)
         self._tokens = {t: c for t, c in self._tokens.items() if c != child}
         if self._children.pop(child, None) is not None and self.on_change is not None:
             self.on_change()
@@ -274,11 +326,14 @@ class ShardServer:
                     found = await self.store.wait_shard(version, name, wait_s)
         if found is None:
             raise web.HTTPNotFound()
+        await self.lockstep.turn(child, version)
         if isinstance(found, Growing):
-            return await self._stream(request, found, child)
-        return await self._send(request, found, child)
+            return await self._stream(request, found, child, version)
+        return await self._send(request, found, child, version)
 
-    async def _stream(self, request: web.Request, growing: Growing, child: str | None) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, growing: Growing, child: str | None, version: int = -1
+    ) -> web.StreamResponse:
         """Cut-through: send a shard's bytes as they arrive here, so a level of the tree adds about a network
         round trip, not a shard's transfer time. Marked unverified; if this node's own attempt fails, the
         response is cut short (the receiver resumes or goes elsewhere), never completed with other bytes."""
@@ -298,7 +353,7 @@ class ShardServer:
         await resp.prepare(request)
         self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
         pos = start
-        with open(growing.path, "rb") as f:
+        with self._busy(), open(growing.path, "rb") as f:
             while pos < size:
                 if growing.size > pos:
                     f.seek(pos)
@@ -326,15 +381,32 @@ class ShardServer:
         self.metrics.inc("node_relay_shards_served_total")
         return resp
 
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """A response in progress: the upload meter counts only seconds with one throughout."""
+        self._sending += 1
+        try:
+            yield
+        finally:
+            self._sending -= 1
+            if self._sending == 0:
+                self.meter.idle(time.monotonic())
+
     async def _write(self, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
         """One chunk of a response, within the upload limit; the child's slot counts as in use."""
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         await resp.write(chunk)
+        self.meter.sent(len(chunk), time.monotonic())
+        if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
+            self._told_bps = self.meter.bps()
+            logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)
         if child is not None and child in self._children:
             self._children[child] = time.monotonic()
 
-    async def _send(self, request: web.Request, path: Path, child: str | None) -> web.StreamResponse:
+    async def _send(
+        self, request: web.Request, path: Path, child: str | None, version: int = -1
+    ) -> web.StreamResponse:
         size = path.stat().st_size
         try:
             rng = request.http_range
@@ -355,9 +427,8 @@ class ShardServer:
         await resp.prepare(request)
         if request.method == "HEAD":
             return resp
-        started = time.monotonic()
         sent = 0
-        with open(path, "rb") as f:
+        with self._busy(), open(path, "rb") as f:
             f.seek(start)
             while sent < stop - start:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
@@ -366,9 +437,6 @@ class ShardServer:
                 await self._write(resp, chunk, child)
                 sent += len(chunk)
         await resp.write_eof()
-        elapsed = time.monotonic() - started
-        if sent >= _CHUNK and elapsed > 0:
-            self._rate = sent / elapsed if self._rate == 0 else 0.7 * self._rate + 0.3 * sent / elapsed
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
         self.metrics.inc("node_relay_shards_served_total")
         return resp

@@ -18,6 +18,7 @@ run the same functions.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from collections.abc import Iterable
 
@@ -46,8 +47,8 @@ def claim(r: NodeRecord) -> float:
 
 
 def planned_rate(uploads: Iterable[float], origin_bps: float, receivers: int, stripes: int) -> float:
-    """The per-stripe rate (bytes/s) the swarm can carry: ``SLACK`` of the mean upload over the receivers, the
-    origin's included, and never more than the origin can send of each stripe. Unknown uploads (0) count as the
+    """The per-stripe rate (bytes/s) the swarm can carry: ``SLACK`` of the mean upload over the receivers (the
+    origin's included) or of the origin's upload, whichever is lower, over the stripes. Unknown uploads (0) count as the
     mean of the known ones; with none known, as the origin's. 0 when nothing at all is known."""
     ups = list(uploads)
     known = [u for u in ups if u > 0]
@@ -56,21 +57,30 @@ def planned_rate(uploads: Iterable[float], origin_bps: float, receivers: int, st
     mean = sum(known) / len(known) if known else origin_bps
     origin = origin_bps if origin_bps > 0 else mean
     total = origin + sum(known) + mean * (len(ups) - len(known))
-    common = SLACK * total / max(1, receivers)
-    return min(common, origin) / max(1, stripes)
+    return SLACK * min(total / max(1, receivers), origin) / max(1, stripes)
 
 
 def fanout(upload_bps: float, stripe_bps: float, stripes: int) -> int:
-    """Children a node serves in its home stripe: its upload over the stripe rate, rounded (a node at 0.6 of a
-    slot's rate and above serves one; below that, none). Unknown rates (0): k children, as with equal links."""
+    """Children a node serves in its home stripe: as many as its upload carries at the stripe rate (planned
+    ``SLACK`` low, so equal links give k children even when measured a little low). Unknown rates (0): k
+    children, as with equal links."""
     if stripe_bps <= 0 or upload_bps <= 0:
         return max(1, stripes)
-    return max(0, min(MAX_SLOTS, math.floor(upload_bps / stripe_bps + 0.4)))
+    return max(0, min(MAX_SLOTS, math.floor(upload_bps / stripe_bps)))
 
 
-def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> int:
-    """The home stripe for a joining node: the one with the least serving capacity among the records (slots of
-    the nodes at home there, measured as ``fanout`` of their claims), so stripes fill evenly. Ties: the lowest."""
+def origin_slots(records: dict[str, NodeRecord], origin_bps: float, stripes: int) -> int:
+    """Children the origin serves: one per stripe at least, and as many as its measured upload carries at the
+    planned stripe rate (a datacenter origin among home links serves many); no spare: a stripe's first hop sets
+    its rate for the whole tree below."""
+    ups = [claim(r) for r in records.values() if r.relay is not None and r.role != "trainer"]
+    rate = planned_rate(ups, origin_bps, sum(1 for r in records.values() if r.role != "trainer"), stripes)
+    return max(stripes, fanout(origin_bps, rate, stripes) if origin_bps > 0 else stripes)
+
+
+def stripe_capacity(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> list[float]:
+    """Per stripe, the children the nodes at home there can serve (announced slots; else ``fanout`` of their
+    claimed upload), leaving out ``me``, the origin and nodes nobody can reach."""
     capacity = [0.0] * max(1, stripes)
     for nid, r in records.items():
         if nid == me or r.relay is None or r.role == "trainer" or not r.http_url:
@@ -78,7 +88,15 @@ def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: flo
         s = r.relay.stripe
         if 0 <= s < len(capacity):
             capacity[s] += r.relay.slots_total if r.relay.slots_total else fanout(claim(r), rate, stripes)
-    return min(range(len(capacity)), key=lambda s: (capacity[s], s))
+    return capacity
+
+
+def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> int:
+    """The home stripe for a joining node: the one with the least serving capacity among the records, so stripes
+    fill evenly. Ties go by a hash of the node id: nodes that join at once see the same records and would all
+    choose alike (follower.WeightFollower._rehome evens out what remains)."""
+    capacity = stripe_capacity(records, me, stripes, rate)
+    return min(range(len(capacity)), key=lambda s: (capacity[s], zlib.crc32(f"{me}/{s}".encode())))
 
 
 class UploadMeter:
@@ -112,4 +130,7 @@ class UploadMeter:
             self._busy_all = False
 
     def bps(self) -> float:
-        return sum(self._full) / len(self._full) if len(self._full) >= self.SPAN // 2 else 0.0
+        """The median of the busy seconds (the first of a burst also fills kernel buffers: it reads high)."""
+        if len(self._full) < self.SPAN // 2:
+            return 0.0
+        return float(sorted(self._full)[len(self._full) // 2])

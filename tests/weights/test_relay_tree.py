@@ -37,17 +37,20 @@ class Cluster:
         self.trainer: NodeProcess | None = None
         self.ready: dict[str, Any] = {}
 
-    def start_origin(self, slots: int, mbps: float) -> dict[str, Any]:
+    def start_origin(self, slots: int | None, mbps: float, stripes: int = 1) -> dict[str, Any]:
+        """The trainer as origin; one stripe (a single tree, whose shape these tests look at) unless told."""
         argv = ["bootstrap", "--data-dir", str(self.root / "trainer"), "--max-steps", "0", "--shard-mb", "1",
-                "--relay-slots", str(slots), "--upload-limit-mbps", str(mbps), *BIG_MODEL]  # fmt: skip
+                "--upload-limit-mbps", str(mbps), "--stripes", str(stripes), *BIG_MODEL]  # fmt: skip
+        argv += ["--relay-slots", str(slots)] if slots else []
         self.trainer = NodeProcess("trainer", argv, self.root / "logs")
         self.nodes.append(self.trainer)
         self.ready = self.trainer.wait_ready(timeout=120)
         return self.ready
 
-    def start_relay(self, name: str, slots: int = 2, mbps: float | None = None) -> NodeProcess:
+    def start_relay(self, name: str, slots: int | None = 2, mbps: float | None = None) -> NodeProcess:
         argv = ["join", "--role", "relay", "--peers", self.ready["p2p_maddrs"][0], "--run-id", self.ready["run_id"],
-                "--data-dir", str(self.root / name), "--relay-slots", str(slots)]  # fmt: skip
+                "--data-dir", str(self.root / name)]  # fmt: skip
+        argv += ["--relay-slots", str(slots)] if slots else []
         if mbps is not None:
             argv += ["--upload-limit-mbps", str(mbps)]
         node = NodeProcess(name, argv, self.root / "logs")
@@ -123,6 +126,36 @@ def test_a_tree_of_three_levels_forms_by_itself(tmp_path: Path) -> None:
         assert all(c.holds_verified_v0(r.name) for r in relays)
 
 
+def test_striped_every_relay_has_a_parent_in_each_stripe_and_serves_children_only_in_its_home(
+    tmp_path: Path,
+) -> None:
+    """The defaults: four stripes, fan-out from the measured upload. Every relay holds a parent in every stripe,
+    a parent in stripe s is the origin or a relay at home in s, no relay has more children than its slots, the
+    homes spread over the stripes, and every relay holds the version, verified."""
+    with cluster(tmp_path) as c:
+        c.start_origin(slots=None, mbps=40, stripes=4)
+        relays = [c.start_relay(f"relay-{i}", slots=None, mbps=40) for i in range(6)]
+        for r in relays:
+            r.wait_ready(timeout=120)
+        for r in relays:
+            r.wait_for_line("HOLDING 0", timeout=240)
+        run = c.ready["run_id"]
+
+        def attached() -> bool:
+            return all(len(v["parents"]) == 4 and None not in v["parents"].values()
+                       for v in (status(r)["relay"] for r in relays))  # fmt: skip
+
+        _wait(attached, 30, "some relay has no parent in some stripe")
+        views = {status(r)["node_id"]: status(r)["relay"] for r in relays}
+        homes = {nid: v["home_stripe"] for nid, v in views.items()}
+        for nid, v in views.items():
+            for stripe, parent in v["parents"].items():
+                assert parent == run or homes[parent] == int(stripe), (nid, stripe, parent, homes)
+            assert len(v["children"]) <= v["slots"], v
+        assert len(set(homes.values())) >= 2, homes
+        assert all(c.holds_verified_v0(r.name) for r in relays)
+
+
 def test_a_relay_killed_mid_transfer_costs_its_children_only_a_reparent(tmp_path: Path) -> None:
     with cluster(tmp_path) as c:
         # 38 MB at 10 Mbit/s: relay-a needs ~30 s for everything, several times the children's start-up (at
@@ -135,11 +168,14 @@ def test_a_relay_killed_mid_transfer_costs_its_children_only_a_reparent(tmp_path
         for child in children:
             child.wait_ready(timeout=120)
         a_id = status(first)["node_id"]
-        _wait(
-            lambda: all(status(ch)["relay"]["parent"] == a_id and status(ch)["relay"]["bytes_received"] > 0
-                        for ch in children),
-            60, "the children did not pick relay-a",
-        )  # fmt: skip
+        below_a = {a_id, *(status(ch)["node_id"] for ch in children)}  # under relay-a, or under the other child
+
+        def receiving_below_a() -> bool:
+            views = [status(ch)["relay"] for ch in children]
+            return any(v["parent"] == a_id for v in views) and all(
+                v["parent"] in below_a and v["bytes_received"] > 0 for v in views)  # fmt: skip
+
+        _wait(receiving_below_a, 60, "the children did not pick relay-a")
         os.killpg(first.proc.pid, signal.SIGKILL)
         for child in children:
             child.wait_for_line("HOLDING 0", timeout=240)

@@ -465,7 +465,7 @@ def test_a_candidate_that_never_answers_does_not_hold_up_the_choice(
     candidate here accepts connections and never answers (the timeout made a minute long); the node asks the
     next one after ASK_STAGGER_S, takes its slot, and gives back whatever the silent one may grant later."""
     me, silent = _id("e"), _id("z")
-    monkeypatch.setattr("intellect_node.weights.follower.ATTACH_TIMEOUT",
+    monkeypatch.setattr("intellect_node.weights.links.ATTACH_TIMEOUT",
                         aiohttp.ClientTimeout(total=60, connect=60))  # fmt: skip
 
     async def main() -> tuple[str | None, int, list[str]]:

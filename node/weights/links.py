@@ -1,0 +1,348 @@
+"""A node's places in the relay trees: one parent per stripe (stripes.py), each held by its own keep-alive.
+
+``Link`` is the state of one: the parent, the path from the origin it last told us, the token it named us with.
+In the node's home stripe it takes children, so its path is what it tells them and a cycle is possible (two
+nodes that re-parented below each other at once): that link checks for one. In the other stripes it is a leaf.
+``Attachments`` is the half of ``follower.WeightFollower`` that chooses, holds and leaves parents, per link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from intellect_node.aio import within
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import server_clock_offset, signed_headers
+from intellect_node.weights.fetch import ShardFetcher, faster_than_parent, read_limited
+from intellect_node.weights.relay import MAX_PATH
+from intellect_node.weights.tree import Candidate, below, is_path, parents
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord
+
+logger = logging.getLogger("intellect_node.weights.follower")
+KEEPALIVE_S = 1.0
+"""Keep-alive period: also how fast a change of path travels one level down the tree (well under CHILD_TTL_S)."""
+CYCLE_AVOID_S = 30.0
+REFUSED_AVOID_S = 2.0
+UNREACHABLE_AVOID_S = 10.0
+UNROOTED_GRACE_S = 5.0
+"""How long a parent may be cut off from the origin (re-parenting itself) before its child looks elsewhere."""
+MAX_ATTACH_TRIES = 24
+RECORDS_MAX_AGE_S = 5.0
+"""Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
+SILENT_KEEPALIVES = 2
+"""Keep-alives in a row without a usable answer after which a node leaves its parent."""
+FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5
+ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
+KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
+"""Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
+ASK_STAGGER_S = 0.5
+CHOOSE_BUDGET_S = 10.0
+"""At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
+ATTACH_BODY_LIMIT = 64 * 1024
+CLOCK_TOLERANCE_S = 5.0
+
+
+@dataclass(eq=False)
+class Link:
+    stripe: int
+    home: bool
+    """Whether this node takes children in this stripe (its path is then theirs, and a cycle is possible)."""
+    parent: Candidate | None = None
+    parent_was: str | None = None
+    path: list[str] = field(default_factory=list)
+    """Node ids from the origin down to this node, as the parent last told it."""
+    depth: int = -1
+    token: str = ""
+    """What the parent named us with when it gave us the slot (sent on shard and news requests)."""
+    unrooted_since: float | None = None
+    unreachable: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the parent changes (the keep-alive then checks the new parent's path at once)."""
+    choosing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def attach_path(self) -> str:
+        """Where to ask for (or keep, or give back) the slot; ``home=0``: this node takes no children in the
+        stripe, so its slot goes to one that does when the parent has no free one (relay.ShardServer._preempt_leaf)."""
+        return f"/relay/attach?stripe={self.stripe}" + ("" if self.home else "&home=0")
+
+
+class Attachments:
+    """Choosing, holding and leaving a parent in each stripe; mixed into WeightFollower, which provides these."""
+
+    identity: Identity
+    node_id: str
+    run_id: str
+    metrics: Metrics
+    session: aiohttp.ClientSession | None
+    fetcher: ShardFetcher | None
+    links: list[Link]
+    _avoid: dict[str, float]
+    _clock: dict[str, float]
+
+    if TYPE_CHECKING:
+
+        async def _records(self, max_age: float = 0.0) -> dict[str, NodeRecord]: ...
+        def _avoiding(self) -> set[str]: ...
+        def _background(self, work: Awaitable[object]) -> None: ...
+        def _publish_soon(self) -> None: ...
+        def _plan_stripes(self, records: dict[str, NodeRecord]) -> None: ...
+        @property
+        def home_link(self) -> Link: ...
+
+    async def _choose(self, records: dict[str, NodeRecord], exclude: set[str], link: Link | None = None) -> None:
+        """Attach, then choose: ask the candidates for a slot, best first; a full node names its children, asked
+        next (the free slots are further down). A candidate silent for ``ASK_STAGGER_S`` (cut off, its request
+        would wait out the timeout) does not hold up the next: both are in flight, the first slot given wins."""
+        if link is None:
+            self._plan_stripes(records)
+            link = self.home_link
+        async with link.choosing:
+            if link.parent is not None or self.session is None:
+                return
+            tried: set[str] = set()
+            stripe = link.stripe if len(self.links) > 1 else None
+            queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding(), stripe, link.home)
+            deadline = time.monotonic() + CHOOSE_BUDGET_S
+            asking: dict[asyncio.Task[tuple[int | None, object]], Candidate] = {}
+            try:
+                while (queue or asking) and time.monotonic() < deadline:
+                    while queue and queue[0].node_id in tried:
+                        queue.pop(0)
+                    more = bool(queue) and len(tried) < MAX_ATTACH_TRIES
+                    if more:
+                        c = queue.pop(0)
+                        tried.add(c.node_id)
+                        asking[asyncio.ensure_future(self._post_attach(c, link))] = c
+                    elif not asking:
+                        break
+                    wait = ASK_STAGGER_S if queue and len(tried) < MAX_ATTACH_TRIES else deadline - time.monotonic()
+                    done, _ = await asyncio.wait(asking, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        c = asking.pop(task)
+                        status, body = task.result()
+                        if status == 200 and link.parent is None and self._adopt(c, body, link):
+                            continue
+                        if status is None or (status == 200 and link.parent and link.parent.node_id != c.node_id):
+                            self._detach_soon(c, link)  # a slot we may hold (timed out) or no longer need
+                        if status == 503 and isinstance(body, dict) and isinstance(body.get("children"), list):
+                            names = [x for x in body["children"][:64] if isinstance(x, str)]
+                            found = below(records, names, tried | exclude | {self.node_id})
+                            if stripe is not None:  # only those at home in this stripe take children in it
+                                found = [x for x in found if _home(records.get(x.node_id)) == stripe]
+                            queue[:0] = found
+                    if link.parent is not None:
+                        return
+            finally:
+                for task, c in asking.items():  # still waiting on slower candidates: they may give a slot
+                    task.cancel()
+                    self._detach_soon(c, link)
+
+    def _adopt(self, c: Candidate, body: object, link: Link | None = None) -> bool:
+        """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""
+        link = link or self.home_link
+        path = body.get("path") if isinstance(body, dict) else None
+        token = body.get("token") if isinstance(body, dict) else None
+        if not (is_path(path) and path and path[0] == self.run_id and self.node_id not in path
+                and isinstance(token, str) and len(token) <= 64):  # fmt: skip
+            self._detach_soon(c, link)
+            return False
+        link.token = token
+        was = link.parent_was
+        link.parent = Candidate(c.node_id, c.url, len(path) - 1, True, frozenset({link.stripe}))
+        link.path = [*path, self.node_id]
+        link.depth = len(path)
+        link.unrooted_since = None
+        link.unreachable = 0
+        if self.fetcher is not None:  # refused as an alternate a moment ago (full, say): as our parent it serves us
+            self.fetcher.forgive(c.node_id)
+        logger.info("parent=%s depth=%d stripe=%d (was %s)", c.node_id, link.depth, link.stripe, was)
+        if was is not None:
+            self.metrics.inc("node_relay_reparents_total")
+        link.changed.set()
+        self._publish_soon()
+        return True
+
+    async def _drop_parent(self, why: str, avoid_s: float, link: Link | None = None) -> None:
+        link = link or self.home_link
+        c = link.parent
+        if c is None:
+            return
+        logger.info("leaving parent %s (stripe %d): %s", c.node_id, link.stripe, why)
+        link.parent_was = c.node_id
+        link.parent = None
+        link.path = []
+        self._avoid[c.node_id] = time.monotonic() + avoid_s
+        if self.fetcher is not None and not any(x.parent and x.parent.node_id == c.node_id for x in self.links):
+            self.fetcher.abort_source(c.node_id)  # what is in flight from it stops now, not at its deadline
+        self._detach_soon(c, link)
+        self._publish_soon()
+
+    async def _leave(self, why: str, avoid_s: float, link: Link | None = None) -> None:
+        """Drop the parent (see keep_attached), choose a new one now, and let a running fetch pick it up."""
+        link = link or self.home_link
+        await self._drop_parent(why, avoid_s, link)
+        records = await self._records(max_age=RECORDS_MAX_AGE_S)
+        await self._choose(records, self.fetcher._excluded() if self.fetcher is not None else set(), link)
+        if self.fetcher is not None:
+            await self.fetcher.refresh_now()
+
+    def _detach_soon(self, c: Candidate, link: Link | None = None) -> None:
+        """Give the slot back at once (best effort; it frees itself after the child TTL otherwise)."""
+        if self.session is None:
+            return
+        session, where = self.session, (link or self.home_link).attach_path()
+        headers = signed_headers(self.identity, "DELETE", where, c.node_id, self._clock.get(c.node_id, 0.0))
+
+        async def detach() -> None:
+            try:
+                async with session.delete(f"{c.url}{where}", headers=headers, timeout=ATTACH_TIMEOUT):
+                    pass
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+
+        self._background(detach())
+
+    async def _post_attach(
+        self, c: Candidate, link: Link | None = None, timeout: aiohttp.ClientTimeout | None = None
+    ) -> tuple[int | None, object]:
+        """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
+        The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
+        assert self.session is not None
+        where = (link or self.home_link).attach_path()
+        headers = signed_headers(self.identity, "POST", where, c.node_id, self._clock.get(c.node_id, 0.0))
+        try:
+            async with self.session.post(f"{c.url}{where}", headers=headers, timeout=timeout or ATTACH_TIMEOUT) as resp:
+                offset = server_clock_offset(resp.headers.get("Date"))
+                if offset is not None:  # a clock far from the parent's would fail its time window: sign in its time
+                    self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
+                    if len(self._clock) > 4096:
+                        self._clock.clear()
+                body: object = None
+                if resp.status in (200, 409, 503):
+                    try:
+                        body = json.loads(await read_limited(resp, ATTACH_BODY_LIMIT))
+                    except (ValueError, RecursionError, Rejected):
+                        body = None
+                return resp.status, body
+        except (aiohttp.ClientError, TimeoutError):
+            return None, None
+
+    async def _leave_slow_parent(self) -> None:
+        """In each stripe, move below a node that proved much faster than the parent, if it has a slot for us
+        (one at home in another stripe refuses: we stay)."""
+        for link in self.links:
+            f, old = self.fetcher, link.parent
+            best = faster_than_parent(f.sources, old.node_id, self.run_id, f.banned) if f and old else None
+            if best is None or old is None or f is None:
+                continue
+            c = Candidate(best.node_id, best.url, best.depth, True)
+            was, now = f.sources[old.node_id].bps, best.bps
+            status, body = await self._post_attach(c, link)
+            if status != 200 or link.parent is not old:
+                if status == 200:
+                    self._detach_soon(c, link)
+                continue
+            assert old is not None  # (the identity check above widened it for mypy)
+            link.parent_was = old.node_id
+            if self._adopt(c, body, link):
+                logger.info("left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old.node_id, was / 1e6,
+                            c.node_id, now / 1e6)  # fmt: skip
+                self.metrics.inc("node_relay_slow_parent_moves_total",
+                                 help="moves from a parent much slower than another")  # fmt: skip
+                self._detach_soon(old, link)
+
+    async def keep_link(self, session: aiohttp.ClientSession, link: Link) -> None:
+        """Hold this node's slot at its parent in one stripe, so the tree stays as it is between versions, and
+        find a parent when there is none. Right after a change of parent ask every half second for a few rounds:
+        a cycle (two nodes that re-parented below each other at once) shows in the parent's path, and is left
+        before a version has to go through it."""
+        fast = 0
+        while True:
+            if link.changed.is_set():
+                link.changed.clear()
+                fast = FAST_ROUNDS
+            if fast > 0 or link.unreachable:  # just moved, or the last keep-alive went unanswered: ask sooner
+                fast = max(0, fast - 1)
+                await asyncio.sleep(FAST_KEEPALIVE_S)
+            else:
+                try:
+                    await within(link.changed.wait(), KEEPALIVE_S)
+                    continue
+                except TimeoutError:
+                    pass
+            try:
+                if link.parent is None:
+                    excluded = self.fetcher._excluded() if self.fetcher else set()
+                    await self._choose(await self._records(), excluded, link)
+                    if link.parent is not None and self.fetcher is not None:
+                        await self.fetcher.refresh_now()
+                else:
+                    await self.attach_once(session, link)
+            except Exception:  # a bug here must not take the node down with it: logged, counted, tried again
+                self.metrics.inc("node_errors_total", label="keep_attached")
+                logger.exception("keeping the relay tree attachment failed; trying again")
+
+    async def attach_once(self, session: aiohttp.ClientSession, link: Link | None = None) -> None:
+        """One keep-alive: hold the slot, learn the parent's depth and path, leave a cycle or a parent that
+        lost its way to the origin."""
+        link = link or self.home_link
+        c = link.parent
+        if c is None:
+            return
+        status, body = await self._post_attach(c, link, KEEPALIVE_TIMEOUT)
+        if c is not link.parent:  # changed meanwhile: do not keep a second slot there
+            if status == 200 and (link.parent is None or link.parent.node_id != c.node_id):
+                self._detach_soon(c, link)
+            return
+        path = body.get("path") if isinstance(body, dict) else None
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if status == 409 and reason == "ancestor":  # it found us in its own path: a cycle, as below
+            status, path = 200, [self.node_id]
+        elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
+            await self._leave(f"it refused us ({status} {reason or ''})".strip(), REFUSED_AVOID_S, link)
+            return
+        if status != 200 or not is_path(path):
+            # unreachable, or an answer that holds no slot for us: two in a row and we look elsewhere
+            link.unreachable += 1
+            if link.unreachable >= SILENT_KEEPALIVES:
+                await self._leave(f"no usable keep-alive answer ({status})", UNREACHABLE_AVOID_S, link)
+            return
+        link.unreachable = 0
+        assert isinstance(path, list)
+        token = body.get("token") if isinstance(body, dict) else None
+        if isinstance(token, str) and len(token) <= 64:
+            link.token = token
+        if self.node_id in path:  # our parent descends from us: nothing can reach us through it
+            at = path.index(self.node_id)
+            logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
+            self.metrics.inc("node_relay_cycles_left_total", help="times this node found itself below its own child")
+            await self._leave("cycle", CYCLE_AVOID_S, link)
+            return
+        if not path or path[0] != self.run_id:  # the parent lost its way to the origin: it may find it again
+            link.path = []
+            now = time.monotonic()
+            link.unrooted_since = link.unrooted_since or now
+            if now - link.unrooted_since > UNROOTED_GRACE_S:
+                await self._leave("not connected to the origin", REFUSED_AVOID_S, link)
+            return
+        link.unrooted_since = None
+        link.path = [*path[-MAX_PATH:], self.node_id]
+        assert c is not None  # (the identity check above widened it for mypy)
+        if link.depth != len(path) or c.depth != len(path) - 1:
+            link.depth = len(path)  # the parent moved in the tree: so did we
+            link.parent = Candidate(c.node_id, c.url, len(path) - 1, True, frozenset({link.stripe}))
+            self._publish_soon()
+
+
+def _home(r: NodeRecord | None) -> int:
+    return r.relay.stripe if r is not None and r.relay is not None else -1

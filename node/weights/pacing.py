@@ -1,0 +1,69 @@
+"""Sharing a node's upload: an optional cap on it (``TokenBucket``), and the children of one node kept moving
+through a version together (``Lockstep``); used by relay.ShardServer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from intellect_node.aio import within
+
+_CHUNK = 256 * 1024
+
+
+class TokenBucket:
+    """Shared upload budget: at most ``rate`` bytes per second, bursts of a quarter second."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.capacity = max(rate / 4, _CHUNK)
+        self.tokens = self.capacity
+        self.stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            if self.tokens < 0:
+                await asyncio.sleep(-self.tokens / self.rate)
+
+
+class Lockstep:
+    """The children of one node move through a version together: a child that asks for its next shard while more
+    than ``LAG`` shards ahead of the slowest child still asking waits (at most ``HOLD_S``). TCP alone shares one
+    upload unevenly (measured with the origin's four children, one per stripe: one stripe at 0.4x the rate of
+    another); a stripe's first hop sets its rate for the whole tree below, so one node's uneven shares become a
+    tail for every node below it. Held back, the fast child leaves the upload to the slow ones. A shard goes
+    into the kernel's socket buffer at once, so progress is counted by requests (a child asks for its next
+    shard once it has the last one), and a child that has not asked for ``IDLE_S`` no longer counts."""
+
+    LAG = 2
+    HOLD_S = 2.0
+    IDLE_S = 5.0
+
+    def __init__(self) -> None:
+        self._asked: dict[tuple[str, int], tuple[int, float]] = {}
+        self._changed = asyncio.Event()
+
+    async def turn(self, child: str | None, version: int) -> None:
+        if child is None:
+            return
+        key = (child.split("/")[0], version)
+        deadline = time.monotonic() + self.HOLD_S
+        while (left := deadline - time.monotonic()) > 0:
+            now = time.monotonic()
+            mine = self._asked.get(key, (0, now))[0]
+            others = [n for k, (n, t) in self._asked.items() if k[1] == version and k != key and now - t < self.IDLE_S]
+            if not others or mine <= min(others) + self.LAG:
+                break
+            with contextlib.suppress(TimeoutError):
+                await within(self._changed.wait(), left)
+        self._asked[key] = (self._asked.get(key, (0, 0.0))[0] + 1, time.monotonic())
+        if len(self._asked) > 4096:  # old versions' counts
+            self._asked = {k: v for k, v in self._asked.items() if k[1] >= version - 2}
+        self._changed.set()
+        self._changed = asyncio.Event()

@@ -1,0 +1,202 @@
+"""Striped broadcast: the planning (stripes.py) and what a shard server enforces for it (relay.py), including what
+a node with a grudge can and cannot do with the stripe and home parameters of a slot request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.fetch import Source, pick_source
+from intellect_node.weights.pacing import Lockstep
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import (
+    UploadMeter,
+    choose_home,
+    fanout,
+    origin_slots,
+    planned_rate,
+    stripe_capacity,
+    stripe_of,
+)
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RelayInfo
+
+ORIGIN = "0" * 32
+MBIT = 1e6 / 8
+_KEYS: dict[str, Identity] = {}
+
+
+def _node() -> str:
+    key = Identity.generate()
+    _KEYS[key.node_id] = key
+    return key.node_id
+
+
+def _rec(nid: str, stripe: int = 0, slots: int = 4, bps: float = 0.0, role: str = "relay") -> NodeRecord:
+    return NodeRecord(
+        run_id=ORIGIN, node_id=nid, role=role, updated=0.0, http_url=f"http://{nid[:4]}",  # type: ignore[arg-type]
+        relay=RelayInfo(depth=1, slots_total=slots, slots_free=slots, upload_bps=bps, stripe=stripe, stripes=4),
+    )  # fmt: skip
+
+
+def test_shards_go_round_robin_and_equal_links_give_each_node_k_children() -> None:
+    assert [stripe_of(i, 4) for i in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert stripe_of(7, 1) == 0
+    for n in (4, 12, 16, 1000):
+        rate = planned_rate([25 * MBIT] * n, 25 * MBIT, n, 4)
+        assert fanout(25 * MBIT, rate, 4) == 4, n  # every upload busy, every child at a quarter of it
+        assert rate <= 25 * MBIT / 4  # the origin sends each stripe once: never planned above its share
+
+
+def test_fan_out_follows_the_measured_upload() -> None:
+    ups = [10 * MBIT] * 90 + [100 * MBIT] * 9 + [1000 * MBIT]
+    rate = planned_rate(ups, 1000 * MBIT, len(ups), 4)
+    assert fanout(100 * MBIT, rate, 4) >= 9 * fanout(10 * MBIT, rate, 4) > 0  # ten times the upload, ~ten times
+    assert fanout(rate * 0.5, rate, 4) == 0  # slower than a stripe: a leaf everywhere
+    assert fanout(10 * 1.25e9, rate, 4) <= 256  # claims are bounded
+    assert fanout(0.0, rate, 4) == 4  # not measured yet: as with equal links
+    assert planned_rate([], 0.0, 0, 4) == 0.0
+
+
+def test_the_origin_keeps_a_slot_per_stripe_and_a_fast_one_serves_more() -> None:
+    recs = {n: _rec(n, bps=25 * MBIT) for n in (_node() for _ in range(16))}
+    assert origin_slots(recs, 0.0, 4) == 4
+    assert origin_slots(recs, 25 * MBIT, 4) == 4
+    assert origin_slots(recs, 250 * MBIT, 4) >= 20
+
+
+def test_a_joining_node_goes_where_capacity_is_lowest_and_simultaneous_joiners_spread() -> None:
+    a, b, c = _node(), _node(), _node()
+    recs = {a: _rec(a, 0), b: _rec(b, 1), c: _rec(c, 3), ORIGIN: _rec(ORIGIN, 0, role="trainer")}
+    assert choose_home(recs, _node(), 4, 1.0) == 2
+    assert stripe_capacity(recs, a, 4, 1.0) == [0.0, 4.0, 0.0, 4.0]  # itself and the origin left out
+    homes = {choose_home({}, _node(), 4, 1.0) for _ in range(32)}  # nobody known yet: a hash, not stripe 0
+    assert len(homes) >= 3
+
+
+def test_the_upload_meter_counts_only_whole_busy_seconds() -> None:
+    m = UploadMeter()
+    for second in range(10):
+        for tick in range(4):
+            m.sent(250_000, 100.0 + second + tick / 4)
+    assert 0.9e6 <= m.bps() <= 1.1e6
+    idle = UploadMeter()
+    for second in range(10):  # sends half of each second, idle the rest
+        idle.sent(500_000, 200.0 + second)
+        idle.idle(200.0 + second + 0.5)
+    assert idle.bps() == 0.0
+    burst = UploadMeter()
+    burst.sent(8_000_000, 300.5)  # a kernel buffer filled at once, then the wire's pace
+    for second in range(1, 10):
+        burst.sent(1_000_000, 300.0 + second)
+    assert burst.bps() <= 1.1e6
+
+
+def test_each_shard_goes_to_its_stripes_parent() -> None:
+    p0 = Source("p0", "u", 1, True, frozenset({0}), bps=1e6, ok=3)
+    p1 = Source("p1", "u", 1, True, frozenset({1}), bps=3e6, ok=3)
+    origin = Source(ORIGIN, "u", 0, False)
+    assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), False, 0) is p0  # slower, but its parent
+    assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), False, 1) is p1
+    assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), True, 0) is origin  # a probe, now and then
+    assert pick_source([p0, p1], set(), {"p0": 1e18}, time.monotonic(), False, 0) is p1  # banned: the other
+
+
+async def _origin_server(tmp_path: Path, slots: int, home: int | None = None) -> tuple[ShardServer, HttpServer, str]:
+    server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=slots, node_id=ORIGIN)
+    server.path = lambda: [ORIGIN]
+    server.stripes = 4
+    server.home = lambda: home
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    return server, http, f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+
+
+async def _attach(session: aiohttp.ClientSession, url: str, node: str, query: str) -> int:
+    headers = signed_headers(_KEYS[node], "POST", f"/relay/attach?{query}", ORIGIN)
+    async with session.post(f"{url}/relay/attach?{query}", headers=headers) as r:
+        return r.status
+
+
+def test_a_crowd_in_one_stripe_cannot_take_the_slots_of_the_others(tmp_path: Path) -> None:
+    """The origin keeps a slot for each stripe with no child yet: four nodes asking in stripe 0 get one slot."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        server, http, url = await _origin_server(tmp_path, slots=4)
+        crowd, others = [_node() for _ in range(4)], [_node() for _ in range(3)]
+        try:
+            async with aiohttp.ClientSession() as session:
+                first = [await _attach(session, url, n, "stripe=0") for n in crowd]
+                rest = [await _attach(session, url, n, f"stripe={s + 1}") for s, n in enumerate(others)]
+        finally:
+            await http.close()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first == [200, 503, 503, 503] and rest == [200, 200, 200]
+
+
+def test_leaves_give_their_slot_to_a_node_at_home_and_a_relay_takes_children_in_its_home_only(
+    tmp_path: Path,
+) -> None:
+    """A leaf took the origin's slot for stripe 2 (the stripe's own nodes were not attached yet); a node at home
+    in stripe 2 asks: the leaf's slot is its, and the leaf is refused at its next keep-alive. A leaf cannot do
+    the same to another leaf. A relay at home in stripe 1 refuses a child for stripe 0; garbage is a 400."""
+
+    async def main() -> dict[str, object]:
+        server, http, url = await _origin_server(tmp_path, slots=1)
+        relay_server, relay_http, relay_url = await _origin_server(tmp_path / "r", slots=4, home=1)
+        leaf, leaf2, interior = _node(), _node(), _node()
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                out["leaf"] = await _attach(session, url, leaf, "stripe=2&home=0")
+                out["leaf2"] = await _attach(session, url, leaf2, "stripe=2&home=0")
+                out["interior"] = await _attach(session, url, interior, "stripe=2")
+                out["leaf_again"] = await _attach(session, url, leaf, "stripe=2&home=0")
+                out["children"] = server.children()
+                out["wrong_stripe"] = await _attach(session, relay_url, leaf, "stripe=0&home=0")
+                out["home_stripe"] = await _attach(session, relay_url, leaf, "stripe=1&home=0")
+                out["garbage"] = [await _attach(session, relay_url, leaf2, q)
+                                  for q in ("stripe=x", "stripe=64", "stripe=-1", "stripe=123")]  # fmt: skip
+        finally:
+            await http.close()
+            await relay_http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["leaf"] == 200 and out["leaf2"] == 503  # a leaf never moves another leaf
+    assert out["interior"] == 200 and out["leaf_again"] == 503 and out["children"] == [out["children"][0]]
+    assert out["wrong_stripe"] == 409 and out["home_stripe"] == 200
+    assert out["garbage"] == [400, 400, 400, 400]
+
+
+def test_a_child_far_ahead_waits_for_the_slowest_but_not_for_ever() -> None:
+    async def main() -> tuple[float, float, float]:
+        step = Lockstep()
+        step.HOLD_S = 0.5
+        for _ in range(4):
+            await step.turn("fast/0", 1)
+        await step.turn("slow/1", 1)
+        started = time.monotonic()
+        await step.turn("fast/0", 1)  # three ahead of the slow one (LAG 2): held until the hold runs out
+        held = time.monotonic() - started
+        released = asyncio.ensure_future(step.turn("fast/0", 1))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        for _ in range(2):
+            await step.turn("slow/1", 1)  # the slow one catches up: the fast one goes at once
+        await released
+        caught_up = time.monotonic() - started
+        started = time.monotonic()
+        await step.turn("other/0", 2)  # another version: nobody to wait for
+        return held, caught_up, time.monotonic() - started
+
+    held, caught_up, other = asyncio.run(main())
+    assert 0.4 <= held < 1.0 and caught_up < 0.3 and other < 0.1
