@@ -216,6 +216,7 @@ def _http_target(run_key: object, node_key: object, run_id: str) -> tuple[Callab
 
     import atheris
     import torch
+    import yarl
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
@@ -263,9 +264,14 @@ def _http_target(run_key: object, node_key: object, run_id: str) -> tuple[Callab
             path += fdp.ConsumeUnicodeNoSurrogates(40).replace("?", "").replace("#", "")
             path = "/" + path.lstrip("/")  # "//host/..." would be another server's URL, not a path of ours
         query = {"after": fdp.ConsumeUnicodeNoSurrogates(12)} if fdp.ConsumeBool() else {}
+        if fdp.ConsumeBool():  # the relay tree's stripe and home (signed with the path, as a node signs them)
+            query["stripe"] = fdp.ConsumeUnicodeNoSurrogates(3)
+        if fdp.ConsumeBool():
+            query["home"] = fdp.ConsumeUnicodeNoSurrogates(2)
         headers: dict[str, str] = {}
         if fdp.ConsumeBool():
-            headers.update(signed_headers(node_key, method, path.split("?")[0], run_id))
+            target = str(yarl.URL.build(path=path, query=query)) if query else path
+            headers.update(signed_headers(node_key, method, target, run_id))
         for name in (CHILD_HEADER, KEY_HEADER, TOKEN_HEADER, "Range", "X-Intellect-Auth"):
             if fdp.ConsumeBool():
                 headers[name] = fdp.ConsumeUnicodeNoSurrogates(80).encode("latin-1", "ignore").decode("latin-1")

@@ -49,8 +49,9 @@ def summary(s: dict[str, Any]) -> list[tuple[str, str]]:
                                   f"(seen from {reach['observed_ip']})"))  # fmt: skip
     relay = s.get("relay") or {}
     if relay.get("enabled"):
-        rows.append(("relay", f"depth {relay['depth']}, parent {relay['parent']}, {len(relay['children'])} "
-                              f"children, {relay['slots_free']} slots free"))  # fmt: skip
+        rows.append(("relay", f"home stripe {relay.get('home_stripe', 0)}, depth {relay['depth']}, parent "
+                              f"{relay['parent']}, {len(relay['children'])} children, {relay['slots_free']} slots "
+                              f"free, upload {relay.get('upload_mbps', 0)} Mbit/s measured"))  # fmt: skip
     if s.get("role") == "trainer":
         hist = s.get("history") or []
         last = hist[-1] if hist else {}

@@ -46,6 +46,7 @@ from intellect_node.runtime import announce, trim_freed
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import announced_home
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.identity import node_id_of
 from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec, SubmitReply
@@ -100,6 +101,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.origin.stripes = node.stripes
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.registry = NodeRegistry(self.membership)
+        self.origin.home_of = lambda n: announced_home(self.registry.records, n)
         self.admission = Admission(self.spec.admission, self.run_id)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)

@@ -304,6 +304,7 @@ class Volunteer(abc.ABC):
                 self.server.depth = lambda: follower.depth
                 self.server.path = lambda: follower.path
                 self.server.home = lambda: follower.home
+                self.server.home_of = follower.home_of
                 follower.auto_slots = self.cfg.relay_slots is None
             await self.publish()
             await self.ready(spec)

@@ -31,7 +31,7 @@ from intellect_node.weights.files import verify_manifest
 from intellect_node.weights.links import KEEPALIVE_S, RECORDS_MAX_AGE_S, REFUSED_AVOID_S, Attachments, Link
 from intellect_node.weights.relay import LONG_POLL_S, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
-from intellect_node.weights.stripes import choose_home, claim, fanout, planned_rate, stripe_capacity
+from intellect_node.weights.stripes import announced_home, choose_home, claim, fanout, planned_rate, stripe_capacity
 from intellect_node.weights.tree import Candidate, holders
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
@@ -125,6 +125,11 @@ class WeightFollower(Attachments):
     @property
     def path(self) -> list[str]:
         return self.home_link.path
+
+    def home_of(self, node: str) -> int | None:
+        """The stripe ``node``'s newest record says it takes children in (stripes.announced_home)."""
+        seen = self._seen.get(node)
+        return announced_home({node: seen[1]}, node) if seen is not None else None
 
     def parents(self) -> dict[int, str | None]:
         """Per stripe, the parent's node id."""

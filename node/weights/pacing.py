@@ -39,21 +39,30 @@ class Lockstep:
     another); a stripe's first hop sets its rate for the whole tree below, so one node's uneven shares become a
     tail for every node below it. Held back, the fast child leaves the upload to the slow ones. A shard goes
     into the kernel's socket buffer at once, so progress is counted by requests (a child asks for its next
-    shard once it has the last one), and a child that has not asked for ``IDLE_S`` no longer counts."""
+    shard once it has the last one), and a child that has not asked for ``IDLE_S`` no longer counts.
+
+    A child slow at its own end (a thin download), or one that asks slowly on purpose, costs the others at most
+    ``HOLD_SHARE`` of their time in the version: past it they are not held again."""
 
     LAG = 2
     HOLD_S = 2.0
     IDLE_S = 5.0
+    HOLD_SHARE = 0.25
 
     def __init__(self) -> None:
         self._asked: dict[tuple[str, int], tuple[int, float]] = {}
+        self._held: dict[tuple[str, int], tuple[float, float]] = {}
+        """Per child and version: (first request, seconds held so far)."""
         self._changed = asyncio.Event()
 
     async def turn(self, child: str | None, version: int) -> None:
         if child is None:
             return
         key = (child.split("/")[0], version)
-        deadline = time.monotonic() + self.HOLD_S
+        began, held = self._held.setdefault(key, (time.monotonic(), 0.0))
+        budget = self.HOLD_SHARE * (time.monotonic() - began) - held + self.HOLD_S  # the first hold is free
+        started = time.monotonic()
+        deadline = started + min(self.HOLD_S, max(0.0, budget))
         while (left := deadline - time.monotonic()) > 0:
             now = time.monotonic()
             mine = self._asked.get(key, (0, now))[0]
@@ -62,8 +71,10 @@ class Lockstep:
                 break
             with contextlib.suppress(TimeoutError):
                 await within(self._changed.wait(), left)
+        self._held[key] = (began, held + time.monotonic() - started)
         self._asked[key] = (self._asked.get(key, (0, 0.0))[0] + 1, time.monotonic())
         if len(self._asked) > 4096:  # old versions' counts
             self._asked = {k: v for k, v in self._asked.items() if k[1] >= version - 2}
+            self._held = {k: v for k, v in self._held.items() if k[1] >= version - 2}
         self._changed.set()
         self._changed = asyncio.Event()

@@ -81,6 +81,8 @@ class ShardServer:
         self.upload_limit_bps = upload_limit_bps or 0.0
         self.home: Callable[[], int | None] = lambda: None
         """The one stripe this node takes children in (None: every stripe, as the origin)."""
+        self.home_of: Callable[[str], int | None] = lambda node: None
+        """The stripe a node's record says it takes children in (None: no record; see _preempt_leaf)."""
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
@@ -243,8 +245,10 @@ class ShardServer:
                 text=json.dumps({"reason": "not_rooted", "error": "this node is not connected to the origin yet"}),
                 content_type="application/json",
             )  # fmt: skip
-        # "home=0": it takes no children in this stripe (said on every keep-alive, so a change of home counts)
-        if not self._admit(child, leaf=request.query.get("home") == "0"):
+        # "home=0": it takes no children in this stripe (said on every keep-alive, so a change of home counts); a
+        # node whose record says another home is a leaf here whatever it says (only a node at home moves leaves)
+        said = self.home_of(node)
+        if not self._admit(child, leaf=request.query.get("home") == "0" or said not in (None, stripe)):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(
                 text=json.dumps({"children": self.children()}), content_type="application/json",

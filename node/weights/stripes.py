@@ -78,6 +78,15 @@ def origin_slots(records: dict[str, NodeRecord], origin_bps: float, stripes: int
     return max(stripes, fanout(origin_bps, rate, stripes) if origin_bps > 0 else stripes)
 
 
+def announced_home(records: dict[str, NodeRecord], node: str) -> int | None:
+    """The stripe ``node``'s record says it takes children in: -1 if it serves none (no relay info), None if
+    there is no record of it."""
+    r = records.get(node)
+    if r is None:
+        return None
+    return r.relay.stripe if r.relay is not None else -1
+
+
 def stripe_capacity(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> list[float]:
     """Per stripe, the children the nodes at home there can serve (announced slots; else ``fanout`` of their
     claimed upload), leaving out ``me``, the origin and nodes nobody can reach."""

@@ -200,3 +200,37 @@ def test_a_child_far_ahead_waits_for_the_slowest_but_not_for_ever() -> None:
 
     held, caught_up, other = asyncio.run(main())
     assert 0.4 <= held < 1.0 and caught_up < 0.3 and other < 0.1
+
+
+def test_a_node_lying_about_its_home_moves_no_leaf_and_a_slow_child_costs_its_siblings_a_quarter_at_most(
+    tmp_path: Path,
+) -> None:
+    """Two grudges. A node whose record says it is at home in stripe 1 asks for the origin's slot in stripe 2
+    as if at home there: it is a leaf by its record and moves no one. A child that asks for shards slowly (on
+    purpose, or with a thin download) holds its fast sibling back at most HOLD_S, then HOLD_SHARE of the time."""
+    leaf, liar = _node(), _node()
+
+    async def lie() -> tuple[int, int, list[str]]:
+        server, http, url = await _origin_server(tmp_path, slots=1)
+        server.home_of = {liar: 1, leaf: 3}.get
+        try:
+            async with aiohttp.ClientSession() as session:
+                first = await _attach(session, url, leaf, "stripe=2&home=0")
+                second = await _attach(session, url, liar, "stripe=2")
+        finally:
+            await http.close()
+        return first, second, server.children()
+
+    async def slow_sibling() -> tuple[float, float]:
+        step = Lockstep()
+        step.HOLD_S, step.IDLE_S = 0.2, 60.0
+        await step.turn("slow/1", 1)
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            await step.turn("fast/0", 1)
+            await asyncio.sleep(0.01)
+        return step._held[("fast", 1)][1], time.monotonic() - started
+
+    assert asyncio.run(lie()) == (200, 503, [leaf])
+    held, elapsed = asyncio.run(slow_sibling())
+    assert 0.2 <= held <= Lockstep.HOLD_SHARE * elapsed + 0.2 + 0.1, (held, elapsed)
