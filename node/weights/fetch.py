@@ -104,6 +104,10 @@ def pick_source(
     when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
     moves below the faster one)."""
     usable = [s for s in sources if s.away_until <= now and s.node_id not in banned]
+    if stripe is not None and any(s.serves(stripe) for s in usable):
+        # another stripe's parent is a leaf in this one: a detour through it takes upload its own children need
+        # (measured at N=16: shards fetched from five to seven sources a stripe, every subtree slowed)
+        usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
     if not usable:
         return None
     fresh = [s for s in usable if s.node_id not in tried] or usable

@@ -1,15 +1,42 @@
-"""Sharing a node's upload: an optional cap on it (``TokenBucket``), and the children of one node kept moving
-through a version together (``Lockstep``); used by relay.ShardServer."""
+"""Sharing a node's upload: an optional cap on it (``TokenBucket``), the children of one node kept moving
+through a version together (``Lockstep``), and what really left (``on_the_wire``); used by relay.ShardServer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import struct
+import termios
 import time
+
+from aiohttp import web
 
 from intellect_node.aio import within
 
 _CHUNK = 256 * 1024
+_WRITTEN, _ACKED = web.RequestKey("written", int), web.RequestKey("acked", int)
+
+
+def on_the_wire(request: web.Request, n: int) -> int:
+    """Bytes of the response to ``request`` the peer has acknowledged since the last call, after ``n`` more were
+    written: what was written less what still waits in the transport's buffer and the kernel's send queue
+    (SIOCOUTQ). Counting writes instead measures the kernel's buffers: the first second of a response reads
+    megabytes, and the fan-out planned from it was half again too high (measured: six children for four)."""
+    written = int(request.get(_WRITTEN, 0)) + n
+    request[_WRITTEN] = written
+    transport = request.transport
+    queued = transport.get_write_buffer_size() if transport is not None else 0
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        try:
+            queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            pass
+    acked = max(int(request.get(_ACKED, 0)), written - queued)
+    delta = acked - int(request.get(_ACKED, 0))
+    request[_ACKED] = acked
+    return delta
 
 
 class TokenBucket:

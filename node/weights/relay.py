@@ -34,7 +34,7 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
-from intellect_node.weights.pacing import Lockstep, TokenBucket
+from intellect_node.weights.pacing import Lockstep, TokenBucket, on_the_wire
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, origin_slots
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -364,7 +364,7 @@ class ShardServer:
                     chunk = f.read(min(_CHUNK, growing.size - pos))
                     if not chunk:
                         break
-                    await self._write(resp, chunk, child)
+                    await self._write(request, resp, chunk, child)
                     pos += len(chunk)
                     continue
                 if growing.state == "failed":
@@ -396,12 +396,12 @@ class ShardServer:
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
 
-    async def _write(self, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
+    async def _write(self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
         """One chunk of a response, within the upload limit; the child's slot counts as in use."""
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         await resp.write(chunk)
-        self.meter.sent(len(chunk), time.monotonic())
+        self.meter.sent(on_the_wire(request, len(chunk)), time.monotonic())
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)
@@ -438,7 +438,7 @@ class ShardServer:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
                 if not chunk:
                     break
-                await self._write(resp, chunk, child)
+                await self._write(request, resp, chunk, child)
                 sent += len(chunk)
         await resp.write_eof()
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
