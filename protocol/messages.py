@@ -164,18 +164,14 @@ class TrainSpec(BaseModel):
 
 
 class VerifySpec(BaseModel):
-    """How rollouts are checked (TOPLOC proofs, seeded sampling) and the thresholds a validator applies.
-
-    Thresholds come from benchmarks/calibrate_validator.py (honest and dishonest distributions measured on the
-    run's model); the defaults are those measured for the built-in tiny model.
-    """
+    """How rollouts are checked (TOPLOC proofs, seeded sampling) and the thresholds a validator applies, from
+    benchmarks/calibrate_validator.py (honest and dishonest rollouts measured on the run's model; the defaults:
+    the built-in tiny model's)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     topk: Annotated[int, Field(ge=8, le=4096)] = 64
-    """Values each proof commits to: the chunk's largest in magnitude. At most half the hidden size (a chunk may
-    be one decode step: with ``topk`` = hidden size it commits to every value of that step, near-zero ones too,
-    whose bf16 mantissas are fp32 rounding noise; honest errors then have no bound). 64 for the tiny model
-    (hidden 128); the TOPLOC reference's 128 for real models (node/configs/smollm2-addition.toml)."""
+    """Values each proof commits to, the chunk's largest; at most half the hidden size (a one-step chunk would
+    commit near-zero values, bf16 rounding noise of fp32). 64 for the tiny model, 128 for real ones."""
     decode_batch: Annotated[int, Field(ge=1, le=4096)] = 32
     max_exp_mismatches: Annotated[int, Field(ge=0)] = 3
     """Per proof: top-k values whose bf16 exponent differs from the validator's."""
@@ -269,10 +265,10 @@ class RelayInfo(BaseModel):
     slots_total: Annotated[int, Field(ge=0, le=1024)]
     slots_free: Annotated[int, Field(ge=0, le=1024)]
     upload_bps: Annotated[float, Field(ge=0.0)] = 0.0
-    """Measured upload capacity (bytes per second; 0: not measured yet)."""
+    """Measured upload capacity (bytes/s; 0: not yet). ``stripe``: the only one it takes children in; ``stripes``
+    (the origin's): how many each version has."""
     stripe: Annotated[int, Field(ge=0, lt=64)] = 0
     stripes: Annotated[int, Field(ge=1, le=64)] = 1
-    """The only stripe it takes children in; the origin's: how many stripes each version has."""
     versions: Annotated[list[U31], Field(max_length=64)] = []
     """Complete, verified versions it serves."""
     fetching: Annotated[int, Field(ge=-1, lt=2**31)] = -1
