@@ -1,0 +1,197 @@
+"""The fetching side of benchmarks/simulate.py's nodes: where each stripe's shards come from.
+
+Runs ``fetch.pick_source`` on real ``fetch.Source`` objects for every shard (the stripe's parent preferred, an
+alternate probed one pick in ``PROBE_EVERY``), plans the sources as ``fetch.ShardFetcher._refresh`` with
+``follower._find`` do (MIRROR: the parents, up to two ``tree.holders``, the origin last, every ``REPLAN_S``), and
+measures each source at every shard as ``fetch._one`` does. A shard from an alternate is a side transfer beside the
+parent's stream (the fetcher's other worker of the stripe goes on with the parent), served only while the
+alternate has a free slot (MIRROR of relay.ShardServer._get: a stranger gets 503 otherwise, away 2 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from intellect_node.weights.fetch import PROBE_EVERY, REPLAN_S, Source, faster_than_parent, pick_source
+from intellect_node.weights.follower import REFUSED_AVOID_S
+from intellect_node.weights.tree import holders
+
+if TYPE_CHECKING:
+    from simswarm import Swarm
+
+ORIGIN = 0
+
+
+@dataclass
+class Node:
+    idx: int
+    nid: str
+    up: float
+    down: float
+    reachable: bool
+    latency: float
+    """One-way latency to anyone (s): a round trip between a and b is 2 * (a.latency + b.latency)."""
+    home: int = 0
+    slots: int = 0
+    alive: bool = False
+    left_at: float = float("inf")
+    parent: list[int] = field(default_factory=list)
+    children: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(child, stripe) -> when it last spoke: children keep their slot alive every second while they live."""
+    choosing: list[bool] = field(default_factory=list)
+    avoid: dict[int, float] = field(default_factory=dict)
+    sources: dict[str, Source] = field(default_factory=dict)
+    refreshed: float = -1e9
+    picks: int = 0
+    fetching: bool = False
+    done: float = float("nan")
+    published: tuple[object, ...] = ()
+    mark: list[tuple[float, float]] = field(default_factory=list)
+    """Per stripe: (time, bytes) at the last shard boundary, for the measured rate of the source."""
+
+
+@dataclass
+class Stats:
+    asks: int = 0
+    refused: int = 0
+    silent: int = 0
+    adopted: int = 0
+    reparents: int = 0
+    no_slot_rounds: int = 0
+    alt_shards: int = 0
+    probes_refused: int = 0
+    detached_s: float = 0.0
+    slow_parent_moves: int = 0
+    preempted: int = 0
+    records: int = 0
+
+
+class Fetcher:
+    """Every node's fetch of the version, over the swarm ``sw``."""
+
+    def __init__(self, sw: Swarm) -> None:
+        self.sw = sw
+
+    def begin(self, n: Node) -> None:
+        """``n`` learns of the version (news from a parent, or the trainer's record) and starts fetching."""
+        if not n.alive or n.fetching or n.done == n.done:
+            return
+        n.fetching = True
+        self.sw.net.want[n.idx, :] = True
+        for s in range(self.sw.k):
+            n.mark[s] = (self.sw.clock.now, float(self.sw.net.got[n.idx, s]))
+            self.pick(n, s)
+        self.sw.publish(n)
+        for (c, _s) in list(n.children):  # news travels down as the data does: /relay/next, then the manifest
+            child = self.sw.nodes[c]
+            self.sw.clock.at(self.sw.clock.now + 2 * self.sw.rtt(n, child), self.begin, child)
+
+    def set_source(self, n: Node, s: int, t: Node) -> None:
+        self.sw.net.src[n.idx, s] = t.idx
+        self.sw.net.rate[n.idx, s] = 0.0
+        self.sw.net.ready[n.idx, s] = self.sw.clock.now + self.sw.rtt(n, t)
+
+    def refresh(self, n: Node) -> None:
+        """fetch.ShardFetcher._refresh with follower._find: the parents, up to two holders, the origin last."""
+        now = self.sw.clock.now
+        if now - n.refreshed < REPLAN_S:
+            return
+        n.refreshed = now
+        fresh: dict[str, Source] = {}
+        for s, p in enumerate(n.parent):
+            if p >= 0:
+                t = self.sw.nodes[p]
+                src = fresh.get(t.nid) or n.sources.get(t.nid) or Source(t.nid, f"http://n{p}", self.sw.depth(t, s))
+                src.is_parent, src.parent_of = True, src.parent_of | {s} if t.nid in fresh else frozenset({s})
+                fresh[t.nid] = src
+        down = {nid for nid, x in n.sources.items() if (x.failed >= 2 or x.full) and x.away_until > now}
+        skip = down | set(fresh) | {self.sw.nodes[i].nid for i in n.avoid if n.avoid[i] > now}
+        for c in holders(self.sw.holding, n.nid, self.sw.origin.nid, 1, skip):
+            src = n.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
+            src.is_parent, src.parent_of = False, frozenset()
+            fresh[c.node_id] = src
+        o = self.sw.origin
+        if o.nid not in skip:
+            src = fresh.get(o.nid) or n.sources.get(o.nid) or Source(o.nid, "http://n0", 0)
+            if o.nid not in fresh:
+                src.is_parent, src.parent_of = False, frozenset()
+            fresh[o.nid] = src
+        n.sources = fresh
+
+    def pick(self, n: Node, s: int) -> None:
+        """The source of the stripe's next shard: ``fetch.pick_source``; an alternate serves only while it has
+        a free slot (relay: a stranger gets 503 otherwise, and is marked full for 2 s)."""
+        self.refresh(n)
+        now = self.sw.clock.now
+        for _ in range(4):
+            n.picks += 1
+            stripe = s if self.sw.k > 1 else None
+            src = pick_source(n.sources.values(), set(), {}, now, n.picks % PROBE_EVERY == 0, stripe)
+            if src is None:
+                break
+            t = self.sw.nodes[self.sw.ids[src.node_id]]
+            if src.serves(s if self.sw.k > 1 else None) and n.parent[s] == t.idx:
+                if self.sw.net.src[n.idx, s] != t.idx:
+                    self.set_source(n, s, t)
+                return
+            if t.alive and (t.done == t.done or t.idx == ORIGIN) and len(self.sw.active(t)) < t.slots:
+                p = n.parent[s]
+                if p < 0:  # no parent: the alternate is the stream's source for now
+                    self.sw.stats.alt_shards += 1
+                    if self.sw.net.src[n.idx, s] != t.idx:
+                        self.set_source(n, s, t)
+                    return
+                left = self.sw.net.need[s] - self.sw.net.skip[n.idx, s] - self.sw.net.got[n.idx, s]
+                # one worker on it, the other goes on with the parent
+                if (n.idx, s) not in self.sw.net.side and left > self.sw.net.shard:
+                    self.sw.stats.alt_shards += 1
+                    self.sw.net.start_side(n.idx, s, t.idx, self.sw.net.shard, self.sw.clock.now,
+                                        self.sw.clock.now + self.sw.rtt(n, t))  # fmt: skip
+                if self.sw.net.src[n.idx, s] != p:
+                    self.set_source(n, s, self.sw.nodes[p])
+                return
+            self.sw.stats.probes_refused += 1
+            src.full, src.away_until = True, now + REFUSED_AVOID_S
+        p = n.parent[s]
+        if p >= 0 and self.sw.net.src[n.idx, s] != p:
+            self.set_source(n, s, self.sw.nodes[p])
+        elif p < 0:
+            self.sw.net.src[n.idx, s] = -1
+
+    def crossed(self, i: int, s: int) -> None:
+        """A stream finished a shard: the source's measured rate, then the next shard's source."""
+        n = self.sw.nodes[i]
+        t0, b0 = n.mark[s]
+        now, got = self.sw.clock.now, float(self.sw.net.got[i, s])
+        n.mark[s] = (now, got)
+        t = self.sw.net.src[i, s]
+        src = n.sources.get(self.sw.nodes[t].nid) if t >= 0 else None
+        if src is not None and now > t0:
+            rate = (got - b0) / (now - t0)
+            src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
+            src.ok, src.failed, src.full = src.ok + 1, 0, False
+        self.pick(n, s)
+
+    def side_done(self, side: tuple[int, int, int, float]) -> None:
+        """A shard from an alternate arrived: what it measured (fetch._one: ok, an EWMA of the rate)."""
+        i, _s, t, took = side
+        src = self.sw.nodes[i].sources.get(self.sw.nodes[t].nid)
+        if src is not None and took > 0:
+            rate = self.sw.net.shard / took
+            src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
+            src.ok, src.failed, src.full = src.ok + 1, 0, False
+
+    def stripe_done(self, i: int, s: int) -> None:
+        n = self.sw.nodes[i]
+        if not np.all(self.sw.net.got[i] >= self.sw.net.need):
+            return
+        n.done = float(np.nanmax(self.sw.net.done_at[i]))
+        n.fetching = False
+        self.sw.net.want[i, :] = False
+        p = n.parent[n.home]
+        if p >= 0 and faster_than_parent(n.sources, self.sw.nodes[p].nid, self.sw.origin.nid, set()) is not None:
+            self.sw.stats.slow_parent_moves += 1
+        self.sw.publish(n)

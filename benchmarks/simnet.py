@@ -1,0 +1,244 @@
+"""The network model and clock of benchmarks/simulate.py: a fluid (flow-level) model, no packets.
+
+Every receiver fetches each stripe of the version as one stream (the real fetcher's two workers per stripe take
+the stripe's shards in manifest order, so they pipeline and hide each request's round trip; modelled as one
+stream in order). A stream has one source at a time (its parent in that stripe, or an alternate for a shard).
+
+Rates: max-min fair over every node's upload and download capacity, computed by alternating water-filling at the
+uploads and at the downloads (two rounds each: exact when one side binds, close otherwise), with a cap per flow
+for cut-through: a child cannot be ahead of the bytes its source holds of the stripe, less ``lag`` bytes (what a
+relay has received before it can pass it on); a child that has caught up is capped at its source's own incoming
+rate. Rates are recomputed at every tick (``tick`` seconds: events in between change who sends to whom at once,
+their rates at the next tick). Bytes advance linearly between events and ticks; a completion time is interpolated
+within its step. A departed node's flows stop at once; its children learn it only after the keep-alive delay.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+INF = float("inf")
+Side = tuple[int, int, int, float]
+"""A side transfer that ended: (node, stripe, source, seconds it took)."""
+
+
+def waterfill(group: np.ndarray, demand: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Max-min fair shares: each group's capacity ``cap[g]`` split among its flows, none above its ``demand``.
+    Returns (rates, level per group); a group that is not saturated has level inf."""
+    n = len(demand)
+    level = np.full(len(cap), INF)
+    if n == 0:
+        return demand.copy(), level
+    order = np.lexsort((demand, group))
+    g = group[order]
+    d = np.minimum(demand[order], cap[g])  # no flow gets more than its whole group: keeps the sums finite
+    counts = np.bincount(g, minlength=len(cap))
+    starts = np.cumsum(counts) - counts
+    rem = counts[g] - (np.arange(n) - starts[g])  # flows from this one to the group's end
+    csum = np.cumsum(d)
+    prev = csum - d - np.concatenate(([0.0], csum))[starts][g]  # demands below this one in its group
+    sat = np.nonzero(prev + d * rem >= cap[g])[0]
+    if len(sat):
+        gs, first = np.unique(g[sat], return_index=True)
+        k = sat[first]
+        level[gs] = (cap[gs] - prev[k]) / rem[k]
+    out = np.empty(n)
+    out[order] = np.minimum(d, level[g])
+    return out, level
+
+
+class Net:
+    """Stripe streams of ``n`` nodes. ``need[s]``: bytes of stripe s; ``got``: bytes each node holds of each
+    stripe; ``src``: the stream's source (-1: none); ``ready``: it may not flow before then (a request in
+    flight); ``want``: the node is receiving the version. ``store_forward``: a source passes on whole shards
+    only (shardcast), else cut-through less ``lag`` bytes."""
+
+    def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False) -> None:
+        k = len(need)
+        self.need = np.array(need, dtype=float)
+        self.shard, self.lag, self.store_forward = shard, lag, store_forward
+        self.up = np.zeros(n)
+        self.down = np.full(n, 1e12)
+        self.alive = np.zeros(n, dtype=bool)
+        self.got = np.zeros((n, k))
+        self.src = np.full((n, k), -1, dtype=np.int64)
+        self.ready = np.zeros((n, k))
+        self.want = np.zeros((n, k), dtype=bool)
+        self.rate = np.zeros((n, k))
+        self.prev = np.zeros((n, k))
+        """The rates of the tick before: a caught-up stream's cap is its source's rate."""
+        self.done_at = np.full((n, k), np.nan)
+        self.skip = np.zeros((n, k))
+        """Bytes of a stream that a side transfer is fetching (the main stream stops that much short)."""
+        self.side: dict[tuple[int, int], list[float]] = {}
+        """(node, stripe) -> [source, bytes left, size, started]: one shard from an alternate, beside the main
+        stream (the fetcher's other worker keeps taking shards from the parent meanwhile)."""
+        self.side_rate = np.zeros(0)
+
+    def limit(self, rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray) -> np.ndarray:
+        """Bytes a stream may hold at most: what its source holds, less what a relay holds back."""
+        have = self.got[srcs, cols]
+        full = have >= self.need[cols]
+        held = np.floor(have / self.shard) * self.shard if self.store_forward else np.maximum(0.0, have - self.lag)
+        return np.where(full, self.need[cols], held)
+
+    def start_side(self, n: int, s: int, src: int, size: float, now: float, ready: float) -> None:
+        self.cancel_side(n, s)
+        self.side[(n, s)] = [float(src), size, size, now, ready]
+        self.skip[n, s] += size
+        self.side_rate = np.append(self.side_rate, 0.0)  # it flows from the next tick
+
+    def cancel_side(self, n: int, s: int) -> None:
+        """The alternate went away: the shard goes back to the main stream (its bytes so far are lost)."""
+        if (n, s) in self.side:
+            at = list(self.side).index((n, s))
+            x = self.side.pop((n, s))
+            self.skip[n, s] -= x[2]
+            self.side_rate = np.delete(self.side_rate, at)
+
+    def active(self, now: float) -> tuple[np.ndarray, np.ndarray]:
+        m = self.want & (self.src >= 0) & (self.ready <= now) & (self.got < self.need[None, :] - self.skip)
+        rows, cols = np.nonzero(m)
+        ok = self.alive[rows] & self.alive[self.src[rows, cols]]
+        return rows[ok], cols[ok]
+
+    def rates(self, now: float, dt: float) -> None:
+        """Max-min fair rates of every active stream (see the module docstring)."""
+        self.prev, self.rate = self.rate, np.zeros_like(self.rate)
+        rows, cols = self.active(now)
+        srcs = self.src[rows, cols]
+        avail = self.limit(rows, cols, srcs) - self.got[rows, cols]
+        src_full = self.got[srcs, cols] >= self.need[cols]
+        # caught up with a source still receiving: no faster than it receives (plus what it is ahead by)
+        src_rate = self.prev[srcs, cols]
+        cap = np.where(src_full, INF, np.maximum(0.0, src_rate + avail / max(dt, 1e-9)))
+        cap = np.minimum(cap, (self.need[cols] - self.skip[rows, cols] - self.got[rows, cols]) / max(dt, 1e-9) + 1)
+        sides = list(self.side.values())  # alternates hold the whole version: no cut-through cap
+        s_rows = np.array([int(k[0]) for k in self.side], dtype=np.int64)
+        s_src = np.array([int(x[0]) for x in sides], dtype=np.int64)
+        s_cap = np.array([x[1] / max(dt, 1e-9) + 1 if x[4] <= now else 0.0 for x in sides])
+        if len(sides):
+            s_cap[~(self.alive[s_rows] & self.alive[s_src])] = 0.0
+        g_up, g_down = np.concatenate([srcs, s_src]), np.concatenate([rows, s_rows])
+        cap = np.concatenate([cap, s_cap])
+        if len(cap) == 0:
+            self.side_rate = np.zeros(0)
+            return
+        r, _ = waterfill(g_up, cap, self.up)
+        r, down_level = waterfill(g_down, r, self.down)
+        r, _ = waterfill(g_up, np.minimum(cap, down_level[g_down]), self.up)
+        r, _ = waterfill(g_down, r, self.down)
+        self.rate[rows, cols] = r[: len(rows)]
+        self.side_rate = r[len(rows) :]
+
+    def advance(self, now: float, dt: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[Side]]:
+        """Move bytes for ``dt`` seconds; returns the streams that crossed a shard boundary, those that
+        completed (their completion time interpolated into ``done_at``), and the side transfers that ended."""
+        sides_done: list[Side] = []
+        if dt <= 0:
+            return [], [], sides_done
+        ended: list[tuple[int, int]] = []
+        keep = []
+        for (key, x), rate in zip(list(self.side.items()), self.side_rate.tolist(), strict=True):
+            x[1] -= rate * dt
+            keep.append(x[1] > 0.5)
+            if x[1] <= 0.5:
+                n, s = key
+                del self.side[key]
+                self.skip[n, s] -= x[2]
+                self.got[n, s] += x[2]
+                sides_done.append((n, s, int(x[0]), now + dt - x[3]))
+                if self.got[n, s] >= self.need[s] - 0.5 and self.skip[n, s] < 0.5:
+                    self.got[n, s] = self.need[s]
+                    self.done_at[n, s] = now + dt
+                    ended.append((n, s))
+        if sides_done:
+            self.side_rate = self.side_rate[np.array(keep, dtype=bool)]
+        rows, cols = np.nonzero(self.rate > 0)
+        if len(rows) == 0:
+            return [], ended, sides_done
+        before = self.got[rows, cols].copy()
+        after = before + self.rate[rows, cols] * dt
+        srcs = self.src[rows, cols]
+        self.got[rows, cols] = after  # sources first, then the clamp against them (one pass)
+        after = np.minimum(after, self.limit(rows, cols, srcs))
+        after = np.maximum(after, before)
+        self.got[rows, cols] = after
+        crossed = np.floor(after / self.shard) > np.floor(before / self.shard)
+        need = self.need[cols]
+        done = (after >= need - 0.5) & (before < need - 0.5) & (self.skip[rows, cols] < 0.5)
+        if done.any():
+            r, c = rows[done], cols[done]
+            self.got[r, c] = self.need[c]
+            frac = (self.need[c] - before[done]) / np.maximum(self.rate[r, c] * dt, 1e-9)
+            self.done_at[r, c] = now + np.clip(frac, 0.0, 1.0) * dt
+        cross = crossed & ~done
+        ended += list(zip(rows[done].tolist(), cols[done].tolist(), strict=True))
+        return list(zip(rows[cross].tolist(), cols[cross].tolist(), strict=True)), ended, sides_done
+
+
+class Clock:
+    """Discrete events on a simulated clock, interleaved with the fluid network's ticks. Bytes are moved lazily:
+    up to an event's time only before an event that touches the network (``quiet`` ones do not: record
+    publishing, asking for a slot), and at every tick, so thousands of control events cost no network steps."""
+
+    def __init__(self, net: Net, tick: float, start: float = 0.0) -> None:
+        self.net, self.tick, self.now = net, tick, start
+        self._q: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self.quiet: set[object] = set()
+        """Functions (or methods' functions) that neither read nor change the network's state."""
+        self.events = 0
+        self.ticks = 0
+        self._moved_to = start
+
+    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
+        heapq.heappush(self._q, (max(t, self.now), next(self._seq), fn, args))
+
+    def run(
+        self,
+        until: float,
+        on_cross: Callable[[int, int], None],
+        on_done: Callable[[int, int], None],
+        stop: Callable[[], bool],
+        flows_from: float = 0.0,
+        on_side: Callable[[Side], None] = lambda side: None,
+    ) -> None:
+        """Run events and move bytes until ``until`` or ``stop()``; no bytes move before ``flows_from``."""
+
+        def move() -> None:
+            if self.now > self._moved_to:
+                crossed, done, sides = self.net.advance(self._moved_to, self.now - self._moved_to)
+                self._moved_to = self.now
+                for side in sides:
+                    on_side(side)
+                for n, s in done:
+                    on_done(n, s)
+                for n, s in crossed:
+                    on_cross(n, s)
+
+        next_tick = max(self.now, flows_from)
+        while self.now < until and not stop():
+            if self.now < flows_from:
+                self._moved_to = self.now
+            elif self.now >= next_tick:
+                move()
+                self.net.rates(self.now, self.tick)
+                next_tick = self.now + self.tick
+                self.ticks += 1
+            te = self._q[0][0] if self._q else INF
+            if te <= min(next_tick, until):
+                _, _, fn, args = heapq.heappop(self._q)
+                self.now = te
+                self.events += 1
+                if self.now >= flows_from and getattr(fn, "__func__", fn) not in self.quiet:
+                    move()
+                fn(*args)
+            else:
+                self.now = min(next_tick, until)
+        move()

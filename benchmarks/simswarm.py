@@ -1,0 +1,387 @@
+"""The control plane of benchmarks/simulate.py: simulated nodes that choose parents with the project's own code.
+
+What runs as the node runs it (imported): ``stripes.choose_home``, ``planned_rate``, ``fanout``, ``claim`` (home
+stripe and slots), ``tree.parents`` and ``tree.below`` (whom to ask for a slot, and whom next after a 503), and the
+timing constants of follower.py and relay.py; the fetching side is benchmarks/simfetch.py. Records are real
+``NodeRecord``/``RelayInfo`` objects, published on change and seen by others ``dht_lag`` seconds later; a departed
+node's record stays until ``NODE_TTL_S`` after its last publish.
+
+Mirrored here (the decision lives in async code that cannot be imported; each is marked MIRROR below):
+attaching (``follower._choose``: ask in order, an answer per round trip, a silent one costs ``ASK_STAGGER_S``, a
+503 puts its children first), admitting (``relay.ShardServer._attach``/``_admit``: rooted, not an ancestor,
+slots, a child silent ``CONTESTED_TTL_S`` replaced), leaving a parent (two keep-alives unanswered), the slots
+rule (``fanout``, no spare slot; the origin ``max(k, fanout)``) and the planned rate's inputs. A node at home in a
+stripe takes a leaf's slot there when none is free (``preempt``, as ``relay.ShardServer._preempt_leaf``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from simfetch import ORIGIN, Fetcher, Node, Stats
+from simnet import Clock, Net
+
+from intellect_node.weights import stripes as st
+from intellect_node.weights.links import (
+    ASK_STAGGER_S,
+    CHOOSE_BUDGET_S,
+    FAST_KEEPALIVE_S,
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT,
+    MAX_ATTACH_TRIES,
+    REFUSED_AVOID_S,
+    SILENT_KEEPALIVES,
+    UNREACHABLE_AVOID_S,
+)
+from intellect_node.weights.relay import CHILD_TTL_S, CONTESTED_TTL_S
+from intellect_node.weights.tree import Candidate, below, parents
+from intellect_protocol.messages import NodeRecord, RelayInfo
+from intellect_protocol.records import NODE_TTL_S
+
+PLAN_S = 5.0
+"""The planned stripe rate is computed again this often (a pass over every record)."""
+REPUBLISH_S = 20.0
+"""A node republishes its record this often even without a change (well within NODE_TTL_S)."""
+DETECT_S = KEEPALIVE_TIMEOUT.total + FAST_KEEPALIVE_S + KEEPALIVE_TIMEOUT.total  # type: ignore[operator]
+"""From the first unanswered keep-alive to leaving: SILENT_KEEPALIVES (2) timeouts, the second sent sooner."""
+assert SILENT_KEEPALIVES == 2
+
+
+class Swarm:
+    """The simulated nodes, the DHT view they read, and the glue (attach, keep-alive, news of the version)."""
+
+    def __init__(self, net: Net, clock: Clock, stripes: int, dht_lag: float, rng: random.Random,
+                 fixed_slots: int | None = None, detect_s: float = DETECT_S, svc_s: float = 0.0,
+                 preempt: bool = True, spare_min: int = 10**9) -> None:  # fmt: skip
+        self.net, self.clock, self.k, self.dht_lag, self.rng = net, clock, stripes, dht_lag, rng
+        self.fixed_slots, self.detect_s, self.svc_s = fixed_slots, detect_s, svc_s
+        self.preempt = preempt
+        """Not the design yet (see admit): without it small swarms deadlock."""
+        self.spare_min = spare_min
+        """A spare slot for a fan-out of at least this (the design now: none, the default)."""
+        self.nodes: list[Node] = []
+        self.ids: dict[str, int] = {}
+        self.visible: dict[str, NodeRecord] = {}
+        self.by_stripe: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
+        self.free: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
+        self.holding: dict[str, NodeRecord] = {}
+        self.stats = Stats()
+        self.published_at: dict[int, float] = {}
+        self.version_out = False
+        self.no_parent_since: dict[tuple[int, int], float] = {}
+        self._planned = (-1e18, 0.0)
+        self.fetch = Fetcher(self)
+        clock.quiet |= {Swarm.republish, Swarm.publish, Swarm._show, Swarm._expire, Swarm.choose, Swarm._ask}
+
+    # ---------------------------------------------------------------- nodes and records
+    def add(self, up: float, down: float, reachable: bool, latency: float) -> Node:
+        i = len(self.nodes)
+        node = Node(i, f"{i + 1:032x}" if i else "f" * 32, up, down, reachable, latency,
+                    parent=[-1] * self.k, choosing=[False] * self.k, mark=[(0.0, 0.0)] * self.k)  # fmt: skip
+        self.nodes.append(node)
+        self.ids[node.nid] = i
+        self.net.up[i], self.net.down[i] = up, down
+        return node
+
+    @property
+    def origin(self) -> Node:
+        return self.nodes[ORIGIN]
+
+    def rtt(self, a: Node, b: Node) -> float:
+        return 2 * (a.latency + b.latency) + self.svc_s
+
+    def active(self, t: Node) -> dict[tuple[int, int], float]:
+        """A server's children as it counts them: living ones, and departed ones until CHILD_TTL_S (MIRROR)."""
+        now = self.clock.now
+        return {c: (now if self.nodes[c[0]].alive else self.nodes[c[0]].left_at) for c in t.children
+                if self.nodes[c[0]].alive or now - self.nodes[c[0]].left_at < CHILD_TTL_S}  # fmt: skip
+
+    def depth(self, n: Node, s: int) -> int:
+        d, seen = 0, set()
+        while n.idx != ORIGIN and n.parent[s] >= 0 and n.idx not in seen:
+            seen.add(n.idx)
+            n, d = self.nodes[n.parent[s]], d + 1
+        return d if n.idx == ORIGIN else -1
+
+    def path(self, n: Node, s: int) -> list[int]:
+        out = [n.idx]
+        while n.idx != ORIGIN and n.parent[s] >= 0 and len(out) < 1024:
+            n = self.nodes[n.parent[s]]
+            out.append(n.idx)
+        return out
+
+    def record(self, n: Node) -> NodeRecord:
+        s = n.home
+        rooted = n.idx == ORIGIN or n.parent[s] >= 0
+        free = max(0, n.slots - len(self.active(n))) if rooted else 0
+        parent = self.nodes[n.parent[s]].nid if n.idx != ORIGIN and n.parent[s] >= 0 else None
+        relay = RelayInfo(depth=max(0, self.depth(n, s)), parent=parent, slots_total=n.slots, slots_free=free,
+                          upload_bps=n.up if n.reachable else 0.0, stripe=s, stripes=self.k,
+                          versions=[1] if n.done == n.done else [], fetching=1 if n.fetching else -1)  # fmt: skip
+        return NodeRecord(run_id=self.origin.nid, node_id=n.nid, role="trainer" if n.idx == ORIGIN else "relay",
+                          http_url=f"http://n{n.idx}" if n.reachable else None, updated=self.clock.now,
+                          weight_version=1 if n.done == n.done else 0, relay=relay)  # fmt: skip
+
+    def publish(self, n: Node, force: bool = False) -> None:
+        """Publish ``n``'s record if it changed (or ``force``): others see it ``dht_lag`` later."""
+        if not n.alive:
+            return
+        s = n.home
+        rooted = n.idx == ORIGIN or n.parent[s] >= 0
+        key = (self.depth(n, s), n.parent[s], n.slots, len(self.active(n)) if rooted else -1, n.done == n.done,
+               n.fetching)  # fmt: skip
+        if not force and key == n.published:
+            return
+        n.published = key
+        r = self.record(n)
+        self.stats.records += 1
+        self.published_at[n.idx] = self.clock.now
+        self.clock.at(self.clock.now + self.dht_lag, self._show, r)
+
+    def _show(self, r: NodeRecord) -> None:
+        nid = r.node_id
+        self.visible[nid] = r
+        assert r.relay is not None
+        for s in range(self.k):
+            for d in (self.by_stripe[s], self.free[s]):
+                d.pop(nid, None)
+        if r.role == "trainer":
+            for s in range(self.k):
+                self.by_stripe[s][nid] = self.free[s][nid] = r
+        elif r.http_url:
+            self.by_stripe[r.relay.stripe][nid] = r
+            if r.relay.slots_free > 0:
+                self.free[r.relay.stripe][nid] = r
+        self.holding.pop(nid, None)
+        if 1 in r.relay.versions and r.relay.slots_free > 0 and r.http_url and r.role != "trainer":
+            self.holding[nid] = r
+            if len(self.holding) > 64:  # holders() takes the best few: keep the best 32 (depth, then speed)
+                best = sorted(self.holding.values(), key=lambda x: (x.relay.depth, -x.relay.upload_bps))[:32]  # type: ignore[union-attr]
+                self.holding = {x.node_id: x for x in best}
+        i = self.ids[nid]
+        if not self.nodes[i].alive:
+            self.clock.at(self.published_at[i] + NODE_TTL_S, self._expire, i)
+
+    def _expire(self, i: int) -> None:
+        n = self.nodes[i]
+        if not n.alive and self.clock.now - self.published_at[i] >= NODE_TTL_S - 1e-6:
+            for d in (self.visible, self.holding, *self.by_stripe, *self.free):
+                d.pop(n.nid, None)
+
+    def republish(self, n: Node) -> None:
+        """The periodic refresh: slots planned again from the records (MIRROR: fanout + 1), record out."""
+        if not n.alive:
+            return
+        self.plan_slots(n)
+        self.publish(n)
+        self.clock.at(self.clock.now + REPUBLISH_S, self.republish, n)
+
+    def plan_rate(self) -> float:
+        """MIRROR: the stripe rate nodes plan with, from the records they read: every relay's claim, unreachable
+        nodes counted as receivers only. The same for every node within PLAN_S."""
+        if self.clock.now - self._planned[0] < PLAN_S:
+            return self._planned[1]
+        recs = [r for r in self.visible.values() if r.role != "trainer"]
+        origin = self.visible.get(self.origin.nid)
+        origin_bps = st.claim(origin) if origin is not None else self.origin.up
+        ups = [st.claim(r) for r in recs if r.http_url]
+        self._planned = (self.clock.now, st.planned_rate(ups, origin_bps, max(1, len(recs)), self.k))
+        return self._planned[1]
+
+    def plan_slots(self, n: Node) -> None:
+        if self.fixed_slots is not None:
+            n.slots = self.fixed_slots if n.reachable else 0
+            return
+        rate = self.plan_rate()
+        if n.idx == ORIGIN:
+            n.slots = max(self.k, st.fanout(n.up, rate, self.k))
+        else:
+            f = st.fanout(n.up, rate, self.k)
+            n.slots = f + (f >= self.spare_min) if n.reachable else 0
+
+    # ---------------------------------------------------------------- joining, attaching, leaving
+    def join(self, n: Node) -> None:
+        n.alive = True
+        self.net.alive[n.idx] = True
+        if n.idx == ORIGIN:
+            self.plan_slots(n)
+            self.republish(n)
+            return
+        n.home = st.choose_home(self.visible, n.nid, self.k, self.plan_rate()) if self.fixed_slots is None else 0
+        self.plan_slots(n)
+        self.publish(n)  # the node's first record: others choosing a home stripe count it from now (+ the lag)
+        self.clock.at(self.clock.now + REPUBLISH_S * self.rng.random(), self.republish, n)
+        for s in range(self.k):
+            self.no_parent_since[(n.idx, s)] = self.clock.now
+            self.choose(n, s)
+        if self.version_out:
+            self.fetch.begin(n)
+
+    def choose(self, n: Node, s: int) -> None:
+        """MIRROR of follower._choose, per stripe: the candidates ``tree.parents`` orders, asked in turn."""
+        if not n.alive or n.parent[s] >= 0 or n.choosing[s]:
+            return
+        n.choosing[s] = True
+        now = self.clock.now
+        n.avoid = {i: t for i, t in n.avoid.items() if t > now}
+        avoid = {self.nodes[i].nid for i in n.avoid}
+        home = s == n.home and n.reachable
+        recs = self.by_stripe[s] if home else self.free[s]  # not home: nothing to check below us, free ones do
+        queue = parents(recs, n.nid, self.origin.nid, avoid, stripe=s if self.k > 1 else None, home=home)
+        self._ask(n, s, queue, set(), now + CHOOSE_BUDGET_S)
+
+    def _ask(self, n: Node, s: int, queue: list[Candidate], tried: set[str], deadline: float) -> None:
+        if not n.alive or n.parent[s] >= 0:
+            n.choosing[s] = False
+            return
+        while queue and queue[0].node_id in tried:
+            queue.pop(0)
+        if not queue or len(tried) >= MAX_ATTACH_TRIES or self.clock.now >= deadline:
+            n.choosing[s] = False  # keep_attached asks again at its next round
+            self.stats.no_slot_rounds += 1
+            self.clock.at(self.clock.now + KEEPALIVE_S, self.choose, n, s)
+            return
+        c = queue.pop(0)
+        tried.add(c.node_id)
+        t = self.nodes[self.ids[c.node_id]]
+        self.stats.asks += 1
+        if t.alive:
+            self.clock.at(self.clock.now + self.rtt(n, t), self._answer, n, s, t, queue, tried, deadline)
+        else:  # silent: the next candidate is asked after the stagger (this one never answers)
+            self.stats.silent += 1
+            self.clock.at(self.clock.now + ASK_STAGGER_S, self._ask, n, s, queue, tried, deadline)
+
+    def admit(self, t: Node, n: Node, s: int) -> tuple[int, list[int]]:
+        """MIRROR of relay.ShardServer._attach/_admit: 200, 409 (not rooted, or we are its ancestor) or 503 with
+        its children in the stripe. The origin keeps one slot for each stripe that has no child of it yet."""
+        if not t.alive:
+            return 0, []
+        if t.idx != ORIGIN and (t.home != s or t.parent[s] < 0):
+            return 409, []
+        if t.idx != ORIGIN and n.idx in self.path(t, s):
+            return 409, []
+        active = self.active(t)
+        if (n.idx, s) in active:
+            return 200, []
+        if active and len(active) >= t.slots:
+            silent = min(active, key=lambda c: active[c])
+            if self.clock.now - active[silent] >= CONTESTED_TTL_S:
+                t.children.pop(silent, None)
+                active.pop(silent)
+        ok = len(active) < t.slots
+        if not ok and self.preempt and s == n.home and n.reachable and n.slots > 0:
+            # slots are for a stripe's interior first: a node at home in the stripe takes the slot of a leaf there
+            # (a node at home elsewhere, or unreachable), which finds a parent below at its next keep-alive.
+            # Without it, home nodes that come late find their stripe's slots taken by leaves, cannot root
+            # themselves, so offer none of theirs: the stripe never completes (netns N=8 and 16, 25 Mbit/s)
+            leaves = [c for c in active if c[1] == s and not self._interior(*c)]
+            if leaves:
+                c = min(leaves, key=lambda c: active[c])
+                active.pop(c)
+                t.children.pop(c, None)
+                self.stats.preempted += 1
+                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(t, self.nodes[c[0]]),
+                              self._refused, self.nodes[c[0]], c[1], t)  # fmt: skip
+                ok = len(active) < t.slots  # not when its slots were planned down below its children meanwhile
+        if ok:
+            t.children = {c: v for c, v in t.children.items() if c in active}
+            t.children[(n.idx, s)] = self.clock.now
+            self.publish(t)
+            return 200, []
+        return 503, [c[0] for c in active if c[1] == s]
+
+    def _interior(self, c: int, s: int) -> bool:
+        n = self.nodes[c]
+        return n.reachable and n.home == s and n.slots > 0
+
+    def _refused(self, n: Node, s: int, t: Node) -> None:
+        """A keep-alive answered 503 (the slot went to another): follower._leave, avoiding it REFUSED_AVOID_S."""
+        if n.alive and n.parent[s] == t.idx and (n.idx, s) not in t.children:
+            self.leave_parent(n, s, REFUSED_AVOID_S)
+
+    def _answer(self, n: Node, s: int, t: Node, queue: list[Candidate], tried: set[str], deadline: float) -> None:
+        if not n.alive or n.parent[s] >= 0:
+            if n.parent[s] != t.idx:
+                t.children.pop((n.idx, s), None)
+            n.choosing[s] = False
+            return
+        status, kids = self.admit(t, n, s)
+        if status == 200:
+            self.adopt(n, s, t)
+            n.choosing[s] = False
+            return
+        self.stats.refused += 1
+        if status == 503 and kids:
+            queue[:0] = below(self.visible, [self.nodes[i].nid for i in kids], tried | {n.nid})
+        self._ask(n, s, queue, tried, deadline)
+
+    def adopt(self, n: Node, s: int, t: Node) -> None:
+        n.parent[s] = t.idx
+        self.stats.adopted += 1
+        since = self.no_parent_since.pop((n.idx, s), None)
+        if since is not None and self.version_out:
+            self.stats.detached_s += self.clock.now - max(since, 0.0)
+        src = n.sources.get(t.nid)
+        if src is not None:  # fetch.ShardFetcher.forgive
+            src.full, src.failed, src.away_until = False, 0, 0.0
+        n.refreshed = -1e9
+        if self.net.want[n.idx, s]:
+            self.fetch.set_source(n, s, t)
+        if s == n.home:
+            self.publish(n)
+
+    def leave_parent(self, n: Node, s: int, avoid_s: float) -> None:
+        """follower._leave: drop the parent (avoided for a while) and choose again at once."""
+        p = n.parent[s]
+        if p < 0:
+            return
+        n.parent[s] = -1
+        self.stats.reparents += 1
+        self.no_parent_since[(n.idx, s)] = self.clock.now
+        n.avoid[p] = self.clock.now + avoid_s
+        self.nodes[p].children.pop((n.idx, s), None)
+        if self.net.src[n.idx, s] == p:
+            self.net.src[n.idx, s] = -1
+            self.net.rate[n.idx, s] = 0.0
+        n.refreshed = -1e9
+        if s == n.home:
+            self.publish(n)
+        self.choose(n, s)
+        if self.net.want[n.idx, s] and self.net.src[n.idx, s] < 0:
+            self.fetch.pick(n, s)
+
+    def depart(self, n: Node) -> None:
+        """``n`` vanishes (no goodbye): its flows stop now; who used it notices after the keep-alive delay."""
+        n.alive, n.left_at = False, self.clock.now
+        self.net.alive[n.idx] = False
+        self.net.rate[n.idx, :] = 0.0
+        users = np.nonzero(self.net.src == n.idx)
+        self.net.rate[users] = 0.0
+        sides = [key for key, x in self.net.side.items() if int(x[0]) == n.idx]
+        for r, s in [*zip(*users, strict=True), *sides]:
+            self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s, self._noticed,
+                          self.nodes[int(r)], int(s), n)  # fmt: skip
+        for (c, s), _ in list(n.children.items()):
+            if self.net.src[c, s] != n.idx:
+                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s, self._noticed,
+                              self.nodes[c], s, n)  # fmt: skip
+        for p in set(n.parent):
+            if p >= 0:
+                self.clock.at(self.clock.now + CHILD_TTL_S, self.publish, self.nodes[p])
+
+    def _noticed(self, n: Node, s: int, gone: Node) -> None:
+        if not n.alive:
+            return
+        src = n.sources.get(gone.nid)
+        if src is not None:
+            src.failed += 2
+            src.away_until = self.clock.now + UNREACHABLE_AVOID_S
+        if n.parent[s] == gone.idx:
+            self.leave_parent(n, s, UNREACHABLE_AVOID_S)
+        elif self.net.src[n.idx, s] == gone.idx:  # an alternate for a shard: back to the queue, picked again
+            self.net.src[n.idx, s] = -1
+            self.fetch.pick(n, s)
+        side = self.net.side.get((n.idx, s))
+        if side is not None and int(side[0]) == gone.idx:
+            self.net.cancel_side(n.idx, s)
