@@ -47,6 +47,10 @@ class Node:
     refreshed: float = -1e9
     picks: int = 0
     fetching: bool = False
+    sent_at: float = -1e9
+    """When it was last seen serving a fetching child (follower.REHOME_IDLE_S)."""
+    moved_at: float = -1e9
+    """When it last moved its home stripe (follower.REHOME_HOLD_S)."""
     done: float = float("nan")
     published: tuple[object, ...] = ()
     mark: list[tuple[float, float]] = field(default_factory=list)
@@ -66,6 +70,7 @@ class Stats:
     detached_s: float = 0.0
     slow_parent_moves: int = 0
     preempted: int = 0
+    rehomed: int = 0
     records: int = 0
 
 

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import random
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -31,7 +30,17 @@ from intellect_node.weights.files import verify_manifest
 from intellect_node.weights.links import KEEPALIVE_S, RECORDS_MAX_AGE_S, REFUSED_AVOID_S, Attachments, Link
 from intellect_node.weights.relay import LONG_POLL_S, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
-from intellect_node.weights.stripes import announced_home, choose_home, claim, fanout, planned_rate, stripe_capacity
+from intellect_node.weights.stripes import (
+    announced_home,
+    choose_home,
+    claim,
+    fanout,
+    first_at_home,
+    planned_rate,
+    rehome,
+    stripe_capacity,
+    stripe_need,
+)
 from intellect_node.weights.tree import Candidate, holders
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
@@ -42,6 +51,10 @@ from intellect_protocol.records import NODE_TTL_S
 logger = logging.getLogger(__name__)
 MEMBER_REFRESH_S = 2.0
 REHOME_S = 3.0
+REHOME_IDLE_S = 10.0
+"""A node moves its home only after sending no shard for this long: between versions, never in the middle of one."""
+REHOME_HOLD_S = 20.0
+"""After a move, a node stays this long: the records others decide on show the move a DHT lag later."""
 """About how often a node without children looks whether another stripe needs its upload more."""
 
 
@@ -72,6 +85,7 @@ class WeightFollower(Attachments):
         self.links = [Link(0, True)]
         """One parent per stripe (links.py); a single tree until the origin's record says how many stripes."""
         self._planned = False
+        self._moved_at = -1e9
         self.auto_slots = False
         """Whether the server's slots follow the measured upload (stripes.fanout) rather than a set number."""
         self._seen: dict[str, tuple[float, NodeRecord]] = {}
@@ -270,22 +284,21 @@ class WeightFollower(Attachments):
                 self._rehome(await self._records(max_age=REHOME_S))
 
     def _rehome(self, records: dict[str, NodeRecord]) -> None:
-        """Between versions, move the home stripe to the one with the least serving capacity if that makes the
-        stripes more even (the capacity it leaves stays at least that of the one it joins). Of the nodes at home
-        in a crowded stripe one moves at a time: the first by a hash of the node ids (every node reads the same
-        records; while its move has not reached the records, the others still see it there, first, and wait).
-        Its children there are refused at their next keep-alive and choose again."""
+        """Between versions (this node fetches nothing and has sent no shard for REHOME_IDLE_S), move its home to
+        a stripe whose nodes cannot serve every receiver, if its own can without it (``stripes.rehome``). Its
+        children there are refused at their next keep-alive and choose again; in the middle of a version (say, it
+        finished before them) that would move its whole subtree, so it waits."""
         if self.server is None or self.home < 0 or len(self.links) < 2 or self.fetching >= 0:
             return
+        if self.server.idle_s() < REHOME_IDLE_S or time.monotonic() - self._moved_at < REHOME_HOLD_S:
+            return
         capacity = stripe_capacity(records, self.node_id, len(self.links), self._rate(records))
-        mine = self.server.slots
-        low = min(range(len(capacity)), key=lambda s: capacity[s])
-        crowd = [n for n, r in records.items() if n != self.node_id and r.relay is not None
-                 and r.relay.stripe == self.home and r.role != "trainer" and r.http_url]  # fmt: skip
-        first = min([*crowd, self.node_id], key=lambda n: zlib.crc32(n.encode()))
-        if capacity[self.home] >= capacity[low] + mine and first == self.node_id:
+        first = first_at_home(records, self.node_id, self.home)
+        low = rehome(capacity, self.home, self.server.slots, first, stripe_need(records, len(self.links)))
+        if low is not None:
             old = self.home_link
             old.home, self.links[low].home = False, True
+            self._moved_at = time.monotonic()
             logger.info("home stripe %d -> %d (capacity %s)", old.stripe, low, [round(c) for c in capacity])
             self.metrics.inc("node_relay_rehomed_total", help="moves of this node's home stripe to an emptier one")
             self._publish_soon()

@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from typing import BinaryIO
 
 from aiohttp import web
 
@@ -95,6 +96,7 @@ class ShardServer:
         self._tokens: dict[str, str] = {}
         """Token -> child slot: what a child names itself with on shard and news requests."""
         self._sending = 0
+        self._sent_at = -1e9
         self.meter = UploadMeter()
         self._leaves: set[str] = set()
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
@@ -153,6 +155,10 @@ class ShardServer:
 
     def slots_free(self) -> int:
         return max(0, self.slots - len(self._active_children()))
+
+    def idle_s(self) -> float:
+        """Seconds since this node last sent a shard (0 while it sends one)."""
+        return 0.0 if self._sending else time.monotonic() - self._sent_at
 
     def children(self) -> list[str]:
         """The nodes attached here (in any stripe)."""
@@ -331,12 +337,22 @@ class ShardServer:
         if found is None:
             raise web.HTTPNotFound()
         await self.lockstep.turn(child, version)
-        if isinstance(found, Growing):
-            return await self._stream(request, found, child, version)
-        return await self._send(request, found, child, version)
+        try:
+            f = open(found.path if isinstance(found, Growing) else found, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            # verified (renamed), failed (removed) or its version finished (folder moved) while this request
+            # waited its turn: look again, once
+            again = self.store.shard_file(version, name)
+            if again is None:
+                raise web.HTTPNotFound() from None
+            found, f = again, open(again, "rb")  # noqa: SIM115
+        with f:
+            if isinstance(found, Growing):
+                return await self._stream(request, found, f, child, version)
+            return await self._send(request, f, child, version)
 
     async def _stream(
-        self, request: web.Request, growing: Growing, child: str | None, version: int = -1
+        self, request: web.Request, growing: Growing, f: BinaryIO, child: str | None, version: int = -1
     ) -> web.StreamResponse:
         """Cut-through: send a shard's bytes as they arrive here, so a level of the tree adds about a network
         round trip, not a shard's transfer time. Marked unverified; if this node's own attempt fails, the
@@ -357,7 +373,7 @@ class ShardServer:
         await resp.prepare(request)
         self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
         pos = start
-        with self._busy(), open(growing.path, "rb") as f:
+        with self._busy(), self._hung_up(request):
             while pos < size:
                 if growing.size > pos:
                     f.seek(pos)
@@ -386,6 +402,16 @@ class ShardServer:
         return resp
 
     @contextlib.contextmanager
+    def _hung_up(self, request: web.Request) -> Iterator[None]:
+        """The receiver went away mid-response: its business, not an error here (counted, the rest not sent)."""
+        try:
+            yield
+        except ConnectionResetError:
+            self.metrics.inc("node_relay_responses_abandoned_total", help="responses the receiver hung up on")
+            if request.transport is not None:
+                request.transport.close()
+
+    @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         """A response in progress: the upload meter counts only seconds with one throughout."""
         self._sending += 1
@@ -393,6 +419,7 @@ class ShardServer:
             yield
         finally:
             self._sending -= 1
+            self._sent_at = time.monotonic()
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
 
@@ -409,9 +436,9 @@ class ShardServer:
             self._children[child] = time.monotonic()
 
     async def _send(
-        self, request: web.Request, path: Path, child: str | None, version: int = -1
+        self, request: web.Request, f: BinaryIO, child: str | None, version: int = -1
     ) -> web.StreamResponse:
-        size = path.stat().st_size
+        size = os.fstat(f.fileno()).st_size
         try:
             rng = request.http_range
         except ValueError:
@@ -432,7 +459,7 @@ class ShardServer:
         if request.method == "HEAD":
             return resp
         sent = 0
-        with self._busy(), open(path, "rb") as f:
+        with self._busy(), self._hung_up(request):
             f.seek(start)
             while sent < stop - start:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
@@ -440,8 +467,12 @@ class ShardServer:
                     break
                 await self._write(request, resp, chunk, child)
                 sent += len(chunk)
-        await resp.write_eof()
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
+        if sent < stop - start:  # hung up on, or the file shrank: never completed with other bytes
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        await resp.write_eof()
         self.metrics.inc("node_relay_shards_served_total")
         return resp
 

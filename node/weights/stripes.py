@@ -108,6 +108,39 @@ def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: flo
     return min(range(len(capacity)), key=lambda s: (capacity[s], zlib.crc32(f"{me}/{s}".encode())))
 
 
+def first_at_home(records: dict[str, NodeRecord], me: str, home: int) -> bool:
+    """Whether ``me`` comes first, by a hash of node ids, among the reachable nodes the records say are at home in
+    ``home``: of a crowded stripe's nodes only that one moves (every node reads the same records; until its move
+    reaches them, the others still see it there, first, and wait)."""
+    crowd = [n for n, r in records.items() if n != me and r.relay is not None and r.relay.stripe == home
+             and r.role != "trainer" and r.http_url]  # fmt: skip
+    return min([*crowd, me], key=lambda n: zlib.crc32(n.encode())) == me
+
+
+def stripe_need(records: dict[str, NodeRecord], stripes: int) -> int:
+    """Children the nodes at home in a stripe must serve between them: every receiver in the records needs a
+    parent in every stripe, and the origin's slots (its record's, spread over the stripes) serve a few."""
+    receivers = sum(1 for r in records.values() if r.role != "trainer")
+    origin = [r.relay.slots_total for r in records.values() if r.role == "trainer" and r.relay is not None]
+    return max(0, receivers - max(1, max(origin, default=0) // max(1, stripes)))
+
+
+def rehome(capacity: list[float], home: int, slots: int, first: bool, need: int) -> int | None:
+    """The stripe a node at home in ``home`` with ``slots`` slots should move to, or None. ``capacity``: the other
+    nodes' serving capacity per stripe (``stripe_capacity``); ``first``: ``first_at_home``; ``need``:
+    ``stripe_need``. It moves to the stripe with the least capacity only if that one is short of the need, and
+    only if ``home`` keeps at least what the other will have with it (no stripe ends worse off than the one it
+    helped). Once no stripe is short, nobody moves: moving to even out capacities, with nodes that decide at once
+    on records a DHT lag old, made them chase each other round the stripes (one simulated node moved seven times
+    in 36 s, and a stripe was short when the version came)."""
+    if not 0 <= home < len(capacity) or not first:
+        return None
+    low = min(range(len(capacity)), key=lambda s: capacity[s])
+    if low == home or capacity[low] >= need:
+        return None
+    return low if capacity[home] >= capacity[low] + slots else None
+
+
 class UploadMeter:
     """A node's upload capacity, from what it really sent: bytes per one-second bucket, and the estimate is the
     mean of the last ``SPAN`` buckets in which the node sent all second long. A node that was never busy for a

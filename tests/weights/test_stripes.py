@@ -20,9 +20,12 @@ from intellect_node.weights.stripes import (
     UploadMeter,
     choose_home,
     fanout,
+    first_at_home,
     origin_slots,
     planned_rate,
+    rehome,
     stripe_capacity,
+    stripe_need,
     stripe_of,
 )
 from intellect_protocol.identity import Identity
@@ -79,6 +82,38 @@ def test_a_joining_node_goes_where_capacity_is_lowest_and_simultaneous_joiners_s
     assert stripe_capacity(recs, a, 4, 1.0) == [0.0, 4.0, 0.0, 4.0]  # itself and the origin left out
     homes = {choose_home({}, _node(), 4, 1.0) for _ in range(32)}  # nobody known yet: a hash, not stripe 0
     assert len(homes) >= 3
+
+
+def test_a_short_stripe_gets_one_node_from_a_stripe_that_can_spare_it_and_then_nobody_moves() -> None:
+    # sixteen nodes of 4 slots that joined at once, homes 3, 5, 4, 4: stripe 0 serves 12 of the 15 its receivers
+    # need beyond the origin's slot, stripe 1 can spare a node (16 without it)
+    nodes = [_node() for _ in range(16)]
+    homes = dict(zip(nodes, [0] * 3 + [1] * 5 + [2] * 4 + [3] * 4, strict=True))
+    recs = {n: _rec(n, homes[n]) for n in nodes} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
+    need = stripe_need(recs, 4)
+    assert need == 15
+
+    def moves() -> dict[str, int]:
+        out = {}
+        for n in nodes:
+            capacity = stripe_capacity(recs, n, 4, 1.0)
+            to = rehome(capacity, homes[n], 4, first_at_home(recs, n, homes[n]), need)
+            if to is not None:
+                out[n] = to
+        return out
+
+    moved = moves()
+    assert len(moved) == 1 and homes[next(iter(moved))] == 1 and set(moved.values()) == {0}  # one, from the crowd
+    for n, to in moved.items():
+        homes[n] = to
+        recs[n] = _rec(n, to)
+    assert moves() == {}  # 4, 4, 4, 4: every stripe serves its receivers, nobody moves again
+    # stripes that are uneven but each enough: nobody moves (evening them out made nodes chase each other)
+    a, b, c = _node(), _node(), _node()
+    recs = {a: _rec(a, 0), b: _rec(b, 0), c: _rec(c, 1)}
+    assert rehome(stripe_capacity(recs, a, 2, 1.0), 0, 4, True, stripe_need(recs, 2)) is None
+    assert rehome([4.0, 0.0], 7, 4, True, 3) is None  # a home it cannot have: no move
+    assert rehome([4.0, 0.0], 0, 4, False, 3) is None  # not the first of its stripe: it waits
 
 
 def test_the_upload_meter_counts_only_whole_busy_seconds() -> None:
