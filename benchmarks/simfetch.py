@@ -109,7 +109,8 @@ class Fetcher:
         for s, p in enumerate(n.parent):
             if p >= 0:
                 t = self.sw.nodes[p]
-                src = fresh.get(t.nid) or n.sources.get(t.nid) or Source(t.nid, f"http://n{p}", self.sw.depth(t, s))
+                depth = max(0, self.sw.depth(t, s))  # a record never says below 0 (a parent just unrooted: -1)
+                src = fresh.get(t.nid) or n.sources.get(t.nid) or Source(t.nid, f"http://n{p}", depth)
                 src.is_parent, src.parent_of = True, src.parent_of | {s} if t.nid in fresh else frozenset({s})
                 fresh[t.nid] = src
         down = {nid for nid, x in n.sources.items() if (x.failed >= 2 or x.full) and x.away_until > now}

@@ -72,8 +72,8 @@ class Swarm:
         self.version_out = False
         self.no_parent_since: dict[tuple[int, int], float] = {}
         self._planned = (-1e18, 0.0)
-        self._capacity: tuple[float, list[float], int] = (-1e18, [], 0)
-        self._capacity_dirty = True
+        self._moves: dict[str, int] = {}
+        self._moves_dirty = True
         self.fetch = Fetcher(self)
         clock.quiet |= {
             Swarm.republish,
@@ -155,7 +155,7 @@ class Swarm:
         was = self.visible.get(nid)
         if was is None or was.relay is None or r.relay is None or (was.relay.stripe, was.relay.slots_total) != (
                 r.relay.stripe, r.relay.slots_total):  # fmt: skip
-            self._capacity_dirty = True
+            self._moves_dirty = True
         self.visible[nid] = r
         assert r.relay is not None
         for s in range(self.k):
@@ -183,7 +183,7 @@ class Swarm:
         if not n.alive and self.clock.now - self.published_at[i] >= NODE_TTL_S - 1e-6:
             for d in (self.visible, self.holding, *self.by_stripe, *self.free):
                 d.pop(n.nid, None)
-            self._capacity_dirty = True
+            self._moves_dirty = True
 
     def republish(self, n: Node) -> None:
         """The periodic refresh: slots planned again from the records (MIRROR: fanout + 1), record out."""
@@ -225,6 +225,7 @@ class Swarm:
             self.republish(n)
             return
         n.home = st.choose_home(self.visible, n.nid, self.k, self.plan_rate()) if self.fixed_slots is None else 0
+        n.moved_at = self.clock.now  # as follower._plan_stripes: no move within REHOME_HOLD_S of joining
         self.plan_slots(n)
         self.publish(n)  # the node's first record: others choosing a home stripe count it from now (+ the lag)
         self.clock.at(self.clock.now + REPUBLISH_S * self.rng.random(), self.republish, n)
@@ -236,11 +237,9 @@ class Swarm:
             self.fetch.begin(n)
 
     def rehome(self, n: Node) -> None:
-        """MIRROR of follower._rehome (the decision: ``stripes.rehome``): between versions (neither the node nor
-        a child of it fetching, for REHOME_IDLE_S) and not within REHOME_HOLD_S of its last move, move the home
-        stripe to one short of capacity if its own keeps enough; its children there are refused at their next
-        keep-alive. Capacities: ``stripes.stripe_capacity`` over every record, less the node's own record (the
-        node leaves itself out); ``first_at_home`` runs only when a move would otherwise happen (it is O(N))."""
+        """MIRROR of follower._rehome (the decision: ``stripes.rehome_moves``): between versions (neither the node
+        nor a child of it fetching, for REHOME_IDLE_S) and not within REHOME_HOLD_S of joining or of its last move,
+        move the home stripe where the plan says; its children there are refused at their next keep-alive."""
         if not n.alive:
             return
         self.clock.at(self.clock.now + REHOME_S * (0.5 + self.rng.random()), self.rehome, n)
@@ -250,12 +249,8 @@ class Swarm:
             n.sent_at = self.clock.now
         if self.clock.now - n.sent_at < REHOME_IDLE_S or self.clock.now - n.moved_at < REHOME_HOLD_S:
             return
-        capacity = list(self.capacity())
-        mine = self.visible.get(n.nid)
-        if mine is not None and mine.relay is not None and mine.http_url and 0 <= mine.relay.stripe < self.k:
-            capacity[mine.relay.stripe] -= mine.relay.slots_total or st.fanout(st.claim(mine), self.plan_rate(), self.k)
-        low = st.rehome(capacity, n.home, n.slots, True, self._capacity[2])
-        if low is None or not st.first_at_home(self.visible, n.nid, n.home):
+        low = self.moves().get(n.nid)
+        if low is None or low == n.home:
             return
         old, n.home, n.moved_at = n.home, low, self.clock.now
         self.stats.rehomed += 1
@@ -265,17 +260,13 @@ class Swarm:
                           self._refused, self.nodes[c], s, n)  # fmt: skip
         self.publish(n)
 
-    def capacity(self) -> list[float]:
-        """``stripes.stripe_capacity`` over every record (and ``stripe_need``), again whenever a record's stripe or
-        slots changed: the node reads records REHOME_S old at most."""
-        if self._capacity_dirty:
-            self._capacity_dirty = False
-            self._capacity = (
-                self.clock.now,
-                st.stripe_capacity(self.visible, "", self.k, self.plan_rate()),
-                st.stripe_need(self.visible, self.k),
-            )
-        return self._capacity[1]
+    def moves(self) -> dict[str, int]:
+        """``stripes.rehome_moves`` over every record, computed again whenever a record's stripe or slots changed
+        (every node computes the same plan from the same records; the node reads them REHOME_S old at most)."""
+        if self._moves_dirty:
+            self._moves_dirty = False
+            self._moves = st.rehome_moves(self.visible, self.k, self.plan_rate(), st.stripe_need(self.visible, self.k))
+        return self._moves
 
     def choose(self, n: Node, s: int) -> None:
         """MIRROR of follower._choose, per stripe: the candidates ``tree.parents`` orders, asked in turn."""

@@ -35,9 +35,8 @@ from intellect_node.weights.stripes import (
     choose_home,
     claim,
     fanout,
-    first_at_home,
     planned_rate,
-    rehome,
+    rehome_moves,
     stripe_capacity,
     stripe_need,
 )
@@ -161,6 +160,7 @@ class WeightFollower(Attachments):
             return
         home = choose_home(records, self.node_id, k, self._rate(records)) if self.server is not None else -1
         self.links = [Link(s, s == home) for s in range(k)]
+        self._moved_at = time.monotonic()  # the records of a node just joined miss the others just joined
         if self.fetcher is not None:
             self.fetcher.stripes = k
         logger.info("stripes=%d home=%d", k, home)
@@ -285,21 +285,22 @@ class WeightFollower(Attachments):
 
     def _rehome(self, records: dict[str, NodeRecord]) -> None:
         """Between versions (this node fetches nothing and has sent no shard for REHOME_IDLE_S), move its home to
-        a stripe whose nodes cannot serve every receiver, if its own can without it (``stripes.rehome``). Its
-        children there are refused at their next keep-alive and choose again; in the middle of a version (say, it
-        finished before them) that would move its whole subtree, so it waits."""
+        a stripe whose nodes cannot serve every receiver, as the plan every node computes alike says
+        (``stripes.rehome_moves``); not within REHOME_HOLD_S of joining or of its last move (its record must reach
+        the others first). Its children there are refused at their next keep-alive and choose again; in the middle
+        of a version (say, it finished before them) that would move its whole subtree, so it waits."""
         if self.server is None or self.home < 0 or len(self.links) < 2 or self.fetching >= 0:
             return
         if self.server.idle_s() < REHOME_IDLE_S or time.monotonic() - self._moved_at < REHOME_HOLD_S:
             return
-        capacity = stripe_capacity(records, self.node_id, len(self.links), self._rate(records))
-        first = first_at_home(records, self.node_id, self.home)
-        low = rehome(capacity, self.home, self.server.slots, first, stripe_need(records, len(self.links)))
-        if low is not None:
+        rate = self._rate(records)
+        low = rehome_moves(records, len(self.links), rate, stripe_need(records, len(self.links))).get(self.node_id)
+        if low is not None and low != self.home:
             old = self.home_link
             old.home, self.links[low].home = False, True
             self._moved_at = time.monotonic()
-            logger.info("home stripe %d -> %d (capacity %s)", old.stripe, low, [round(c) for c in capacity])
+            capacity = stripe_capacity(records, self.node_id, len(self.links), rate)
+            logger.info("home stripe %d -> %d (others' capacity %s)", old.stripe, low, [round(c) for c in capacity])
             self.metrics.inc("node_relay_rehomed_total", help="moves of this node's home stripe to an emptier one")
             self._publish_soon()
 

@@ -39,6 +39,27 @@ def on_the_wire(request: web.Request, n: int) -> int:
     return delta
 
 
+_SIOCOUTQNSD = 0x894B
+"""Linux: bytes in a TCP socket's send queue not yet sent (TIOCOUTQ also counts those sent and not acknowledged)."""
+
+
+def backlogged(request: web.Request) -> bool:
+    """Whether bytes written to this response earlier still wait to be sent (in the transport's buffer or the
+    kernel's send queue): the link, not the supply of bytes, is what limits this response now."""
+    transport = request.transport
+    if transport is None:
+        return False
+    if transport.get_write_buffer_size() > 0:
+        return True
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0"))[0] > 0
+    except (OSError, ValueError):
+        return True  # not Linux: count the second as before
+
+
 class TokenBucket:
     """Shared upload budget: at most ``rate`` bytes per second, bursts of a quarter second."""
 

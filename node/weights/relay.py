@@ -35,7 +35,7 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
-from intellect_node.weights.pacing import Lockstep, TokenBucket, on_the_wire
+from intellect_node.weights.pacing import Lockstep, TokenBucket, backlogged, on_the_wire
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, origin_slots
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -427,8 +427,9 @@ class ShardServer:
         """One chunk of a response, within the upload limit; the child's slot counts as in use."""
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
+        behind = backlogged(request)
         await resp.write(chunk)
-        self.meter.sent(on_the_wire(request, len(chunk)), time.monotonic())
+        self.meter.sent(on_the_wire(request, len(chunk)), time.monotonic(), backlogged=behind)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)

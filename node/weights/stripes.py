@@ -108,15 +108,6 @@ def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: flo
     return min(range(len(capacity)), key=lambda s: (capacity[s], zlib.crc32(f"{me}/{s}".encode())))
 
 
-def first_at_home(records: dict[str, NodeRecord], me: str, home: int) -> bool:
-    """Whether ``me`` comes first, by a hash of node ids, among the reachable nodes the records say are at home in
-    ``home``: of a crowded stripe's nodes only that one moves (every node reads the same records; until its move
-    reaches them, the others still see it there, first, and wait)."""
-    crowd = [n for n, r in records.items() if n != me and r.relay is not None and r.relay.stripe == home
-             and r.role != "trainer" and r.http_url]  # fmt: skip
-    return min([*crowd, me], key=lambda n: zlib.crc32(n.encode())) == me
-
-
 def stripe_need(records: dict[str, NodeRecord], stripes: int) -> int:
     """Children the nodes at home in a stripe must serve between them: every receiver in the records needs a
     parent in every stripe, and the origin's slots (its record's, spread over the stripes) serve a few."""
@@ -125,26 +116,47 @@ def stripe_need(records: dict[str, NodeRecord], stripes: int) -> int:
     return max(0, receivers - max(1, max(origin, default=0) // max(1, stripes)))
 
 
-def rehome(capacity: list[float], home: int, slots: int, first: bool, need: int) -> int | None:
-    """The stripe a node at home in ``home`` with ``slots`` slots should move to, or None. ``capacity``: the other
-    nodes' serving capacity per stripe (``stripe_capacity``); ``first``: ``first_at_home``; ``need``:
-    ``stripe_need``. It moves to the stripe with the least capacity only if that one is short of the need, and
-    only if ``home`` keeps at least what the other will have with it (no stripe ends worse off than the one it
-    helped). Once no stripe is short, nobody moves: moving to even out capacities, with nodes that decide at once
-    on records a DHT lag old, made them chase each other round the stripes (one simulated node moved seven times
-    in 36 s, and a stripe was short when the version came)."""
-    if not 0 <= home < len(capacity) or not first:
-        return None
-    low = min(range(len(capacity)), key=lambda s: capacity[s])
-    if low == home or capacity[low] >= need:
-        return None
-    return low if capacity[home] >= capacity[low] + slots else None
+def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need: int) -> dict[str, int]:
+    """Which nodes move their home stripe, and where, so that no stripe is short of ``need`` (``stripe_need``).
+    Every node computes the same plan from the same records and carries out its own part: nodes are taken in
+    order of a hash of their ids; one moves to the stripe with the least capacity if that one is short, and if
+    its own stripe keeps enough without it (or, when not every stripe can have enough, at least what the other
+    will have with it). Nothing moves once no stripe is short.
+
+    Decided one node at a time on records a DHT lag old, moves made nodes chase each other round the stripes (one
+    simulated node moved seven times in 36 s), ties all went to stripe 0 (seven of sixteen netns nodes ended
+    there) and a stripe short by three nodes took three rounds of record updates to fill."""
+    k = max(1, stripes)
+    capacity = [0.0] * k
+    nodes: list[tuple[int, str, int, float]] = []
+    for nid, r in records.items():
+        if r.relay is None or r.role == "trainer" or not r.http_url or not 0 <= r.relay.stripe < k:
+            continue
+        c = float(r.relay.slots_total or fanout(claim(r), rate, k))
+        capacity[r.relay.stripe] += c
+        nodes.append((zlib.crc32(nid.encode()), nid, r.relay.stripe, c))
+    moves: dict[str, int] = {}
+    for _, nid, home, c in sorted(nodes):
+        low = min(range(k), key=lambda s: (capacity[s], zlib.crc32(f"{nid}/{s}".encode())))
+        if capacity[low] >= need:
+            break
+        if low == home or c <= 0:
+            continue
+        if capacity[home] - c >= need or capacity[home] - c >= capacity[low] + c:
+            capacity[home] -= c
+            capacity[low] += c
+            moves[nid] = low
+    return moves
 
 
 class UploadMeter:
     """A node's upload capacity, from what it really sent: bytes per one-second bucket, and the estimate is the
-    mean of the last ``SPAN`` buckets in which the node sent all second long. A node that was never busy for a
-    whole second has no estimate (0). Pure: the caller passes the clock."""
+    median of the last ``SPAN`` buckets in which the node sent all second long **and the link was the limit**
+    (data waited to be sent at every write: ``backlogged``). A relay passing a stripe on cut-through sends only as
+    fast as the stripe arrives: those seconds measure the stripe, not the link, and counting them made every
+    relay's claim fall to its children times the stripe rate (measured on 25 Mbit/s links: 21, 15, 11, 8.4 Mbit/s
+    in one run), its slots with it, and stripes short of parents. A node whose link never was the limit has no
+    estimate (0: planned as the others). Pure: the caller passes the clock."""
 
     SPAN = 8
 
@@ -154,8 +166,9 @@ class UploadMeter:
         self._busy_all = True
         self._full: deque[int] = deque(maxlen=self.SPAN)
 
-    def sent(self, n: int, now: float, busy: bool = True) -> None:
-        """``n`` bytes went out at ``now``; ``busy``: a response was in progress throughout since the last call."""
+    def sent(self, n: int, now: float, busy: bool = True, backlogged: bool = True) -> None:
+        """``n`` bytes went out at ``now``; ``busy``: a response was in progress throughout since the last call;
+        ``backlogged``: bytes written earlier still waited to be sent when these were written."""
         second = int(now)
         if second != self._second:
             consecutive = second == self._second + 1
@@ -164,7 +177,7 @@ class UploadMeter:
             # a second counts only if sending went on from the one before: a start mid-second is a partial one
             self._second, self._bytes, self._busy_all = second, 0, busy and consecutive
         self._bytes += n
-        self._busy_all = self._busy_all and busy
+        self._busy_all = self._busy_all and busy and backlogged
 
     def idle(self, now: float) -> None:
         """Nothing was being sent at ``now``: the current second does not count as a busy one."""
