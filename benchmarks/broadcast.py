@@ -52,10 +52,10 @@ def _verify(folder: Path, manifest_data: bytes, run_id: str) -> bool:
 
 
 def _last_reparent(log: Path) -> float:
-    """Unix time of the node's last parent change, from its log (0 if none)."""
+    """Unix time of the node's last parent or home stripe change, from its log (0 if none)."""
     last = 0.0
     for line in log.read_text(errors="replace").splitlines():
-        if " parent=" in line and "intellect_node.weights.follower" in line:
+        if (" parent=" in line or "home stripe" in line) and "intellect_node.weights.follower" in line:
             last = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
     return last
 

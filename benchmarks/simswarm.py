@@ -23,7 +23,7 @@ from simfetch import ORIGIN, Fetcher, Node, Stats
 from simnet import Clock, Net
 
 from intellect_node.weights import stripes as st
-from intellect_node.weights.follower import REHOME_HOLD_S, REHOME_IDLE_S, REHOME_S
+from intellect_node.weights.follower import REHOME_HOLD_S, REHOME_IDLE_S, REHOME_JOIN_S, REHOME_S
 from intellect_node.weights.links import (
     ASK_STAGGER_S,
     CHOOSE_BUDGET_S,
@@ -225,7 +225,7 @@ class Swarm:
             self.republish(n)
             return
         n.home = st.choose_home(self.visible, n.nid, self.k, self.plan_rate()) if self.fixed_slots is None else 0
-        n.moved_at = self.clock.now  # as follower._plan_stripes: no move within REHOME_HOLD_S of joining
+        n.moved_at = self.clock.now - REHOME_HOLD_S + REHOME_JOIN_S  # as follower._plan_stripes
         self.plan_slots(n)
         self.publish(n)  # the node's first record: others choosing a home stripe count it from now (+ the lag)
         self.clock.at(self.clock.now + REPUBLISH_S * self.rng.random(), self.republish, n)
@@ -238,8 +238,9 @@ class Swarm:
 
     def rehome(self, n: Node) -> None:
         """MIRROR of follower._rehome (the decision: ``stripes.rehome_moves``): between versions (neither the node
-        nor a child of it fetching, for REHOME_IDLE_S) and not within REHOME_HOLD_S of joining or of its last move,
-        move the home stripe where the plan says; its children there are refused at their next keep-alive."""
+        nor a child of it fetching, for REHOME_IDLE_S), not within REHOME_JOIN_S of joining or REHOME_HOLD_S of
+        its last move, move the home stripe where the plan says; its children there are refused at their next
+        keep-alive."""
         if not n.alive:
             return
         self.clock.at(self.clock.now + REHOME_S * (0.5 + self.rng.random()), self.rehome, n)

@@ -50,10 +50,12 @@ from intellect_protocol.records import NODE_TTL_S
 logger = logging.getLogger(__name__)
 MEMBER_REFRESH_S = 2.0
 REHOME_S = 3.0
-REHOME_IDLE_S = 10.0
+REHOME_IDLE_S = 3.0
 """A node moves its home only after sending no shard for this long: between versions, never in the middle of one."""
 REHOME_HOLD_S = 20.0
 """After a move, a node stays this long: the records others decide on show the move a DHT lag later."""
+REHOME_JOIN_S = 5.0
+"""Nor does it move this soon after joining (nodes joining at once miss each other's records for a moment)."""
 """About how often a node without children looks whether another stripe needs its upload more."""
 
 
@@ -160,7 +162,7 @@ class WeightFollower(Attachments):
             return
         home = choose_home(records, self.node_id, k, self._rate(records)) if self.server is not None else -1
         self.links = [Link(s, s == home) for s in range(k)]
-        self._moved_at = time.monotonic()  # the records of a node just joined miss the others just joined
+        self._moved_at = time.monotonic() - REHOME_HOLD_S + REHOME_JOIN_S  # its records miss others just joined
         if self.fetcher is not None:
             self.fetcher.stripes = k
         logger.info("stripes=%d home=%d", k, home)
@@ -286,9 +288,10 @@ class WeightFollower(Attachments):
     def _rehome(self, records: dict[str, NodeRecord]) -> None:
         """Between versions (this node fetches nothing and has sent no shard for REHOME_IDLE_S), move its home to
         a stripe whose nodes cannot serve every receiver, as the plan every node computes alike says
-        (``stripes.rehome_moves``); not within REHOME_HOLD_S of joining or of its last move (its record must reach
-        the others first). Its children there are refused at their next keep-alive and choose again; in the middle
-        of a version (say, it finished before them) that would move its whole subtree, so it waits."""
+        (``stripes.rehome_moves``); not within REHOME_JOIN_S of joining or REHOME_HOLD_S of its last move (its
+        record must reach the others first). Its children there are refused at their next keep-alive and choose
+        again; in the middle of a version (say, it finished before them) that would move its whole subtree, so it
+        waits."""
         if self.server is None or self.home < 0 or len(self.links) < 2 or self.fetching >= 0:
             return
         if self.server.idle_s() < REHOME_IDLE_S or time.monotonic() - self._moved_at < REHOME_HOLD_S:

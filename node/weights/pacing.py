@@ -81,13 +81,15 @@ class TokenBucket:
 
 
 class Lockstep:
-    """The children of one node move through a version together: a child that asks for its next shard while more
-    than ``LAG`` shards ahead of the slowest child still asking waits (at most ``HOLD_S``). TCP alone shares one
-    upload unevenly (measured with the origin's four children, one per stripe: one stripe at 0.4x the rate of
-    another); a stripe's first hop sets its rate for the whole tree below, so one node's uneven shares become a
-    tail for every node below it. Held back, the fast child leaves the upload to the slow ones. A shard goes
-    into the kernel's socket buffer at once, so progress is counted by requests (a child asks for its next
-    shard once it has the last one), and a child that has not asked for ``IDLE_S`` no longer counts.
+    """The children of one node move through a version together: a child that asks for a shard more than ``LAG``
+    places (its rank in its stripe) ahead of the furthest-behind child still asking waits (at most ``HOLD_S``).
+    TCP alone shares one upload unevenly (measured with the origin's four children, one per stripe: one stripe
+    at 0.4x the rate of another); a stripe's first hop sets its rate for the whole tree below, so one node's
+    uneven shares become a tail for every node below it. Held back, the fast child leaves the upload to the slow
+    ones. Progress is the place of the shard asked for, per child slot (node and stripe): counting requests per
+    node held every child of the origin back for 4 s when a node took a second slot there mid-version (its count
+    started at 0) and held a node with two slots as if it were twice as far. A child that has not asked for
+    ``IDLE_S`` no longer counts.
 
     A child slow at its own end (a thin download), or one that asks slowly on purpose, costs the others at most
     ``HOLD_SHARE`` of their time in the version: past it they are not held again."""
@@ -99,29 +101,30 @@ class Lockstep:
 
     def __init__(self) -> None:
         self._asked: dict[tuple[str, int], tuple[int, float]] = {}
+        """Per child slot and version: (place of the shard it last asked for, when)."""
         self._held: dict[tuple[str, int], tuple[float, float]] = {}
-        """Per child and version: (first request, seconds held so far)."""
+        """Per child slot and version: (first request, seconds held so far)."""
         self._changed = asyncio.Event()
 
-    async def turn(self, child: str | None, version: int) -> None:
+    async def turn(self, child: str | None, version: int, place: int) -> None:
+        """``child`` (a slot, ``node/stripe``) asks for the shard at ``place`` in its stripe of ``version``."""
         if child is None:
             return
-        key = (child.split("/")[0], version)
+        key = (child, version)
         began, held = self._held.setdefault(key, (time.monotonic(), 0.0))
         budget = self.HOLD_SHARE * (time.monotonic() - began) - held + self.HOLD_S  # the first hold is free
         started = time.monotonic()
         deadline = started + min(self.HOLD_S, max(0.0, budget))
         while (left := deadline - time.monotonic()) > 0:
             now = time.monotonic()
-            mine = self._asked.get(key, (0, now))[0]
             others = [n for k, (n, t) in self._asked.items() if k[1] == version and k != key and now - t < self.IDLE_S]
-            if not others or mine <= min(others) + self.LAG:
+            if not others or place <= min(others) + self.LAG:
                 break
             with contextlib.suppress(TimeoutError):
                 await within(self._changed.wait(), left)
         self._held[key] = (began, held + time.monotonic() - started)
-        self._asked[key] = (self._asked.get(key, (0, 0.0))[0] + 1, time.monotonic())
-        if len(self._asked) > 4096:  # old versions' counts
+        self._asked[key] = (max(place, self._asked.get(key, (0, 0.0))[0]), time.monotonic())
+        if len(self._asked) > 4096:  # old versions' places
             self._asked = {k: v for k, v in self._asked.items() if k[1] >= version - 2}
             self._held = {k: v for k, v in self._held.items() if k[1] >= version - 2}
         self._changed.set()

@@ -336,7 +336,7 @@ class ShardServer:
                     found = await self.store.wait_shard(version, name, wait_s)
         if found is None:
             raise web.HTTPNotFound()
-        await self.lockstep.turn(child, version)
+        await self.lockstep.turn(child, version, self._place(version, name))
         try:
             f = open(found.path if isinstance(found, Growing) else found, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
@@ -400,6 +400,12 @@ class ShardServer:
         await resp.write_eof()
         self.metrics.inc("node_relay_shards_served_total")
         return resp
+
+    def _place(self, version: int, name: str) -> int:
+        """The rank of shard ``name`` within its stripe of ``version`` (0 if the manifest does not name it)."""
+        manifest = self.store.manifest(version)
+        names = [s.name for s in manifest.shards] if manifest is not None else []
+        return names.index(name) // max(1, self.stripes) if name in names else 0
 
     @contextlib.contextmanager
     def _hung_up(self, request: web.Request) -> Iterator[None]:

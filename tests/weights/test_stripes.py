@@ -213,28 +213,32 @@ def test_leaves_give_their_slot_to_a_node_at_home_and_a_relay_takes_children_in_
 
 
 def test_a_child_far_ahead_waits_for_the_slowest_but_not_for_ever() -> None:
-    async def main() -> tuple[float, float, float]:
+    async def main() -> tuple[float, float, float, float]:
         step = Lockstep()
         step.HOLD_S = 0.5
-        for _ in range(4):
-            await step.turn("fast/0", 1)
-        await step.turn("slow/1", 1)
+        for place in range(4):
+            await step.turn("fast/0", 1, place)
+        await step.turn("slow/1", 1, 0)
         started = time.monotonic()
-        await step.turn("fast/0", 1)  # three ahead of the slow one (LAG 2): held until the hold runs out
+        await step.turn("fast/0", 1, 4)  # four ahead of the slow one (LAG 2): held until the hold runs out
         held = time.monotonic() - started
-        released = asyncio.ensure_future(step.turn("fast/0", 1))
+        released = asyncio.ensure_future(step.turn("fast/0", 1, 5))
         await asyncio.sleep(0.05)
         started = time.monotonic()
-        for _ in range(2):
-            await step.turn("slow/1", 1)  # the slow one catches up: the fast one goes at once
+        for place in (1, 3):
+            await step.turn("slow/1", 1, place)  # the slow one catches up: the fast one goes at once
         await released
         caught_up = time.monotonic() - started
         started = time.monotonic()
-        await step.turn("other/0", 2)  # another version: nobody to wait for
-        return held, caught_up, time.monotonic() - started
+        await step.turn("other/0", 2, 9)  # another version: nobody to wait for
+        other = time.monotonic() - started
+        started = time.monotonic()
+        await step.turn("fast/2", 1, 5)  # a slot taken mid-version, at its place: it holds nobody back
+        await step.turn("fast/0", 1, 6)
+        return held, caught_up, other, time.monotonic() - started
 
-    held, caught_up, other = asyncio.run(main())
-    assert 0.4 <= held < 1.0 and caught_up < 0.3 and other < 0.1
+    held, caught_up, other, joined = asyncio.run(main())
+    assert 0.4 <= held < 1.0 and caught_up < 0.3 and other < 0.1 and joined < 0.1
 
 
 def test_a_node_lying_about_its_home_moves_no_leaf_and_a_slow_child_costs_its_siblings_a_quarter_at_most(
@@ -259,12 +263,14 @@ def test_a_node_lying_about_its_home_moves_no_leaf_and_a_slow_child_costs_its_si
     async def slow_sibling() -> tuple[float, float]:
         step = Lockstep()
         step.HOLD_S, step.IDLE_S = 0.2, 60.0
-        await step.turn("slow/1", 1)
+        await step.turn("slow/1", 1, 0)
         started = time.monotonic()
+        place = 0
         while time.monotonic() - started < 2.0:
-            await step.turn("fast/0", 1)
+            await step.turn("fast/0", 1, place)
+            place += 1
             await asyncio.sleep(0.01)
-        return step._held[("fast", 1)][1], time.monotonic() - started
+        return step._held[("fast/0", 1)][1], time.monotonic() - started
 
     assert asyncio.run(lie()) == (200, 503, [leaf])
     held, elapsed = asyncio.run(slow_sibling())

@@ -403,7 +403,7 @@ def test_a_shard_that_completes_while_a_request_waits_its_turn_is_served_whole(t
         store.part_grew(1, shard.name, shard.size)
         server = ShardServer(store, metrics, slots=4)
 
-        async def turn(child: str | None, version: int) -> None:  # the shard completes during the wait
+        async def turn(child: str | None, version: int, place: int) -> None:  # the shard completes meanwhile
             store.mark_verified(1, shard.name)
             store.part_closed(1, shard.name, verified=True)
             if then == "version_finished":
