@@ -40,7 +40,7 @@ from intellect_node.weights.stripes import (
     stripe_capacity,
     stripe_need,
 )
-from intellect_node.weights.tree import Candidate, holders
+from intellect_node.weights.tree import MAX_DEPTH, Candidate, holders
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
@@ -187,11 +187,15 @@ class WeightFollower(Attachments):
         return self.server.slots
 
     def relay_info(self) -> RelayInfo | None:
-        if self.server is None or self.depth < 0:
+        """What the node's record says of it as a relay. A node not yet rooted in its home stripe still says which
+        stripe that is (at depth MAX_DEPTH: never a candidate, no free slot): without it, the origin could not
+        tell it from a leaf, would not give it a leaf's slot, and a stripe whose slots leaves held never rooted
+        (six relays in a test: four of them without a parent in their home stripe for minutes)."""
+        if self.server is None:
             return None
         slots = self._slots()
         return RelayInfo(
-            depth=self.depth,
+            depth=self.depth if self.depth >= 0 else MAX_DEPTH,
             parent=self.parent,
             slots_total=slots,
             # no children while cut off from the origin, or while our disk cannot take new versions

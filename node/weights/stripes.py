@@ -123,8 +123,10 @@ def stripe_need(records: dict[str, NodeRecord], stripes: int) -> int:
 
 def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need: int) -> dict[str, int]:
     """Which nodes move their home stripe, and where, so that no stripe is short of ``need`` (``stripe_need``).
-    Every node computes the same plan from the same records and carries out its own part: nodes are taken in
-    order of a hash of their ids; one moves to the stripe with the least capacity if that one is short, and if
+    Every node computes the same plan from the same records and carries out its own part: nodes without a child
+    (every slot free: a node serving children stays, or its whole subtree re-parents; one that moved away from
+    four children in a 6-relay test left them without a parent in that stripe) are taken in order of a hash of
+    their ids; one moves to the stripe with the least capacity if that one is short, and if
     its own stripe keeps enough without it (or, when not every stripe can have enough, at least what the other
     will have with it). Nothing moves once no stripe is short.
 
@@ -139,7 +141,8 @@ def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need
             continue
         c = float(r.relay.slots_total or fanout(claim(r), rate, k))
         capacity[r.relay.stripe] += c
-        nodes.append((zlib.crc32(nid.encode()), nid, r.relay.stripe, c))
+        if r.relay.slots_free >= r.relay.slots_total:  # a node with children stays: they would all re-parent
+            nodes.append((zlib.crc32(nid.encode()), nid, r.relay.stripe, c))
     moves: dict[str, int] = {}
     for _, nid, home, c in sorted(nodes):
         low = min(range(k), key=lambda s: (capacity[s], zlib.crc32(f"{nid}/{s}".encode())))

@@ -129,11 +129,13 @@ def test_a_tree_of_three_levels_forms_by_itself(tmp_path: Path) -> None:
 def test_striped_every_relay_has_a_parent_in_each_stripe_and_serves_children_only_in_its_home(
     tmp_path: Path,
 ) -> None:
-    """The defaults: four stripes, fan-out from the measured upload. Every relay holds a parent in every stripe,
-    a parent in stripe s is the origin or a relay at home in s, no relay has more children than its slots, the
-    homes spread over the stripes, and every relay holds the version, verified."""
+    """Fan-out from the measured upload, two stripes. Every relay holds a parent in every stripe, a parent in
+    stripe s is the origin or a relay at home in s, no relay has more children than its slots, the homes spread
+    over the stripes, and every relay holds the version, verified. Two stripes, not the default four: six equal
+    relays of four slots cannot give everyone a parent in four stripes (each stripe needs five children served
+    by its home nodes; a stripe with one home node has four), a known limit of stripes without spare capacity."""
     with cluster(tmp_path) as c:
-        c.start_origin(slots=None, mbps=40, stripes=4)
+        c.start_origin(slots=None, mbps=40, stripes=2)
         relays = [c.start_relay(f"relay-{i}", slots=None, mbps=40) for i in range(6)]
         for r in relays:
             r.wait_ready(timeout=120)
@@ -142,7 +144,7 @@ def test_striped_every_relay_has_a_parent_in_each_stripe_and_serves_children_onl
         run = c.ready["run_id"]
 
         def attached() -> bool:
-            return all(len(v["parents"]) == 4 and None not in v["parents"].values()
+            return all(len(v["parents"]) == 2 and None not in v["parents"].values()
                        for v in (status(r)["relay"] for r in relays))  # fmt: skip
 
         _wait(attached, 30, "some relay has no parent in some stripe")
