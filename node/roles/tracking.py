@@ -51,7 +51,13 @@ class Tracker:
         if self._writer is not None:
             self._writer.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() can return before W&B's service process has written the run's record log out (a CI run
+            # read only its 8-byte header): shutting the service down waits for it
+            wandb.teardown()
+            self._wandb = None
 
 
 def _as_text(config: dict[str, Any]) -> str:
