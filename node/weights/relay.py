@@ -106,6 +106,8 @@ class ShardServer:
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self.stripes = 1
         """Stripes per version (the origin's, announced in its record); shard i belongs to stripe i mod this."""
+        self._places: tuple[object, dict[str, int]] = (None, {})
+        """The manifest last asked for, and its shards' order."""
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -402,10 +404,14 @@ class ShardServer:
         return resp
 
     def _place(self, version: int, name: str) -> int:
-        """The rank of shard ``name`` within its stripe of ``version`` (0 if the manifest does not name it)."""
+        """The rank of shard ``name`` within its stripe of ``version`` (0 if the manifest does not name it). The
+        index of the version's shards is built once, not on every request."""
         manifest = self.store.manifest(version)
-        names = [s.name for s in manifest.shards] if manifest is not None else []
-        return names.index(name) // max(1, self.stripes) if name in names else 0
+        if manifest is None:
+            return 0
+        if self._places[0] is not manifest:  # a version republished under its number has another manifest
+            self._places = (manifest, {s.name: i for i, s in enumerate(manifest.shards)})
+        return self._places[1].get(name, 0) // max(1, self.stripes)
 
     @contextlib.contextmanager
     def _hung_up(self, request: web.Request) -> Iterator[None]:
