@@ -3,10 +3,12 @@
 Topology: an origin and N receiver hosts, each in its own Linux network namespace on one bridge, each host's
 upload shaped by tc (tbf) to ``--mbit``. Ours: the origin is benchmarks/broadcast_origin.py (the trainer's
 publishing path), every receiver an `intellect-node join --role relay` process; the relay tree forms on a tiny
-version 0, then version 1 (``--size-mb``) is published and timed from just before it is written until the last
-receiver has verified every shard. Baseline: shardcast's origin, M middle nodes (extra hosts, shaped alike) and N
-clients, published at the middle nodes' average poll phase (15 s into their stock 30 s interval), timed from
-just before it shards and hashes until the last client has its blake3-verified file. Bound: S / B.
+version 0, then ``--warmup`` full-size versions (``--size-mb``) go out (default one: a run's volunteers get a
+version every step, and the first after a mass join is the stampede of N joins, with no node's upload measured
+yet; it is in the table as "first version s"), then the next one is timed from just before it is written until
+the last receiver has verified every shard. Baseline: shardcast's origin, M middle nodes (extra hosts, shaped
+alike) and N clients, published at the middle nodes' average poll phase (15 s into their stock 30 s interval),
+timed from just before it shards and hashes until the last client has its blake3-verified file. Bound: S / B.
 
 Needs root (namespaces, tc), and for the baseline `pip install shardcast==0.3.2` and `wget`. Every namespace it
 makes is removed on exit, also on failure. Prints one table and, for each N, a summary line (N=16 last):
@@ -46,8 +48,8 @@ def _stamp(line: str, key: str = "at") -> float:
     return float(next(tok.split("=", 1)[1] for tok in line.split() if tok.startswith(f"{key}=")))
 
 
-def _verify(folder: Path, manifest_data: bytes, run_id: str) -> bool:
-    manifest = verify_manifest(manifest_data, run_id, 1)
+def _verify(folder: Path, manifest_data: bytes, run_id: str, version: int) -> bool:
+    manifest = verify_manifest(manifest_data, run_id, version)
     return all(hashlib.sha256((folder / s.name).read_bytes()).hexdigest() == s.sha256 for s in manifest.shards)
 
 
@@ -73,7 +75,7 @@ def _wait_settled(logs: list[Path], quiet_s: float, timeout: float) -> float:
 
 def run_ours(
     n: int, size_mb: int, mbit: float, slots: int | None, shard_mb: int, work: Path, log_level: str = "INFO",
-    stripes: int = 4,
+    stripes: int = 4, warmup: int = 1,
 ) -> dict[str, object]:
     fanout = ["--slots", str(slots)] if slots else []
     nodes: list[NodeProcess] = []
@@ -99,21 +101,29 @@ def run_ours(
                 node.wait_ready(timeout=600)
             for node in nodes[1:]:  # the tree forms on the tiny version 0
                 node.wait_for_line("HOLDING 0 ", timeout=300)
-            settle_s = _wait_settled([work / "logs" / f"r{i}.log" for i in range(n)], quiet_s=10.0, timeout=180.0)
-            assert origin.proc.stdin is not None
-            origin.proc.stdin.write(b"PUBLISH\n")
-            origin.proc.stdin.flush()
-            t0 = _stamp(origin.wait_for_line("PUBLISHED", timeout=300))
-            done = [_stamp(node.wait_for_line("HOLDING 1 ", timeout=600)) for node in nodes[1:]]
+            logs = [work / "logs" / f"r{i}.log" for i in range(n)]
+            settle_s = _wait_settled(logs, quiet_s=10.0, timeout=180.0)
             run_id = ready["run_id"]
-            manifest = (work / "origin" / run_id / "1" / MANIFEST_NAME).read_bytes()
-            verified = all(_verify(work / f"r{i}" / "weights" / run_id / "1", manifest, run_id) for i in range(n))
+            times: list[float] = []
+            for version in range(1, warmup + 2):
+                if version > 1:  # homes move between versions; then every node has measured its upload
+                    settle_s += _wait_settled(logs, quiet_s=10.0, timeout=180.0)
+                assert origin.proc.stdin is not None
+                origin.proc.stdin.write(b"PUBLISH\n")
+                origin.proc.stdin.flush()
+                t0 = _stamp(origin.wait_for_line("PUBLISHED", timeout=300))
+                done = [_stamp(node.wait_for_line(f"HOLDING {version} ", timeout=600)) for node in nodes[1:]]
+                times.append(max(done) - t0)
+            manifest = (work / "origin" / run_id / str(version) / MANIFEST_NAME).read_bytes()
+            verified = all(_verify(work / f"r{i}" / "weights" / run_id / str(version), manifest, run_id, version)
+                           for i in range(n))  # fmt: skip
             depths = []
             for i in range(n):
-                lines = [x for x in (work / "logs" / f"r{i}.log").read_text().splitlines() if "holding version=1" in x]
+                lines = [x for x in logs[i].read_text().splitlines() if f"holding version={version}" in x]
                 depths += [int(tok.split("=")[1]) for tok in lines[-1].split() if tok.startswith("depth=")]
             return {
-                "seconds": max(done) - t0,
+                "seconds": times[-1],
+                "first_s": round(times[0], 2),
                 "verified": verified,
                 "max_depth": max(depths, default=-1),
                 "settle_s": round(settle_s, 1),
@@ -165,6 +175,8 @@ def main() -> int:
         default=15.0,
         help="publish this long after the middles' first poll (stock interval 30 s: average phase)",
     )
+    p.add_argument("--warmup", type=int, default=1,
+                   help="full-size versions published (and waited for) before the timed one; 0: time the first")
     p.add_argument("--skip-shardcast", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep each run's folder (logs) under /tmp")
     p.add_argument("--node-log-level", default="INFO")
@@ -182,7 +194,8 @@ def main() -> int:
             work = Path(tempfile.mkdtemp(prefix=f"bcast-ours-{n}-{slots}-"))
             try:
                 fixed = None if slots == "auto" else int(slots)
-                r = run_ours(n, args.size_mb, args.mbit, fixed, args.shard_mb, work, args.node_log_level, args.stripes)
+                r = run_ours(n, args.size_mb, args.mbit, fixed, args.shard_mb, work, args.node_log_level, args.stripes,
+                             args.warmup)
             finally:
                 if not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
@@ -211,12 +224,12 @@ def main() -> int:
     print()
     print(f"checkpoint {args.size_mb} MiB; every host's upload shaped to {args.mbit:g} Mbit/s with tc in network "
           f"namespaces; ours: {args.shard_mb} MiB shards")  # fmt: skip
-    print(f"{'system':<32}{'N':>4}{'seconds':>10}{'vs bound':>10}  verified  depth")
+    print(f"{'system':<32}{'N':>4}{'seconds':>10}{'vs bound':>10}  verified  depth  first version s")
     for r in rows:
         bound = args.size_mb * 2**20 * 8 / (args.mbit * 1e6)
         secs = float(r["seconds"])  # type: ignore[arg-type]
         print(f"{r['system']:<32}{r['N']:>4}{secs:>10.2f}{secs / bound:>10.2f}  {r['verified']!s:<8}  "
-              f"{r.get('max_depth', '')}")  # fmt: skip
+              f"{r.get('max_depth', '')!s:<5}  {r.get('first_s', '')}")  # fmt: skip
     print()
     for line in summaries:
         print(line)

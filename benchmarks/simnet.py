@@ -6,11 +6,12 @@ stream in order). A stream has one source at a time (its parent in that stripe, 
 
 Rates: max-min fair over every node's upload and download capacity, computed by alternating water-filling at the
 uploads and at the downloads (two rounds each: exact when one side binds, close otherwise), with a cap per flow
-for cut-through: a child cannot be ahead of the bytes its source holds of the stripe, less ``lag`` bytes (what a
-relay has received before it can pass it on); a child that has caught up is capped at its source's own incoming
-rate. Rates are recomputed at every tick (``tick`` seconds: events in between change who sends to whom at once,
-their rates at the next tick). Bytes advance linearly between events and ticks; a completion time is interpolated
-within its step. A departed node's flows stop at once; its children learn it only after the keep-alive delay.
+for cut-through: a child cannot be ahead of the bytes its source held ``lag`` seconds ago (what waits in the relay's
+buffers and its link's queue before it goes on: the source's bytes less ``lag`` times the rate it receives them);
+a child that has caught up is capped at its source's own incoming rate. Rates are recomputed at every tick
+(``tick`` seconds: events in between change who sends to whom at once, their rates at the next tick). Bytes
+advance linearly between events and ticks; a completion time is interpolated within its step. A departed node's
+flows stop at once; its children learn it only after the keep-alive delay.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Net:
     """Stripe streams of ``n`` nodes. ``need[s]``: bytes of stripe s; ``got``: bytes each node holds of each
     stripe; ``src``: the stream's source (-1: none); ``ready``: it may not flow before then (a request in
     flight); ``want``: the node is receiving the version. ``store_forward``: a source passes on whole shards
-    only (shardcast), else cut-through less ``lag`` bytes."""
+    only (shardcast), else cut-through ``lag`` seconds behind."""
 
     def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False) -> None:
         k = len(need)
@@ -80,11 +81,13 @@ class Net:
         stream (the fetcher's other worker keeps taking shards from the parent meanwhile)."""
         self.side_rate = np.zeros(0)
 
-    def limit(self, rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray) -> np.ndarray:
-        """Bytes a stream may hold at most: what its source holds, less what a relay holds back."""
+    def limit(self, rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray, src_rate: np.ndarray) -> np.ndarray:
+        """Bytes a stream may hold at most: what its source holds, less what a relay holds back (``src_rate``:
+        the rate the source receives the stripe at)."""
         have = self.got[srcs, cols]
         full = have >= self.need[cols]
-        held = np.floor(have / self.shard) * self.shard if self.store_forward else np.maximum(0.0, have - self.lag)
+        held = (np.floor(have / self.shard) * self.shard if self.store_forward
+                else np.maximum(0.0, have - self.lag * src_rate))  # fmt: skip
         return np.where(full, self.need[cols], held)
 
     def start_side(self, n: int, s: int, src: int, size: float, now: float, ready: float) -> None:
@@ -112,10 +115,10 @@ class Net:
         self.prev, self.rate = self.rate, np.zeros_like(self.rate)
         rows, cols = self.active(now)
         srcs = self.src[rows, cols]
-        avail = self.limit(rows, cols, srcs) - self.got[rows, cols]
+        src_rate = self.prev[srcs, cols]
+        avail = self.limit(rows, cols, srcs, src_rate) - self.got[rows, cols]
         src_full = self.got[srcs, cols] >= self.need[cols]
         # caught up with a source still receiving: no faster than it receives (plus what it is ahead by)
-        src_rate = self.prev[srcs, cols]
         cap = np.where(src_full, INF, np.maximum(0.0, src_rate + avail / max(dt, 1e-9)))
         cap = np.minimum(cap, (self.need[cols] - self.skip[rows, cols] - self.got[rows, cols]) / max(dt, 1e-9) + 1)
         sides = list(self.side.values())  # alternates hold the whole version: no cut-through cap
@@ -166,7 +169,7 @@ class Net:
         after = before + self.rate[rows, cols] * dt
         srcs = self.src[rows, cols]
         self.got[rows, cols] = after  # sources first, then the clamp against them (one pass)
-        after = np.minimum(after, self.limit(rows, cols, srcs))
+        after = np.minimum(after, self.limit(rows, cols, srcs, self.rate[srcs, cols]))
         after = np.maximum(after, before)
         self.got[rows, cols] = after
         crossed = np.floor(after / self.shard) > np.floor(before / self.shard)
@@ -187,8 +190,12 @@ class Clock:
     up to an event's time only before an event that touches the network (``quiet`` ones do not: record
     publishing, asking for a slot), and at every tick, so thousands of control events cost no network steps."""
 
-    def __init__(self, net: Net, tick: float, start: float = 0.0) -> None:
+    def __init__(self, net: Net, tick: float, start: float = 0.0, exact: bool = True) -> None:
         self.net, self.tick, self.now = net, tick, start
+        self.exact = exact
+        """False: bytes move at ticks only, every event sees the network as of the last tick (an event changes
+        who sends to whom at once, as before; what moved since the tick is counted at the next one). Each move
+        is O(N), and events grow with N: at 10,000 nodes moving before each one was O(N^2) per simulated second."""
         self._q: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self.quiet: set[object] = set()
@@ -236,7 +243,7 @@ class Clock:
                 _, _, fn, args = heapq.heappop(self._q)
                 self.now = te
                 self.events += 1
-                if self.now >= flows_from and getattr(fn, "__func__", fn) not in self.quiet:
+                if self.exact and self.now >= flows_from and getattr(fn, "__func__", fn) not in self.quiet:
                     move()
                 fn(*args)
             else:

@@ -16,7 +16,9 @@ stripe takes a leaf's slot there when none is free (``preempt``, as ``relay.Shar
 
 from __future__ import annotations
 
+import bisect
 import random
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from simfetch import ORIGIN, Fetcher, Node, Stats
@@ -36,7 +38,7 @@ from intellect_node.weights.links import (
     UNREACHABLE_AVOID_S,
 )
 from intellect_node.weights.relay import CHILD_TTL_S, CONTESTED_TTL_S
-from intellect_node.weights.tree import Candidate, below, parents
+from intellect_node.weights.tree import MAX_CLAIMED_BPS, Candidate, below, parents
 from intellect_protocol.messages import NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
 
@@ -47,6 +49,42 @@ REPUBLISH_S = 20.0
 DETECT_S = KEEPALIVE_TIMEOUT.total + FAST_KEEPALIVE_S + KEEPALIVE_TIMEOUT.total  # type: ignore[operator]
 """From the first unanswered keep-alive to leaving: SILENT_KEEPALIVES (2) timeouts, the second sent sooner."""
 assert SILENT_KEEPALIVES == 2
+MOVES_S = 0.0
+"""The home-stripe plan (``stripes.rehome_moves``, a sort of every record) is computed at most this often; a node
+reads the records it plans from up to ``REHOME_S`` old."""
+
+
+class Asked(Mapping[str, NodeRecord]):
+    """The records one ask hands to ``tree.parents``: as its items, the origin and the first relays of a stripe's
+    free-slot index (in the order ``parents`` sorts by), and every record by lookup (the walks up a candidate's
+    ancestry). ``parents`` over every record costs O(N) per ask, and at 10,000 nodes the asks made the simulation
+    O(N^2) per simulated second; it returns the same first candidates from the head of the order (ties by id)."""
+
+    def __init__(self, head: dict[str, NodeRecord], everyone: dict[str, NodeRecord]) -> None:
+        self.head, self.everyone = head, everyone
+
+    def __getitem__(self, nid: str) -> NodeRecord:
+        return self.everyone[nid]
+
+    def __contains__(self, nid: object) -> bool:
+        return nid in self.everyone
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.head)
+
+    def __len__(self) -> int:
+        return len(self.head)
+
+    def items(self):  # type: ignore[override]
+        return self.head.items()
+
+    def values(self):  # type: ignore[override]
+        return self.head.values()
+
+
+def _order(r: NodeRecord) -> tuple[int, float, str]:
+    assert r.relay is not None  # tree._order, then the id
+    return r.relay.depth, -min(r.relay.upload_bps, MAX_CLAIMED_BPS), r.node_id
 
 
 class Swarm:
@@ -66,6 +104,10 @@ class Swarm:
         self.visible: dict[str, NodeRecord] = {}
         self.by_stripe: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
         self.free: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
+        self.free_order: list[list[tuple[int, float, str]]] = [[] for _ in range(stripes)]
+        """Per stripe, the relays with a free slot there (not the origin), sorted as ``tree.parents`` sorts."""
+        self._free_key: dict[str, tuple[int, tuple[int, float, str]]] = {}
+        self._moves_at = -1e18
         self.holding: dict[str, NodeRecord] = {}
         self.stats = Stats()
         self.published_at: dict[int, float] = {}
@@ -161,6 +203,7 @@ class Swarm:
         for s in range(self.k):
             for d in (self.by_stripe[s], self.free[s]):
                 d.pop(nid, None)
+        self._unindex(nid)
         if r.role == "trainer":
             for s in range(self.k):
                 self.by_stripe[s][nid] = self.free[s][nid] = r
@@ -168,6 +211,9 @@ class Swarm:
             self.by_stripe[r.relay.stripe][nid] = r
             if r.relay.slots_free > 0:
                 self.free[r.relay.stripe][nid] = r
+                key = _order(r)
+                bisect.insort(self.free_order[r.relay.stripe], key)
+                self._free_key[nid] = (r.relay.stripe, key)
         self.holding.pop(nid, None)
         if 1 in r.relay.versions and r.relay.slots_free > 0 and r.http_url and r.role != "trainer":
             self.holding[nid] = r
@@ -183,7 +229,27 @@ class Swarm:
         if not n.alive and self.clock.now - self.published_at[i] >= NODE_TTL_S - 1e-6:
             for d in (self.visible, self.holding, *self.by_stripe, *self.free):
                 d.pop(n.nid, None)
+            self._unindex(n.nid)
             self._moves_dirty = True
+
+    def _unindex(self, nid: str) -> None:
+        was = self._free_key.pop(nid, None)
+        if was is not None:
+            order = self.free_order[was[0]]
+            del order[bisect.bisect_left(order, was[1])]
+
+    def candidates(self, n: Node, s: int, avoid: set[str], home: bool) -> list[Candidate]:
+        """``tree.parents`` for ``n`` in stripe ``s``, over the head of the stripe's free-slot index: enough relays
+        that ``MAX_ATTACH_TRIES`` of them pass its filters (not avoided, not our descendant), or all of them."""
+        order, m = self.free_order[s], 2 * MAX_ATTACH_TRIES
+        while True:
+            head = {self.origin.nid: self.visible[self.origin.nid]} if self.origin.nid in self.visible else {}
+            head.update((key[2], self.visible[key[2]]) for key in order[:m])
+            out = parents(Asked(head, self.visible), n.nid, self.origin.nid, avoid,
+                          stripe=s if self.k > 1 else None, home=home)  # fmt: skip
+            if m >= len(order) or sum(c.node_id != self.origin.nid for c in out) >= MAX_ATTACH_TRIES:
+                return out
+            m *= 4
 
     def republish(self, n: Node) -> None:
         """The periodic refresh: slots planned again from the records (MIRROR: fanout + 1), record out."""
@@ -264,8 +330,8 @@ class Swarm:
     def moves(self) -> dict[str, int]:
         """``stripes.rehome_moves`` over every record, computed again whenever a record's stripe or slots changed
         (every node computes the same plan from the same records; the node reads them REHOME_S old at most)."""
-        if self._moves_dirty:
-            self._moves_dirty = False
+        if self._moves_dirty and self.clock.now - self._moves_at >= MOVES_S:
+            self._moves_dirty, self._moves_at = False, self.clock.now
             self._moves = st.rehome_moves(self.visible, self.k, self.plan_rate(), st.stripe_need(self.visible, self.k))
         return self._moves
 
@@ -277,9 +343,7 @@ class Swarm:
         now = self.clock.now
         n.avoid = {i: t for i, t in n.avoid.items() if t > now}
         avoid = {self.nodes[i].nid for i in n.avoid}
-        home = s == n.home and n.reachable
-        recs = self.by_stripe[s] if home else self.free[s]  # not home: nothing to check below us, free ones do
-        queue = parents(recs, n.nid, self.origin.nid, avoid, stripe=s if self.k > 1 else None, home=home)
+        queue = self.candidates(n, s, avoid, home=s == n.home and n.reachable)
         self._ask(n, s, queue, set(), now + CHOOSE_BUDGET_S)
 
     def _ask(self, n: Node, s: int, queue: list[Candidate], tried: set[str], deadline: float) -> None:

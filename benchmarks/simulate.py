@@ -18,10 +18,13 @@ N * S / (u_origin + sum of the N stayers' uploads, NAT ones included), S / slowe
 Shardcast (INTELLECT-2's two-level design) in the same model: the origin, ``--sc-relays`` fixed datacenter relays
 that poll it every 30 s, clients spread over the relays that poll every 30 s; whole shards only (store and forward).
 
-Per-hop lag: a relay passes on a stripe's bytes ``--hop-lag-shards`` shards behind what it has received. The relay
-is cut-through (256 KiB reads), which would be 0.25 of a 1 MiB shard, but the measured old-chain netns figures
-grow by about one shard's transfer time per hop (0.29 s at 25 Mbit/s and 1 MiB), and 1 shard fits them within 3%
-(0.25: up to 14% short): a calibration of one parameter on the three figures, not a prediction of them.
+Per-hop lag: a relay passes on a stripe's bytes ``--hop-lag-s`` seconds after it received them. The relay is
+cut-through (64 KiB pieces), so what a level adds is time in buffers: the kernel's send queue and the link's own
+queue (tbf in netns, the modem at home), which drain at the link's rate whatever the shard size. The measured
+old-chain netns figures grow by about one 1 MiB shard's transfer time at 25 Mbit/s per hop (0.335 s), which fits
+them within 3% (a quarter of it: up to 14% short): a calibration of one parameter on three figures, not a
+prediction of them. (It was a lag in bytes before, one shard: the same in the chain, but four times the time for
+a stripe at a quarter of the rate, and 19 s a hop for a 64 MiB shard.)
 
 Validation: the network-namespace benchmark (benchmarks/broadcast.py) simulated: origin + N receivers, every
 upload 25 Mbit/s, downloads unlimited, 0.1 ms LAN latency, 64 MiB in 1 MiB shards, the old single tree
@@ -82,6 +85,8 @@ class Scenario:
     seed: int = 0
     preempt: bool = True
     spare_min: int = 10**9
+    exact: bool = True
+    """False: bytes move at ticks only (simnet.Clock), for thousands of nodes."""
 
 
 @dataclass
@@ -129,7 +134,7 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     rng = random.Random(sc.seed)
     total = 1 + len(sc.peers) + len(sc.joiners)
     net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag)
-    clock = Clock(net, sc.tick, start=-sc.formation - 30.0)
+    clock = Clock(net, sc.tick, start=-sc.formation - 30.0, exact=sc.exact)
     swarm = Swarm(net, clock, sc.stripes, sc.dht_lag, rng, fixed_slots=sc.slots, preempt=sc.preempt,
                   spare_min=sc.spare_min)
     o = swarm.add(sc.origin.up, sc.origin.down, True, sc.origin.latency)
@@ -211,7 +216,7 @@ def run_shardcast(sc: Scenario, relays: int, relay_bps: float, poll_s: float = 3
     rng = random.Random(sc.seed + 1)
     everyone = [sc.origin, *[Peer(relay_bps, relay_bps, True, 0.005)] * relays, *sc.peers, *sc.joiners]
     net = Net(len(everyone), [sc.size], sc.shard, 0.0, store_forward=True)
-    clock = Clock(net, sc.tick)
+    clock = Clock(net, sc.tick, exact=sc.exact)
     for i, p in enumerate(everyone):
         net.up[i], net.down[i] = p.up, p.down
     first, joiners = 1 + relays, 1 + relays + len(sc.peers)
@@ -263,17 +268,17 @@ def scale_scenario(args: argparse.Namespace, n: int, churn: float) -> Scenario:
     b = bound(size, origin, [p for i, p in enumerate(peers) if i not in set(leave)])
     return Scenario(size=size, shard=args.shard_mib * 2**20, stripes=args.stripes, slots=None, origin=origin,
                     peers=peers, joiners=joiners, leave=leave, window=0.8 * b,
-                    lag=args.hop_lag_shards * args.shard_mib * 2**20, dht_lag=args.dht_lag,
+                    lag=args.hop_lag_s, dht_lag=args.dht_lag,
                     tick=args.tick or min(1.0, max(0.005, b / 3000)),
                     formation=max(60.0, n / 50), seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout)  # fmt: skip
+                    spare_min=args.spare_min_fanout, exact=not args.coarse)  # fmt: skip
 
 
 def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
     link = Peer(25 * MBIT, 1e12, True, 0.00005)
     size = 64 * 2**20
     return Scenario(size=size, shard=2**20, stripes=args.netns_stripes, slots=args.netns_slots or None,
-                    origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_shards * 2**20,
+                    origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
                     dht_lag=1.0, tick=0.005, formation=30.0, seed=args.seed, preempt=not args.no_preempt,
                     spare_min=args.spare_min_fanout)  # fmt: skip
 
@@ -291,8 +296,8 @@ def main() -> int:
     p.add_argument("--sc-relays", type=int, default=4, help="shardcast's fixed relays")
     p.add_argument("--sc-relay-gbit", type=float, default=10.0)
     p.add_argument("--skip-shardcast", action="store_true")
-    p.add_argument("--hop-lag-shards", type=float, default=1.0,
-                   help="what a relay holds before passing it on, in shards (see the docstring: 1 fits netns)")
+    p.add_argument("--hop-lag-s", type=float, default=0.335,
+                   help="seconds a relay's bytes wait before going on (see the docstring: fits netns)")
     p.add_argument("--dht-lag", type=float, default=3.0, help="seconds until a published record is seen")
     p.add_argument("--tick", type=float, default=0.0, help="rate recomputation period (0: bound / 3000, <= 1 s)")
     p.add_argument("--netns-measured", default="", help="N:seconds,... measured by benchmarks/broadcast.py")
@@ -301,6 +306,7 @@ def main() -> int:
     p.add_argument("--no-preempt", action="store_true", help="a home node does not take a leaf's slot")
     p.add_argument("--spare-min-fanout", type=int, default=10**9,
                    help="a spare slot from this fan-out up (default: none, as the node)")
+    p.add_argument("--coarse", action="store_true", help="scale runs: bytes move at ticks only (simnet.Clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="where the last node's time went")
     args = p.parse_args()
@@ -330,7 +336,7 @@ def main() -> int:
                 summary = (n, churn, r, sc_s)
     print()
     print(f"checkpoint {args.size_gb:g} GB in {args.shard_mib:g} MiB shards; origin {args.origin_gbit:g} Gbit/s; "
-          f"receivers {args.dc_share:.0%} datacenter, {args.nat:.0%} NAT; per-hop lag {args.hop_lag_shards:g} shard")
+          f"receivers {args.dc_share:.0%} datacenter, {args.nat:.0%} NAT; per-hop lag {args.hop_lag_s:g} s")
     print(f"{'system':<44}{'N':>6}{'churn':>6}{'seconds':>9}{'bound':>8}{'x bound':>8}{'joiner s':>9}{'depth':>6}"
           f"{'reparent':>9}{'no-slot':>8}{'alt':>7}{'wall s':>7}  complete")  # fmt: skip
     for name, n, churn, r in rows:

@@ -35,7 +35,7 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
-from intellect_node.weights.pacing import Lockstep, TokenBucket, backlogged, on_the_wire
+from intellect_node.weights.pacing import Lockstep, TokenBucket, backlogged, bound_unsent, on_the_wire
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, origin_slots
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -373,6 +373,7 @@ class ShardServer:
         resp = web.StreamResponse(status=206 if rng.start is not None else 200, headers=headers)
         resp.content_length = size - start
         await resp.prepare(request)
+        bound_unsent(request)
         self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
         pos = start
         with self._busy(), self._hung_up(request):
@@ -469,6 +470,7 @@ class ShardServer:
         resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
         resp.content_length = stop - start
         await resp.prepare(request)
+        bound_unsent(request)
         if request.method == "HEAD":
             return resp
         sent = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
+from intellect_node.weights.pacing import UNSENT_LOWAT, bound_unsent
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
@@ -425,3 +427,43 @@ def test_a_shard_that_completes_while_a_request_waits_its_turn_is_served_whole(t
 
     status, body, data = asyncio.run(main())
     assert status in (200, 206) and body == data
+
+
+def test_a_relay_keeps_little_of_a_response_unsent_in_the_kernel() -> None:
+    """A cut-through relay's bytes queue behind whatever the kernel holds unsent for that child: a level of the
+    tree adds that queue's drain time. With ``bound_unsent`` (as every relay response does) the kernel holds
+    at most about ``UNSENT_LOWAT`` unsent while a slow reader takes 8 MiB; the rest waits in the process."""
+
+    async def main(bounded: bool) -> int:
+        worst = 0
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            nonlocal worst
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            if bounded:
+                bound_unsent(request)
+            sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            for _ in range(32):
+                await resp.write(b"x" * (256 * 1024))
+                unsent = fcntl.ioctl(sock.fileno(), 0x894B, b"\0\0\0\0")  # SIOCOUTQNSD
+                worst = max(worst, int.from_bytes(unsent, "little"))
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
+                while await r.content.read(64 * 1024):
+                    await asyncio.sleep(0.002)  # a slow link: about 30 MB/s
+        finally:
+            await runner.cleanup()
+        return worst
+
+    assert asyncio.run(main(bounded=True)) <= UNSENT_LOWAT + 64 * 1024
+    assert asyncio.run(main(bounded=False)) > 4 * UNSENT_LOWAT  # what the test would see without it
