@@ -290,6 +290,7 @@ def main() -> int:
     p.add_argument("--shard-mib", type=float, default=64.0, help="the trainer's shard size (config shard_bytes)")
     p.add_argument("--stripes", type=int, default=DEFAULT_STRIPES)
     p.add_argument("--churn", type=float, default=0.1, help="share leaving (and as many joining); 0 is run too")
+    p.add_argument("--churn-values", type=float, nargs="*", help="the churn shares to run (default: 0 and --churn)")
     p.add_argument("--nat", type=float, default=0.25, help="share of unreachable receivers")
     p.add_argument("--dc-share", type=float, default=0.1, help="share of receivers in datacenters")
     p.add_argument("--origin-gbit", type=float, default=10.0)
@@ -321,7 +322,7 @@ def main() -> int:
         print(f"  netns N={n}: sim {r.seconds:.2f}s measured {measured:.2f}s err {err:+.1f}%", flush=True)
     summary = None
     for n in args.nodes:
-        for churn in sorted({0.0, args.churn}):
+        for churn in sorted(set(args.churn_values) if args.churn_values else {0.0, args.churn}):
             sc = scale_scenario(args, n, churn)
             r = run_ours(sc, args.verbose)
             rows.append((f"ours stripes={args.stripes}", n, churn, r))

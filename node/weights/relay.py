@@ -14,8 +14,7 @@ is known) and never one of its own ancestors, so the tree has no cycles to begin
 answers 503 with its children, the places to look for one further down. Other nodes (alternates) are served
 only what this node already has, at once and while a slot is free; anonymous clients (curl, a mirror) too, and
 they wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a
-token bucket over all responses) lets a volunteer cap what the node sends.
-"""
+token bucket over all responses) lets a volunteer cap what the node sends."""
 
 from __future__ import annotations
 
@@ -338,7 +337,8 @@ class ShardServer:
                     found = await self.store.wait_shard(version, name, wait_s)
         if found is None:
             raise web.HTTPNotFound()
-        await self.lockstep.turn(child, version, self._place(version, name))
+        if self.home() is None:  # the origin (pacing.Lockstep: its children, one per stripe; not a relay's)
+            await self.lockstep.turn(child, version, self._place(version, name))
         try:
             f = open(found.path if isinstance(found, Growing) else found, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:

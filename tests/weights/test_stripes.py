@@ -4,19 +4,25 @@ a node with a grudge can and cannot do with the stripe and home parameters of a 
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 from pathlib import Path
 
 import aiohttp
+import torch
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, signed_headers
 from intellect_node.weights.fetch import Source, pick_source
+from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.pacing import Lockstep
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import (
+    SLACK,
+    SPARE,
     UploadMeter,
     choose_home,
     fanout,
@@ -53,8 +59,24 @@ def test_shards_go_round_robin_and_equal_links_give_each_node_k_children() -> No
     assert stripe_of(7, 1) == 0
     for n in (4, 12, 16, 1000):
         rate = planned_rate([25 * MBIT] * n, 25 * MBIT, n, 4)
-        assert fanout(25 * MBIT, rate, 4) == 4, n  # every upload busy, every child at a quarter of it
+        # every upload busy, every child at a quarter of it; at 1,000 the origin's four slots are no longer 5%
+        # spare, and a fifth slot each is (stripes.SPARE)
+        assert fanout(25 * MBIT, rate, 4) == (4 if n <= 16 else 5), n
         assert rate <= 25 * MBIT / 4  # the origin sends each stripe once: never planned above its share
+        assert n * fanout(25 * MBIT, rate, 4) + 4 >= (1 + SPARE) * 4 * n
+
+
+def test_the_planned_rate_leaves_slots_to_spare_after_rounding_down() -> None:
+    """Uploads from 10 Mbit/s to 1 Gbit/s: each node rounds its children down, and the mean alone promised 1-5%
+    more slots than the receivers need (a simulated 2,000 nodes); the rate is lowered until 5% are spare."""
+    rng = random.Random(7)
+    ups = [math.exp(rng.uniform(math.log(10), math.log(300))) * MBIT for _ in range(1500)]
+    ups += [rng.uniform(500, 1000) * MBIT for _ in range(200)]
+    receivers = 2000  # 300 more behind NAT: they need parents and serve no one
+    rate = planned_rate(ups, 10_000 * MBIT, receivers, 4)
+    slots = sum(fanout(u, rate, 4) for u in ups) + max(4, fanout(10_000 * MBIT, rate, 4))
+    assert slots >= (1 + SPARE) * 4 * receivers
+    assert rate > 0.9 * SLACK * (10_000 * MBIT + sum(ups)) / receivers / 4  # lowered no more than it takes
 
 
 def test_fan_out_follows_the_measured_upload() -> None:
@@ -278,3 +300,37 @@ def test_a_node_lying_about_its_home_moves_no_leaf_and_a_slow_child_costs_its_si
     assert asyncio.run(lie()) == (200, 503, [leaf])
     held, elapsed = asyncio.run(slow_sibling())
     assert 0.2 <= held <= Lockstep.HOLD_SHARE * elapsed + 0.2 + 0.1, (held, elapsed)
+
+
+def test_only_the_origin_holds_a_child_ahead_for_its_siblings(tmp_path: Path) -> None:
+    """pacing.Lockstep is the origin's (its children, one per stripe, set each stripe's rate): a relay's children
+    share its one home stripe, and holding each for the slowest made every level of the tree wait for one."""
+
+    async def served(home: int | None) -> dict[tuple[str, int], tuple[int, float]]:
+        run = Identity.generate()
+        tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}
+        write_checkpoint(tmp_path / str(home), run, run.node_id, 1, tensors, 4096)
+        server = ShardServer(WeightStore(tmp_path / str(home), run.node_id), Metrics(), slots=8, node_id=ORIGIN)
+        server.path, server.stripes, server.home = lambda: [ORIGIN], 4, lambda: home
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        names = sorted(p.name for p in (server.store.root / "1").glob("shard-*"))
+        slow, fast = _node(), _node()
+        try:
+            async with aiohttp.ClientSession() as session:
+                tokens = {}
+                for nid in (slow, fast):
+                    headers = signed_headers(_KEYS[nid], "POST", "/relay/attach?stripe=1", ORIGIN)
+                    async with session.post(f"{url}/relay/attach?stripe=1", headers=headers) as r:
+                        assert r.status == 200, await r.text()
+                        tokens[nid] = (await r.json())["token"]
+                for nid, name in ((slow, names[1]), (fast, names[1 + 4 * 1])):  # places 0 and 1 of stripe 1
+                    hdrs = {TOKEN_HEADER: tokens[nid], CHILD_HEADER: nid}
+                    async with session.get(f"{url}/weights/1/{name}", headers=hdrs) as r:
+                        assert r.status == 200 and await r.read()
+        finally:
+            await http.close()
+        return dict(server.lockstep._asked)
+
+    assert len(asyncio.run(served(None))) == 2  # the origin keeps its children's places
+    assert asyncio.run(served(1)) == {}  # a relay never holds one
