@@ -37,7 +37,7 @@ from intellect_node.weights.links import (
     SILENT_KEEPALIVES,
     UNREACHABLE_AVOID_S,
 )
-from intellect_node.weights.relay import CHILD_TTL_S, CONTESTED_TTL_S
+from intellect_node.weights.relay import BEHIND_SHARDS, CHILD_TTL_S, CONTESTED_TTL_S
 from intellect_node.weights.tree import MAX_CLAIMED_BPS, Candidate, below, parents
 from intellect_protocol.messages import NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
@@ -368,8 +368,9 @@ class Swarm:
             self.clock.at(self.clock.now + ASK_STAGGER_S, self._ask, n, s, queue, tried, deadline)
 
     def admit(self, t: Node, n: Node, s: int) -> tuple[int, list[int]]:
-        """MIRROR of relay.ShardServer._attach/_admit: 200, 409 (not rooted, or we are its ancestor) or 503 with
-        its children in the stripe. The origin keeps one slot for each stripe that has no child of it yet."""
+        """MIRROR of relay.ShardServer._attach/_admit: 200, 409 (not rooted, we are its ancestor, or a new child
+        is ahead of us: _behind) or 503 with its children in the stripe. The origin keeps one slot for each stripe
+        that has no child of it yet."""
         if not t.alive:
             return 0, []
         if t.idx != ORIGIN and (t.home != s or t.parent[s] < 0):
@@ -379,6 +380,9 @@ class Swarm:
         active = self.active(t)
         if (n.idx, s) in active:
             return 200, []
+        held = self.net.got[[t.idx, n.idx], s] // self.net.shard  # shards of the stripe: cut-through, verified soon
+        if t.idx != ORIGIN and self.version_out and held[0] + BEHIND_SHARDS < held[1]:
+            return 409, []  # relay._behind: it joined late, and would hold the child back
         if active and len(active) >= t.slots:
             silent = min(active, key=lambda c: active[c])
             if self.clock.now - active[silent] >= CONTESTED_TTL_S:

@@ -23,6 +23,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import server_clock_offset, signed_headers
 from intellect_node.weights.fetch import ShardFetcher, faster_than_parent, read_limited
 from intellect_node.weights.relay import MAX_PATH
+from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate, below, is_path, parents
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
@@ -86,6 +87,9 @@ class Attachments:
     session: aiohttp.ClientSession | None
     fetcher: ShardFetcher | None
     links: list[Link]
+    store: WeightStore
+    fetching: int
+    """The version being fetched (-1: none)."""
     _avoid: dict[str, float]
     _clock: dict[str, float]
 
@@ -218,7 +222,10 @@ class Attachments:
         """POST /relay/attach, signed: (status, JSON body or None), (None, None) when the node cannot be reached.
         The body is a peer's word: bounded in size, and anything that is not plain JSON counts as no body."""
         assert self.session is not None
-        where = (link or self.home_link).attach_path()
+        link = link or self.home_link
+        where = link.attach_path()
+        if self.fetching >= 0:  # how far we are: a parent further behind refuses (relay.BEHIND_SHARDS)
+            where += f"&v={self.fetching}&have={self.store.held(self.fetching, link.stripe, len(self.links))}"
         headers = signed_headers(self.identity, "POST", where, c.node_id, self._clock.get(c.node_id, 0.0))
         try:
             async with self.session.post(f"{c.url}{where}", headers=headers, timeout=timeout or ATTACH_TIMEOUT) as resp:

@@ -1,5 +1,11 @@
-"""Sharing a node's upload: an optional cap on it (``TokenBucket``), the children of one node kept moving
-through a version together (``Lockstep``), and what really left (``on_the_wire``); used by relay.ShardServer."""
+"""Sharing a node's upload: an optional cap on it (``TokenBucket``), what really left (``on_the_wire``,
+``backlogged``) and how much may wait unsent (``bound_unsent``); used by relay.ShardServer.
+
+There was a lockstep here: a child asking for a shard more than two places ahead of its slowest sibling waited
+(at most 2 s a shard, a quarter of its time), because TCP shared the origin's upload unevenly (one stripe at
+0.4x another). Measured in netns at 25 Mbit/s, a version after a warm-up: at every relay, N=16 35.0 s (each level
+waited for its slowest sibling); at the origin only, N=16 27.9 and 26.3 s, N=8 29.4 s; none, N=16 25.7 s, N=8
+26.4 s. A sibling slow for its own reasons (a request's round trip, a thin download) left the upload idle."""
 
 from __future__ import annotations
 
@@ -12,8 +18,6 @@ import termios
 import time
 
 from aiohttp import web
-
-from intellect_node.aio import within
 
 _CHUNK = 256 * 1024
 _WRITTEN, _ACKED = web.RequestKey("written", int), web.RequestKey("acked", int)
@@ -98,58 +102,3 @@ class TokenBucket:
             self.tokens -= n
             if self.tokens < 0:
                 await asyncio.sleep(-self.tokens / self.rate)
-
-
-class Lockstep:
-    """The children of one node move through a version together: a child that asks for a shard more than ``LAG``
-    places (its rank in its stripe) ahead of the furthest-behind child still asking waits (at most ``HOLD_S``).
-    TCP alone shares one upload unevenly (measured with the origin's four children, one per stripe: one stripe
-    at 0.4x the rate of another); a stripe's first hop sets its rate for the whole tree below, so one node's
-    uneven shares become a tail for every node below it. Held back, the fast child leaves the upload to the slow
-    ones. Progress is the place of the shard asked for, per child slot (node and stripe): counting requests per
-    node held every child of the origin back for 4 s when a node took a second slot there mid-version (its count
-    started at 0) and held a node with two slots as if it were twice as far. A child that has not asked for
-    ``IDLE_S`` no longer counts.
-
-    A child slow at its own end (a thin download), or one that asks slowly on purpose, costs the others at most
-    ``HOLD_SHARE`` of their time in the version: past it they are not held again.
-
-    The origin's only (relay.ShardServer._get): a relay's children are all in its one home stripe, and holding
-    each for its slowest sibling made every level of the tree wait for one (netns, 16 nodes at 25 Mbit/s, a
-    version after a warm-up: 35.0 s with it at every relay, 25.7 s at the origin alone)."""
-
-    LAG = 2
-    HOLD_S = 2.0
-    IDLE_S = 5.0
-    HOLD_SHARE = 0.25
-
-    def __init__(self) -> None:
-        self._asked: dict[tuple[str, int], tuple[int, float]] = {}
-        """Per child slot and version: (place of the shard it last asked for, when)."""
-        self._held: dict[tuple[str, int], tuple[float, float]] = {}
-        """Per child slot and version: (first request, seconds held so far)."""
-        self._changed = asyncio.Event()
-
-    async def turn(self, child: str | None, version: int, place: int) -> None:
-        """``child`` (a slot, ``node/stripe``) asks for the shard at ``place`` in its stripe of ``version``."""
-        if child is None:
-            return
-        key = (child, version)
-        began, held = self._held.setdefault(key, (time.monotonic(), 0.0))
-        budget = self.HOLD_SHARE * (time.monotonic() - began) - held + self.HOLD_S  # the first hold is free
-        started = time.monotonic()
-        deadline = started + min(self.HOLD_S, max(0.0, budget))
-        while (left := deadline - time.monotonic()) > 0:
-            now = time.monotonic()
-            others = [n for k, (n, t) in self._asked.items() if k[1] == version and k != key and now - t < self.IDLE_S]
-            if not others or place <= min(others) + self.LAG:
-                break
-            with contextlib.suppress(TimeoutError):
-                await within(self._changed.wait(), left)
-        self._held[key] = (began, held + time.monotonic() - started)
-        self._asked[key] = (max(place, self._asked.get(key, (0, 0.0))[0]), time.monotonic())
-        if len(self._asked) > 4096:  # old versions' places
-            self._asked = {k: v for k, v in self._asked.items() if k[1] >= version - 2}
-            self._held = {k: v for k, v in self._held.items() if k[1] >= version - 2}
-        self._changed.set()
-        self._changed = asyncio.Event()

@@ -59,6 +59,8 @@ class WeightStore:
         """The run epoch held (None: any, for tools that read a single folder)."""
         root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, Manifest] = {}
+        self._index_of: tuple[object, dict[str, int]] = (None, {})
+        """The manifest last indexed, and its shards' positions (``held``)."""
         self._names: dict[int, frozenset[str]] = {}
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
@@ -275,6 +277,22 @@ class WeightStore:
         event = self._arrived.pop((version, name), None)
         if event is not None:
             event.set()
+
+    def _index(self, version: int) -> dict[str, int]:
+        """Each shard's position in ``version``'s manifest ({} if unknown), built once per manifest."""
+        manifest = self.manifest(version)
+        if manifest is None:
+            return {}
+        if self._index_of[0] is not manifest:  # a version republished under its number has another manifest
+            self._index_of = (manifest, {s.name: i for i, s in enumerate(manifest.shards)})
+        return self._index_of[1]
+
+    def held(self, version: int, stripe: int, stripes: int) -> int:
+        """Shards of ``stripe`` (of ``stripes``) of ``version`` held here verified: all of them once it is whole."""
+        k, index = max(1, stripes), self._index(version)
+        if (self.folder(version) / MANIFEST_NAME).exists():
+            return sum(1 for i in index.values() if i % k == stripe)
+        return sum(1 for n in self._verified.get(version, ()) if n in index and index[n] % k == stripe)
 
     def verified_count(self, version: int) -> int:
         return len(self._verified.get(version, ()))

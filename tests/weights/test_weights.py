@@ -385,50 +385,6 @@ def test_a_parent_that_trickles_is_cut_blamed_and_the_shards_come_from_elsewhere
     assert seconds < 30
 
 
-@pytest.mark.parametrize("then", ["verified", "version_finished"])
-def test_a_shard_that_completes_while_a_request_waits_its_turn_is_served_whole(tmp_path: Path, then: str) -> None:
-    """A request for a shard still arriving waits its turn (children kept in lockstep); meanwhile the shard is
-    verified (its .part renamed) or the whole version finishes (its folder moved). The request is answered from
-    where the shard is now, with every byte (it was a 500 with FileNotFoundError, and the child lost its turn)."""
-    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 1, _tensors(n=50), shard_bytes=1 << 20)
-    folder = tmp_path / "origin" / "1"
-    manifest_data = (folder / MANIFEST_NAME).read_bytes()
-    metrics = Metrics()
-
-    async def main() -> tuple[int, bytes, bytes]:
-        store = WeightStore(tmp_path / "relay", RUN)
-        manifest, _ = store.begin(1, manifest_data)
-        shard = manifest.shards[0]
-        data = (folder / shard.name).read_bytes()
-        store.part_opened(1, shard.name, 0, shard.size)
-        store.part_path(1, shard.name).write_bytes(data)
-        store.part_grew(1, shard.name, shard.size)
-        server = ShardServer(store, metrics, slots=4)
-
-        async def turn(child: str | None, version: int, place: int) -> None:  # the shard completes meanwhile
-            store.mark_verified(1, shard.name)
-            store.part_closed(1, shard.name, verified=True)
-            if then == "version_finished":
-                for other in manifest.shards[1:]:
-                    (store.partial(1) / other.name).write_bytes((folder / other.name).read_bytes())
-                    store.mark_verified(1, other.name)
-                store.finish(1)
-
-        server.lockstep.turn = turn  # type: ignore[method-assign]
-        http = HttpServer(metrics, lambda: {}, server.routes())
-        port = await http.start("127.0.0.1", 0)
-        try:
-            async with aiohttp.ClientSession() as session, session.get(
-                f"http://127.0.0.1:{port}/weights/1/{shard.name}", headers={"Range": "bytes=0-"}
-            ) as resp:
-                return resp.status, await resp.read(), data
-        finally:
-            await http.close()
-
-    status, body, data = asyncio.run(main())
-    assert status in (200, 206) and body == data
-
-
 def test_a_relay_keeps_little_of_a_response_unsent_in_the_kernel() -> None:
     """A cut-through relay's bytes queue behind whatever the kernel holds unsent for that child: a level of the
     tree adds that queue's drain time. With ``bound_unsent`` (as every relay response does) the kernel holds
