@@ -381,7 +381,7 @@ class Swarm:
         if (n.idx, s) in active:
             return 200, []
         held = self.net.got[[t.idx, n.idx], s] // self.net.shard  # shards of the stripe: cut-through, verified soon
-        if t.idx != ORIGIN and self.version_out and held[0] + BEHIND_SHARDS < held[1]:
+        if t.idx != ORIGIN and self.version_out and held[0] + BEHIND_SHARDS < held[1] // 2:
             return 409, []  # relay._behind: it joined late, and would hold the child back
         if active and len(active) >= t.slots:
             silent = min(active, key=lambda c: active[c])

@@ -169,6 +169,14 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
             clock.at(sc.dht_lag + rng.random() * 2.0, swarm.fetch.begin, n)
 
     clock.at(0.0, publish)
+
+    def progress() -> None:  # a long run says how far it got (a run stopped early still tells something)
+        print(f"    t={clock.now:.0f}s left={left[0]} events={clock.events} wall={time.monotonic() - started:.0f}s",
+              file=sys.stderr, flush=True)  # fmt: skip
+        clock.at(clock.now + 300.0, progress)
+
+    if verbose:
+        clock.at(clock.now, progress)
     b = bound(sc.size, sc.origin, [sc.peers[i] for i in range(len(sc.peers)) if nodes[i].idx not in leaving])
     clock.run(until=50 * b + 3600, on_cross=swarm.fetch.crossed, on_done=done, stop=lambda: left[0] == 0,
               flows_from=0.0, on_side=swarm.fetch.side_done)  # fmt: skip
@@ -279,7 +287,7 @@ def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
     size = 64 * 2**20
     return Scenario(size=size, shard=2**20, stripes=args.netns_stripes, slots=args.netns_slots or None,
                     origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
-                    dht_lag=1.0, tick=0.005, formation=30.0, seed=args.seed, preempt=not args.no_preempt,
+                    dht_lag=1.0, tick=0.005, formation=90.0, seed=args.seed, preempt=not args.no_preempt,
                     spare_min=args.spare_min_fanout)  # fmt: skip
 
 

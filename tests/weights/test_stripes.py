@@ -257,8 +257,8 @@ def test_a_node_lying_about_its_home_moves_no_leaf(tmp_path: Path) -> None:
 
 def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_path: Path) -> None:
     """A node that joined mid-version starts from nothing; as a parent it would hold back whoever re-parents under
-    it. A new child says how far it is (``v``, ``have``: signed with the query); a relay more than BEHIND_SHARDS
-    shards of that stripe behind refuses it (409 behind); a version it holds whole counts every shard."""
+    it. A new child says how far it is (``v``, ``have``: signed with the query); a relay holding less than half
+    of that, less BEHIND_SHARDS, refuses it (409 behind); a version it holds whole counts every shard."""
 
     async def asks(home: int | None) -> list[int]:
         run = Identity.generate()
@@ -271,7 +271,7 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
         out = []
         try:
             async with aiohttp.ClientSession() as session:
-                for query in ("v=2&have=3", "v=2&have=2", "v=1&have=7", "v=1&have=6", "v=x&have=99"):
+                for query in ("v=2&have=6", "v=2&have=5", "v=1&have=14", "v=1&have=13", "v=x&have=99"):
                     out.append(await _attach(session, url, _node(), f"stripe=1&{query}"))
                 out.append(await _attach(session, url, _node(), "stripe=1&v=2&have=" + "9" * 8))
         finally:
