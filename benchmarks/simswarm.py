@@ -49,9 +49,6 @@ REPUBLISH_S = 20.0
 DETECT_S = KEEPALIVE_TIMEOUT.total + FAST_KEEPALIVE_S + KEEPALIVE_TIMEOUT.total  # type: ignore[operator]
 """From the first unanswered keep-alive to leaving: SILENT_KEEPALIVES (2) timeouts, the second sent sooner."""
 assert SILENT_KEEPALIVES == 2
-MOVES_S = 0.0
-"""The home-stripe plan (``stripes.rehome_moves``, a sort of every record) is computed at most this often; a node
-reads the records it plans from up to ``REHOME_S`` old."""
 
 
 class Asked(Mapping[str, NodeRecord]):
@@ -92,11 +89,14 @@ class Swarm:
 
     def __init__(self, net: Net, clock: Clock, stripes: int, dht_lag: float, rng: random.Random,
                  fixed_slots: int | None = None, detect_s: float = DETECT_S, svc_s: float = 0.0,
-                 preempt: bool = True, spare_min: int = 10**9) -> None:  # fmt: skip
+                 preempt: bool = True, spare_min: int = 10**9, moves_s: float = 0.0) -> None:  # fmt: skip
         self.net, self.clock, self.k, self.dht_lag, self.rng = net, clock, stripes, dht_lag, rng
         self.fixed_slots, self.detect_s, self.svc_s = fixed_slots, detect_s, svc_s
         self.preempt = preempt
         """Not the design yet (see admit): without it small swarms deadlock."""
+        self.moves_s = moves_s
+        """The home-stripe plan (a sort of every record) is computed again at most this often (0: on every
+        change); a node reads the records it plans from up to ``REHOME_S`` old."""
         self.spare_min = spare_min
         """A spare slot for a fan-out of at least this (the design now: none, the default)."""
         self.nodes: list[Node] = []
@@ -246,7 +246,7 @@ class Swarm:
             head = {self.origin.nid: self.visible[self.origin.nid]} if self.origin.nid in self.visible else {}
             head.update((key[2], self.visible[key[2]]) for key in order[:m])
             out = parents(Asked(head, self.visible), n.nid, self.origin.nid, avoid,
-                          stripe=s if self.k > 1 else None, home=home)  # fmt: skip
+                          stripe=s if self.k > 1 else None, home=home, limit=MAX_ATTACH_TRIES)  # fmt: skip
             if m >= len(order) or sum(c.node_id != self.origin.nid for c in out) >= MAX_ATTACH_TRIES:
                 return out
             m *= 4
@@ -330,7 +330,7 @@ class Swarm:
     def moves(self) -> dict[str, int]:
         """``stripes.rehome_moves`` over every record, computed again whenever a record's stripe or slots changed
         (every node computes the same plan from the same records; the node reads them REHOME_S old at most)."""
-        if self._moves_dirty and self.clock.now - self._moves_at >= MOVES_S:
+        if self._moves_dirty and self.clock.now - self._moves_at >= self.moves_s:
             self._moves_dirty, self._moves_at = False, self.clock.now
             self._moves = st.rehome_moves(self.visible, self.k, self.plan_rate(), st.stripe_need(self.visible, self.k))
         return self._moves

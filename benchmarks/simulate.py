@@ -86,7 +86,8 @@ class Scenario:
     preempt: bool = True
     spare_min: int = 10**9
     exact: bool = True
-    """False: bytes move at ticks only (simnet.Clock), for thousands of nodes."""
+    """False: bytes move at ticks only (simnet.Clock), and the home-stripe plan is computed once a simulated
+    second at most (Swarm.moves_s), for thousands of nodes."""
 
 
 @dataclass
@@ -136,7 +137,7 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag)
     clock = Clock(net, sc.tick, start=-sc.formation - 30.0, exact=sc.exact)
     swarm = Swarm(net, clock, sc.stripes, sc.dht_lag, rng, fixed_slots=sc.slots, preempt=sc.preempt,
-                  spare_min=sc.spare_min)
+                  spare_min=sc.spare_min, moves_s=0.0 if sc.exact else 1.0)
     o = swarm.add(sc.origin.up, sc.origin.down, True, sc.origin.latency)
     clock.at(clock.now, swarm.join, o)
     nodes = [swarm.add(p.up, p.down, p.reachable, p.latency) for p in sc.peers]

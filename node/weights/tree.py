@@ -75,10 +75,12 @@ def parents(
     exclude: set[str] | frozenset[str] = frozenset(),
     stripe: int | None = None,
     home: bool = True,
+    limit: int | None = None,
 ) -> list[Candidate]:
     """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin last.
     ``stripe``: only relays whose home stripe it is (stripes.py). ``home``: whether it is ours too; in another
-    stripe we take no children, so no relay there can be our descendant and none is skipped as one."""
+    stripe we take no children, so no relay there can be our descendant and none is skipped as one. ``limit``:
+    the first this many relays only (a node asks a few dozen at most)."""
     relays = [
         r
         for r in _usable(records, me, exclude)
@@ -87,7 +89,7 @@ def parents(
         and not (home and _descends_from(records, r.node_id, me))
     ]  # fmt: skip
     relays.sort(key=_order)
-    out = [_cand(r) for r in relays]
+    out = [_cand(r) for r in relays[:limit]]
     if origin in records and origin not in exclude and records[origin].http_url and records[origin].relay:
         out.append(_cand(records[origin]))
     return out
