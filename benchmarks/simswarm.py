@@ -38,7 +38,8 @@ from intellect_node.weights.links import (
     UNREACHABLE_AVOID_S,
 )
 from intellect_node.weights.relay import BEHIND_SHARDS, CHILD_TTL_S, CONTESTED_TTL_S
-from intellect_node.weights.tree import MAX_CLAIMED_BPS, Candidate, below, parents
+from intellect_node.weights.tree import Candidate, below, parents
+from intellect_node.weights.tree import _order as tree_order
 from intellect_protocol.messages import NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
 
@@ -79,11 +80,6 @@ class Asked(Mapping[str, NodeRecord]):
         return self.head.values()
 
 
-def _order(r: NodeRecord) -> tuple[int, float, str]:
-    assert r.relay is not None  # tree._order, then the id
-    return r.relay.depth, -min(r.relay.upload_bps, MAX_CLAIMED_BPS), r.node_id
-
-
 class Swarm:
     """The simulated nodes, the DHT view they read, and the glue (attach, keep-alive, news of the version)."""
 
@@ -102,10 +98,9 @@ class Swarm:
         self.nodes: list[Node] = []
         self.ids: dict[str, int] = {}
         self.visible: dict[str, NodeRecord] = {}
-        self.by_stripe: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
-        self.free: list[dict[str, NodeRecord]] = [{} for _ in range(stripes)]
         self.free_order: list[list[tuple[int, float, str]]] = [[] for _ in range(stripes)]
-        """Per stripe, the relays with a free slot there (not the origin), sorted as ``tree.parents`` sorts."""
+        """Per stripe, the relays with a free slot there (not the origin), sorted as ``tree.parents`` sorts (then
+        by id): what ``candidates`` hands it the head of."""
         self._free_key: dict[str, tuple[int, tuple[int, float, str]]] = {}
         self._moves_at = -1e18
         self.holding: dict[str, NodeRecord] = {}
@@ -200,20 +195,11 @@ class Swarm:
             self._moves_dirty = True
         self.visible[nid] = r
         assert r.relay is not None
-        for s in range(self.k):
-            for d in (self.by_stripe[s], self.free[s]):
-                d.pop(nid, None)
         self._unindex(nid)
-        if r.role == "trainer":
-            for s in range(self.k):
-                self.by_stripe[s][nid] = self.free[s][nid] = r
-        elif r.http_url:
-            self.by_stripe[r.relay.stripe][nid] = r
-            if r.relay.slots_free > 0:
-                self.free[r.relay.stripe][nid] = r
-                key = _order(r)
-                bisect.insort(self.free_order[r.relay.stripe], key)
-                self._free_key[nid] = (r.relay.stripe, key)
+        if r.role != "trainer" and r.http_url and r.relay.slots_free > 0:  # the origin: head of every ask
+            key = (*tree_order(r), nid)
+            bisect.insort(self.free_order[r.relay.stripe], key)
+            self._free_key[nid] = (r.relay.stripe, key)
         self.holding.pop(nid, None)
         if 1 in r.relay.versions and r.relay.slots_free > 0 and r.http_url and r.role != "trainer":
             self.holding[nid] = r
@@ -227,7 +213,7 @@ class Swarm:
     def _expire(self, i: int) -> None:
         n = self.nodes[i]
         if not n.alive and self.clock.now - self.published_at[i] >= NODE_TTL_S - 1e-6:
-            for d in (self.visible, self.holding, *self.by_stripe, *self.free):
+            for d in (self.visible, self.holding):
                 d.pop(n.nid, None)
             self._unindex(n.nid)
             self._moves_dirty = True

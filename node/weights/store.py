@@ -26,6 +26,7 @@ from pathlib import Path
 
 from intellect_node.aio import within
 from intellect_node.weights.files import MANIFEST_NAME, fsync_dir, fsync_file, sha256_file, verify_manifest
+from intellect_node.weights.stripes import stripe_of
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import Manifest, ShardEntry
 
@@ -59,8 +60,6 @@ class WeightStore:
         """The run epoch held (None: any, for tools that read a single folder)."""
         root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, Manifest] = {}
-        self._index_of: tuple[object, dict[str, int]] = (None, {})
-        """The manifest last indexed, and its shards' positions (``held``)."""
         self._names: dict[int, frozenset[str]] = {}
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
@@ -278,21 +277,16 @@ class WeightStore:
         if event is not None:
             event.set()
 
-    def _index(self, version: int) -> dict[str, int]:
-        """Each shard's position in ``version``'s manifest ({} if unknown), built once per manifest."""
-        manifest = self.manifest(version)
-        if manifest is None:
-            return {}
-        if self._index_of[0] is not manifest:  # a version republished under its number has another manifest
-            self._index_of = (manifest, {s.name: i for i, s in enumerate(manifest.shards)})
-        return self._index_of[1]
-
     def held(self, version: int, stripe: int, stripes: int) -> int:
         """Shards of ``stripe`` (of ``stripes``) of ``version`` held here verified: all of them once it is whole."""
-        k, index = max(1, stripes), self._index(version)
+        manifest = self.manifest(version)
+        if manifest is None:
+            return 0
+        mine = [x.name for i, x in enumerate(manifest.shards) if stripe_of(i, stripes) == stripe]
         if (self.folder(version) / MANIFEST_NAME).exists():
-            return sum(1 for i in index.values() if i % k == stripe)
-        return sum(1 for n in self._verified.get(version, ()) if n in index and index[n] % k == stripe)
+            return len(mine)
+        done = self._verified.get(version, set())
+        return sum(name in done for name in mine)
 
     def verified_count(self, version: int) -> int:
         return len(self._verified.get(version, ()))

@@ -21,7 +21,7 @@ from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
-from intellect_node.weights.pacing import UNSENT_LOWAT, bound_unsent
+from intellect_node.weights.pacing import _SIOCOUTQNSD, UNSENT_LOWAT, bound_unsent
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
@@ -402,23 +402,18 @@ def test_a_relay_keeps_little_of_a_response_unsent_in_the_kernel() -> None:
             sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
             for _ in range(32):
                 await resp.write(b"x" * (256 * 1024))
-                unsent = fcntl.ioctl(sock.fileno(), 0x894B, b"\0\0\0\0")  # SIOCOUTQNSD
+                unsent = fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0")
                 worst = max(worst, int.from_bytes(unsent, "little"))
             return resp
 
-        app = web.Application()
-        app.router.add_get("/", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        http = HttpServer(Metrics(), lambda: {}, [web.get("/slow", handler)])
+        port = await http.start("127.0.0.1", 0)
         try:
-            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as r:
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/slow") as r:
                 while await r.content.read(64 * 1024):
-                    await asyncio.sleep(0.002)  # a slow link: about 30 MB/s
+                    await asyncio.sleep(0.002)  # the reader's pace (a slow link, about 30 MB/s), not a wait
         finally:
-            await runner.cleanup()
+            await http.close()
         return worst
 
     assert asyncio.run(main(bounded=True)) <= UNSENT_LOWAT + 64 * 1024
