@@ -36,6 +36,7 @@ from intellect_node.weights.links import (
     REFUSED_AVOID_S,
     SILENT_KEEPALIVES,
     UNREACHABLE_AVOID_S,
+    _home,
 )
 from intellect_node.weights.relay import BEHIND_SHARDS, CHILD_TTL_S, CONTESTED_TTL_S
 from intellect_node.weights.tree import Candidate, below, parents
@@ -417,8 +418,9 @@ class Swarm:
             n.choosing[s] = False
             return
         self.stats.refused += 1
-        if status == 503 and kids:
-            queue[:0] = below(self.visible, [self.nodes[i].nid for i in kids], tried | {n.nid})
+        if status == 503 and kids:  # only those at home in the stripe take children in it (links._choose)
+            found = below(self.visible, [self.nodes[i].nid for i in kids], tried | {n.nid})
+            queue[:0] = [c for c in found if self.k < 2 or _home(self.visible.get(c.node_id)) == s]
         self._ask(n, s, queue, tried, deadline)
 
     def adopt(self, n: Node, s: int, t: Node) -> None:
