@@ -5,7 +5,8 @@ alternate probed one pick in ``PROBE_EVERY``), plans the sources as ``fetch.Shar
 ``follower._find`` do (MIRROR: the parents, up to two ``tree.holders``, the origin last, every ``REPLAN_S``), and
 measures each source at every shard as ``fetch._one`` does. A shard from an alternate is a side transfer beside the
 parent's stream (the fetcher's other worker of the stripe goes on with the parent), served only while the
-alternate has a free slot (MIRROR of relay.ShardServer._get: a stranger gets 503 otherwise, away 2 s).
+alternate has a free slot, and it holds one while it is served (MIRROR of relay.ShardServer._get: a stranger gets
+503 otherwise, away 2 s; an alternate that streams to a node without a parent is not counted).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Fetcher:
 
     def pick(self, n: Node, s: int) -> None:
         """The source of the stripe's next shard: ``fetch.pick_source``; an alternate serves only while it has
-        a free slot (relay: a stranger gets 503 otherwise, and is marked full for 2 s)."""
+        a free slot, counting the side transfers it serves (relay: a stranger gets 503 otherwise, and is marked full
+        for 2 s)."""
         self.refresh(n)
         now = self.sw.clock.now
         for _ in range(4):
@@ -143,7 +145,8 @@ class Fetcher:
                 if self.sw.net.src[n.idx, s] != t.idx:
                     self.set_source(n, s, t)
                 return
-            if t.alive and (t.done == t.done or t.idx == ORIGIN) and len(self.sw.active(t)) < t.slots:
+            busy = len(self.sw.active(t)) + self.sw.net.lent[t.idx]
+            if t.alive and (t.done == t.done or t.idx == ORIGIN) and busy < t.slots:
                 p = n.parent[s]
                 if p < 0:  # no parent: the alternate is the stream's source for now
                     self.sw.stats.alt_shards += 1

@@ -80,6 +80,8 @@ class Net:
         """(node, stripe) -> [source, bytes left, size, started]: one shard from an alternate, beside the main
         stream (the fetcher's other worker keeps taking shards from the parent meanwhile)."""
         self.side_rate = np.zeros(0)
+        self.lent = np.zeros(n, dtype=np.int64)
+        """Side transfers each node serves now: each uses one of its slots (relay.ShardServer._get)."""
 
     def limit(self, rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray, src_rate: np.ndarray) -> np.ndarray:
         """Bytes a stream may hold at most: what its source holds, less what a relay holds back (``src_rate``:
@@ -93,6 +95,7 @@ class Net:
     def start_side(self, n: int, s: int, src: int, size: float, now: float, ready: float) -> None:
         self.cancel_side(n, s)
         self.side[(n, s)] = [float(src), size, size, now, ready]
+        self.lent[src] += 1
         self.skip[n, s] += size
         self.side_rate = np.append(self.side_rate, 0.0)  # it flows from the next tick
 
@@ -102,6 +105,7 @@ class Net:
             at = list(self.side).index((n, s))
             x = self.side.pop((n, s))
             self.skip[n, s] -= x[2]
+            self.lent[int(x[0])] -= 1
             self.side_rate = np.delete(self.side_rate, at)
 
     def active(self, now: float) -> tuple[np.ndarray, np.ndarray]:
@@ -154,6 +158,7 @@ class Net:
                 n, s = key
                 del self.side[key]
                 self.skip[n, s] -= x[2]
+                self.lent[int(x[0])] -= 1
                 self.got[n, s] += x[2]
                 sides_done.append((n, s, int(x[0]), now + dt - x[3]))
                 if self.got[n, s] >= self.need[s] - 0.5 and self.skip[n, s] < 0.5:

@@ -107,6 +107,8 @@ class ShardServer:
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
         self._told_bps = 0.0
         self._anon_waits = 0
+        self._lent = 0
+        """Requests of nodes that are not our children (alternates, anonymous) being served: each uses a slot."""
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self.stripes = 1
         """Stripes per version (the origin's, announced in its record); shard i belongs to stripe i mod this."""
@@ -328,26 +330,30 @@ class ShardServer:
         stranger = child is None and CHILD_HEADER in request.headers  # another node's child (an alternate)
         if child is not None:
             self._children[child] = time.monotonic()
-        elif stranger and len(self._active_children()) >= self.slots:
-            # another node's child, using us as an alternate: only while a slot is free, and its request never
-            # holds one (or a real child could not attach)
+        elif len(self._active_children()) + self._lent >= self.slots:
+            # not a child (an alternate, anonymous): only while a slot is free, used while served, never kept. Not
+            # so, 1,558 alternates once shared a node's upload, each shard at a crawl (simulate.py, 2,000 nodes)
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
-        if stranger:  # an alternate serves only what is here: no long poll
-            found = self.store.shard_file(version, name) or self.store.growing(version, name)
-        else:
-            found = self.store.shard_file(version, name)
+        self._lent += child is None
+        try:
+            if stranger:  # an alternate serves only what is here: no long poll
+                found = self.store.shard_file(version, name) or self.store.growing(version, name)
+            else:
+                found = self.store.shard_file(version, name)
+                if found is None:
+                    async with self._waiting(child is not None) as wait_s:
+                        found = await self.store.wait_shard(version, name, wait_s)
             if found is None:
-                async with self._waiting(child is not None) as wait_s:
-                    found = await self.store.wait_shard(version, name, wait_s)
-        if found is None:
-            raise web.HTTPNotFound()
-        # opened right after it was found, with no await between: it cannot be renamed (verified) or moved (its
-        # version finished) meanwhile, as it could while requests waited their turn (a 500 FileNotFoundError)
-        with open(found.path if isinstance(found, Growing) else found, "rb") as f:
-            if isinstance(found, Growing):
-                return await self._stream(request, found, f, child, version)
-            return await self._send(request, f, child, version)
+                raise web.HTTPNotFound()
+            # opened right after it was found, with no await between: it cannot be renamed (verified) or moved (its
+            # version finished) meanwhile, as it could while requests waited their turn (a 500 FileNotFoundError)
+            with open(found.path if isinstance(found, Growing) else found, "rb") as f:
+                if isinstance(found, Growing):
+                    return await self._stream(request, found, f, child, version)
+                return await self._send(request, f, child, version)
+        finally:
+            self._lent -= child is None
 
     async def _stream(
         self, request: web.Request, growing: Growing, f: BinaryIO, child: str | None, version: int = -1

@@ -418,3 +418,39 @@ def test_a_relay_keeps_little_of_a_response_unsent_in_the_kernel() -> None:
 
     assert asyncio.run(main(bounded=True)) <= UNSENT_LOWAT + 64 * 1024
     assert asyncio.run(main(bounded=False)) > 4 * UNSENT_LOWAT  # what the test would see without it
+
+
+def test_an_alternate_uses_a_free_slot_while_it_is_served(tmp_path: Path) -> None:
+    """A node that is not our child (another's child using us as an alternate, or an anonymous client) is served
+    only while a slot is free, and the slot is its own while the response lasts: a second one is refused 503
+    meanwhile, and served once the first is done. Before, every alternate was served at once: in the simulator
+    1,558 nodes took their last shard from one early finisher, each at 1/1,558 of its upload, for 2,000 s."""
+    g = torch.Generator().manual_seed(0)
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 1, {"w": torch.rand(4 << 20, generator=g)}, shard_bytes=32 << 20)
+    shard = "/weights/1/shard-00000.safetensors"
+
+    async def main() -> list[int]:
+        server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1)
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        other = {"X-Intellect-Node": "a" * 32}
+        codes = []
+        try:
+            async with aiohttp.ClientSession() as s1, aiohttp.ClientSession() as s2:
+                async with s1.get(url + shard, headers=other) as first:  # 16 MiB: in flight until it is read
+                    codes.append(first.status)
+                    for headers in (other, {}):  # another alternate, an anonymous client: no slot for them
+                        async with s2.get(url + shard, headers=headers) as r:
+                            codes.append(r.status)
+                    codes.append(len(await first.read()) > 16 << 20)
+                for _ in range(500):  # the first response's handler returns after its last byte was read
+                    if server._lent == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                async with s2.get(url + shard, headers=other) as r:
+                    codes.append(r.status)
+        finally:
+            await http.close()
+        return codes
+
+    assert asyncio.run(main()) == [200, 503, 503, True, 200]
