@@ -111,7 +111,9 @@ def run_ours(
                 assert origin.proc.stdin is not None
                 origin.proc.stdin.write(b"PUBLISH\n")
                 origin.proc.stdin.flush()
-                t0 = _stamp(origin.wait_for_line("PUBLISHED", timeout=300))
+                published = origin.wait_for_line("PUBLISHED", timeout=300)
+                t0 = _stamp(published)
+                write_s = _stamp(published, "written_at") - t0
                 done = [_stamp(node.wait_for_line(f"HOLDING {version} ", timeout=600)) for node in nodes[1:]]
                 times.append(max(done) - t0)
             manifest = (work / "origin" / run_id / str(version) / MANIFEST_NAME).read_bytes()
@@ -124,6 +126,7 @@ def run_ours(
             return {
                 "seconds": times[-1],
                 "first_s": round(times[0], 2),
+                "write_s": round(write_s, 2),
                 "verified": verified,
                 "max_depth": max(depths, default=-1),
                 "settle_s": round(settle_s, 1),
@@ -224,12 +227,12 @@ def main() -> int:
     print()
     print(f"checkpoint {args.size_mb} MiB; every host's upload shaped to {args.mbit:g} Mbit/s with tc in network "
           f"namespaces; ours: {args.shard_mb} MiB shards")  # fmt: skip
-    print(f"{'system':<32}{'N':>4}{'seconds':>10}{'vs bound':>10}  verified  depth  first version s")
+    print(f"{'system':<32}{'N':>4}{'seconds':>10}{'vs bound':>10}  verified  depth  first version s  origin write s")
     for r in rows:
         bound = args.size_mb * 2**20 * 8 / (args.mbit * 1e6)
         secs = float(r["seconds"])  # type: ignore[arg-type]
         print(f"{r['system']:<32}{r['N']:>4}{secs:>10.2f}{secs / bound:>10.2f}  {r['verified']!s:<8}  "
-              f"{r.get('max_depth', '')!s:<5}  {r.get('first_s', '')}")  # fmt: skip
+              f"{r.get('max_depth', '')!s:<5}  {r.get('first_s', '')!s:<15}  {r.get('write_s', '')}")  # fmt: skip
     print()
     for line in summaries:
         print(line)

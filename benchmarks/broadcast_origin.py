@@ -4,7 +4,8 @@ Used by benchmarks/broadcast.py. It holds the run key, starts the first DHT peer
 the signed run spec, the trainer record and a tiny version 0, and prints ``READY {json}``. On the line
 ``PUBLISH`` on stdin it writes version 1 (``--size-mb`` of random fp32 tensors in ``--shard-mb`` shards, signed
 manifest), announces it in the DHT and prints ``PUBLISHED at=<unix time>`` (taken before writing, as the
-baseline's clock starts before it shards and hashes).
+baseline's clock starts before it shards and hashes), ``written_at`` (written, fsynced, and the relays below
+told) and ``ready_at`` (announced in the DHT too).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ async def main(args: argparse.Namespace) -> None:
             version += 1
             await asyncio.to_thread(write_checkpoint, store.root, identity, run_id, version, tensors, per * 4)
             store.added()  # as the trainer does: relays below learn of it through the tree
+            written = time.time()
             await membership.publish_record(record())
-            print(f"PUBLISHED at={started:.6f} ready_at={time.time():.6f}", flush=True)
+            print(f"PUBLISHED at={started:.6f} written_at={written:.6f} ready_at={time.time():.6f}", flush=True)
     finally:
         republish.cancel()
         await http.close()

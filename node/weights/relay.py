@@ -12,8 +12,9 @@ child keeps the slot with the same signed request at least every ``CHILD_TTL_S``
 keeping a slot for each stripe that has no child yet), only while it is itself connected to the origin (its path
 is known) and never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it
 answers 503 with its children, the places to look for one further down. Other nodes (alternates) are served
-only what this node already has, at once and while a slot is free; anonymous clients (curl, a mirror) too, and
-they wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a
+only what this node already has, at once and while a slot is free, which each uses until its response ends;
+anonymous clients (curl, a mirror) too, and they wait for what is arriving only while fewer than
+``MAX_ANON_WAITS`` of them do. An optional upload limit (a
 token bucket over all responses) lets a volunteer cap what the node sends."""
 
 from __future__ import annotations
