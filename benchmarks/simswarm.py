@@ -10,8 +10,9 @@ Mirrored here (the decision lives in async code that cannot be imported; each is
 attaching (``follower._choose``: ask in order, an answer per round trip, a silent one costs ``ASK_STAGGER_S``, a
 503 puts its children first), admitting (``relay.ShardServer._attach``/``_admit``: rooted, not an ancestor,
 slots, a child silent ``CONTESTED_TTL_S`` replaced), leaving a parent (two keep-alives unanswered), the slots
-rule (``fanout``, no spare slot; the origin ``max(k, fanout)``) and the planned rate's inputs. A node at home in a
-stripe takes a leaf's slot there when none is free (``preempt``, as ``relay.ShardServer._preempt_leaf``).
+rule (``fanout``, no spare slot; the origin ``origin_fanout``) and the planned rate's inputs. A node at home in a
+stripe takes a leaf's slot when none is free, and at the origin a stripe under its share a slot of one over it
+(``preempt``: ``stripes.to_release``, as ``relay.ShardServer._make_room``).
 """
 
 from __future__ import annotations
@@ -263,8 +264,14 @@ class Swarm:
             n.slots = self.fixed_slots if n.reachable else 0
             return
         rate = self.plan_rate()
-        if n.idx == ORIGIN:
-            n.slots = max(self.k, st.fanout(n.up, rate, self.k))
+        if n.idx == ORIGIN:  # relay.ShardServer.origin_info: children past their stripe's share give theirs up
+            n.slots = st.origin_fanout(n.up, rate, self.k)
+            active = self.active(n)
+            info = {c: (c[1], not self._interior(*c), v) for c, v in active.items()}
+            for c in st.over_share(info, n.slots, self.k):
+                n.children.pop(c, None)
+                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
+                              self._refused, self.nodes[c[0]], c[1], n)  # fmt: skip
         else:
             f = st.fanout(n.up, rate, self.k)
             n.slots = f + (f >= self.spare_min) if n.reachable else 0
@@ -356,8 +363,8 @@ class Swarm:
 
     def admit(self, t: Node, n: Node, s: int) -> tuple[int, list[int]]:
         """MIRROR of relay.ShardServer._attach/_admit: 200, 409 (not rooted, we are its ancestor, or a new child
-        is ahead of us: _behind) or 503 with its children in the stripe. The origin keeps one slot for each stripe
-        that has no child of it yet."""
+        is ahead of us: _behind) or 503 with its children in the stripe. The origin's slots are shared equally by
+        the stripes (_room)."""
         if not t.alive:
             return 0, []
         if t.idx != ORIGIN and (t.home != s or t.parent[s] < 0):
@@ -375,27 +382,32 @@ class Swarm:
             if self.clock.now - active[silent] >= CONTESTED_TTL_S:
                 t.children.pop(silent, None)
                 active.pop(silent)
-        ok = len(active) < t.slots
-        if not ok and self.preempt and s == n.home and n.reachable and n.slots > 0:
-            # slots are for a stripe's interior first: a node at home in the stripe takes the slot of a leaf there
-            # (a node at home elsewhere, or unreachable), which finds a parent below at its next keep-alive.
-            # Without it, home nodes that come late find their stripe's slots taken by leaves, cannot root
-            # themselves, so offer none of theirs: the stripe never completes (netns N=8 and 16, 25 Mbit/s)
-            leaves = [c for c in active if c[1] == s and not self._interior(*c)]
-            if leaves:
-                c = min(leaves, key=lambda c: active[c])
+        ok = self._room(t, active, s)
+        if not ok and self.preempt:
+            # stripes.to_release, as relay.ShardServer._make_room: a node at home in the stripe takes a leaf's slot
+            # (it finds a parent below at its next keep-alive; without it, home nodes that came late found their
+            # stripe's slots taken by leaves, could not root themselves, so offered none of theirs: netns N=8, 16),
+            # and at the origin a stripe under its share takes a slot of one over it
+            info = {c: (c[1], not self._interior(*c), v) for c, v in active.items()}
+            leaf = not (s == n.home and n.reachable and n.slots > 0)
+            c = st.to_release(info, s, leaf, t.slots, self.k if t.idx == ORIGIN else None)
+            if c is not None:
                 active.pop(c)
                 t.children.pop(c, None)
                 self.stats.preempted += 1
                 self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(t, self.nodes[c[0]]),
                               self._refused, self.nodes[c[0]], c[1], t)  # fmt: skip
-                ok = len(active) < t.slots  # not when its slots were planned down below its children meanwhile
+                ok = self._room(t, active, s)  # not when its slots were planned down below its children meanwhile
         if ok:
             t.children = {c: v for c, v in t.children.items() if c in active}
             t.children[(n.idx, s)] = self.clock.now
             self.publish(t)
             return 200, []
         return 503, [c[0] for c in active if c[1] == s]
+
+    def _room(self, t: Node, active: dict[tuple[int, int], float], s: int) -> bool:
+        """relay.ShardServer._room: ``stripes.has_room`` (the origin's slots shared equally by the stripes)."""
+        return st.has_room([c[1] for c in active], s, t.slots, self.k if t.idx == ORIGIN else None)
 
     def _interior(self, c: int, s: int) -> bool:
         n = self.nodes[c]

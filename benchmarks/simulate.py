@@ -88,6 +88,9 @@ class Scenario:
     seed: int = 0
     preempt: bool = True
     spare_min: int = 10**9
+    publish_at: float = 0.0
+    """When the version is out (t=0 is when the clock starts): the netns benchmark's clock runs while the origin
+    writes it (broadcast.py's "origin write s")."""
     exact: bool = True
     """False: bytes move at ticks only (simnet.Clock), and the home-stripe plan is computed once a simulated
     second at most (Swarm.moves_s), for thousands of nodes."""
@@ -172,7 +175,7 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
         for n in swarm.nodes[1:]:  # no parent to tell it: the trainer's record, read a DHT lag later
             clock.at(sc.dht_lag + rng.random() * 2.0, swarm.fetch.begin, n)
 
-    clock.at(0.0, publish)
+    clock.at(sc.publish_at, publish)
 
     def progress() -> None:  # a long run says how far it got (a run stopped early still tells something)
         print(f"    t={clock.now:.0f}s left={left[0]} events={clock.events} wall={time.monotonic() - started:.0f}s",
@@ -298,7 +301,7 @@ def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
     return Scenario(size=size, shard=2**20, stripes=args.netns_stripes, slots=args.netns_slots or None,
                     origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
                     dht_lag=1.0, tick=0.005, formation=90.0, seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout)  # fmt: skip
+                    spare_min=args.spare_min_fanout, publish_at=args.netns_write_s)  # fmt: skip
 
 
 def main() -> int:
@@ -315,13 +318,15 @@ def main() -> int:
     p.add_argument("--sc-relays", type=int, default=4, help="shardcast's fixed relays")
     p.add_argument("--sc-relay-gbit", type=float, default=10.0)
     p.add_argument("--skip-shardcast", action="store_true")
-    p.add_argument("--hop-lag-s", type=float, default=0.335,
+    p.add_argument("--hop-lag-s", type=float, default=0.22,
                    help="seconds a relay's bytes wait before going on (see the docstring: fits netns)")
     p.add_argument("--dht-lag", type=float, default=3.0, help="seconds until a published record is seen")
     p.add_argument("--tick", type=float, default=0.0, help="rate recomputation period (0: bound / 3000, <= 1 s)")
     p.add_argument("--netns-measured", default="", help="N:seconds,... measured by benchmarks/broadcast.py")
     p.add_argument("--netns-payload", type=float, default=WIRE_PAYLOAD,
                    help="payload share of the netns links' wire rate (Ethernet+IP+TCP headers; 1: none)")
+    p.add_argument("--netns-write-s", type=float, default=0.35,
+                   help="the origin's write of the version, on the netns clock (broadcast.py: origin write s)")
     p.add_argument("--netns-stripes", type=int, default=1)
     p.add_argument("--netns-slots", type=int, default=1, help="0: fan-out from upload (the new default)")
     p.add_argument("--no-preempt", action="store_true", help="a home node does not take a leaf's slot")

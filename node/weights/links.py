@@ -73,7 +73,7 @@ class Link:
 
     def attach_path(self) -> str:
         """Where to ask for (or keep, or give back) the slot; ``home=0``: this node takes no children in the
-        stripe, so its slot goes to one that does when the parent has no free one (relay.ShardServer._preempt_leaf)."""
+        stripe, so its slot goes to one that does when the parent has no free one (relay.ShardServer._make_room)."""
         return f"/relay/attach?stripe={self.stripe}" + ("" if self.home else "&home=0")
 
 

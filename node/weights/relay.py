@@ -9,7 +9,7 @@ keys the run knows, fresh, once, rate-limited per address), which takes one of t
 answers with this node's path from the origin and a token the child names itself with on its other requests; the
 child keeps the slot with the same signed request at least every ``CHILD_TTL_S`` and gives it back with a signed
 ``DELETE /relay/attach``. A node takes children only in its home stripe (stripes.py; the origin in every stripe,
-keeping a slot for each stripe that has no child yet), only while it is itself connected to the origin (its path
+an equal share of its slots in each), only while it is itself connected to the origin (its path
 is known) and never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it
 answers 503 with its children, the places to look for one further down. Other nodes (alternates) are served
 only what this node already has, at once and while a slot is free, which each uses until its response ends;
@@ -37,7 +37,7 @@ from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Ref
 from intellect_node.weights.files import MANIFEST_NAME
 from intellect_node.weights.pacing import TokenBucket, backlogged, bound_unsent, on_the_wire
 from intellect_node.weights.store import Growing, WeightStore
-from intellect_node.weights.stripes import UploadMeter, origin_slots
+from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, to_release
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ShardServer:
         self.home: Callable[[], int | None] = lambda: None
         """The one stripe this node takes children in (None: every stripe, as the origin)."""
         self.home_of: Callable[[str], int | None] = lambda node: None
-        """The stripe a node's record says it takes children in (None: no record; see _preempt_leaf)."""
+        """The stripe a node's record says it takes children in (None: no record; see _make_room)."""
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
@@ -181,36 +181,33 @@ class ShardServer:
         if slots is None:
             self.slots = origin_slots(records, self.upload_bps(), self.stripes)
         self.slots = max(self.slots, self.stripes)  # a slot for each stripe at least: else a stripe has no root
+        info = {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in self._active_children().items()}
+        for child in over_share(info, self.slots, self.stripes):  # told at its next keep-alive (503): it moves
+            logger.info("child %s gives its slot up: past its stripe's share of %d slots", child[:8], self.slots)
+            self._release(child)
         return RelayInfo(depth=0, slots_total=self.slots, slots_free=self.slots_free(), upload_bps=self.upload_bps(),
                          versions=versions[-16:], stripes=self.stripes)  # fmt: skip
 
     def _room(self, child: str) -> bool:
-        """Whether a slot is free for ``child`` (``node/stripe``): serving every stripe, a free slot is kept for
-        each stripe that has no child here yet, so a crowd in one stripe cannot shut the others out."""
-        active = self._children  # as the caller filtered it (a new filter makes a new dict: its writes would be lost)
-        free = self.slots - len(active)
-        if self.home() is not None or free <= 0:
-            return free > 0
-        served, stripe = {c.split("/")[1] for c in active}, child.split("/")[1]
-        empty = sum(1 for s in range(max(1, self.stripes)) if str(s) not in served)
-        return stripe not in served or free > empty  # a stripe's first child always; more if room stays
+        """Whether a slot is free for ``child`` (``node/stripe``): stripes.has_room."""
+        stripes = [int(c.split("/")[1]) for c in self._children]  # as the caller filtered it
+        return has_room(stripes, int(child.split("/")[1]), self.slots, self.stripes if self.home() is None else None)
 
-    def _preempt_leaf(self, child: str) -> None:
-        """A node at home in the stripe asks and no slot is free: a child that is a leaf there gives its slot up
-        (one of the same stripe first). Interior nodes belong high in a stripe's tree, leaves below them: with
-        the origin's one slot per stripe taken by a leaf, that stripe's tree would have no root."""
+    def _make_room(self, child: str, leaf: bool) -> None:
+        """No slot is free for ``child``: a child gives up its slot to it if stripes.to_release says so."""
         active = self._active_children()
-        stripe = child.split("/")[1]
-        leaves = sorted((c for c in self._leaves if c in active), key=lambda c: (c.split("/")[1] != stripe, active[c]))
-        if leaves:
-            logger.info("leaf %s gives its slot to %s, at home in stripe %s", leaves[0][:8], child[:8], stripe)
-            self.metrics.inc("node_relay_leaves_preempted_total", help="leaf children moved down for interior ones")
-            self._release(leaves[0])
+        info = {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in active.items()}
+        stripe = int(child.split("/")[1])
+        out = to_release(info, stripe, leaf, self.slots, self.stripes if self.home() is None else None)
+        if out is not None:
+            logger.info("child %s gives its slot to %s in stripe %d", out[:8], child[:8], stripe)
+            self.metrics.inc("node_relay_leaves_preempted_total", help="children moved for an interior one or a share")
+            self._release(out)
 
     def _admit(self, child: str, leaf: bool = False) -> bool:
         active = self._active_children()
-        if child not in active and not self._room(child) and not leaf:
-            self._preempt_leaf(child)
+        if child not in active and not self._room(child):
+            self._make_room(child, leaf)
             active = self._active_children()
         if child not in active and not self._room(child):
             now = time.monotonic()

@@ -25,12 +25,16 @@ from intellect_node.weights.stripes import (
     UploadMeter,
     choose_home,
     fanout,
+    has_room,
+    origin_fanout,
     origin_slots,
+    over_share,
     planned_rate,
     rehome_moves,
     stripe_capacity,
     stripe_need,
     stripe_of,
+    to_release,
 )
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -92,7 +96,50 @@ def test_the_origin_keeps_a_slot_per_stripe_and_a_fast_one_serves_more() -> None
     recs = {n: _rec(n, bps=25 * MBIT) for n in (_node() for _ in range(16))}
     assert origin_slots(recs, 0.0, 4) == 4
     assert origin_slots(recs, 25 * MBIT, 4) == 4
-    assert origin_slots(recs, 250 * MBIT, 4) >= 20
+    assert origin_slots(recs, 250 * MBIT, 4) >= 20 and origin_slots(recs, 250 * MBIT, 4) % 4 == 0
+    # an upload that carries five stripe rates serves four: a fifth child would give its stripe two fifths of
+    # the origin's upload and every other stripe a fifth (the version 5/4 as long)
+    assert origin_fanout(26 * MBIT, 5 * MBIT, 4) == 4 and origin_fanout(41 * MBIT, 5 * MBIT, 4) == 8
+    assert origin_fanout(1 * MBIT, 5 * MBIT, 4) == 4 and origin_fanout(0.0, 5 * MBIT, 4) == 4
+
+
+def test_each_stripe_gets_an_equal_share_of_the_origins_slots(tmp_path: Path) -> None:
+    """With 8 slots for 4 stripes, 2 per stripe: a third leaf in stripe 0 is refused. Then the slots are planned
+    down to 4 (the origin planned 8 while it had read few records): a child of stripe 0 gives its slot up, the
+    leaf first, and hears so at its next keep-alive; the interior one keeps its slot."""
+    interior, leaf, third, s1 = _node(), _node(), _node(), _node()
+
+    async def main() -> dict[str, object]:
+        server, http, url = await _origin_server(tmp_path, slots=8)
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                out["two"] = [await _attach(session, url, interior, "stripe=0"),
+                              await _attach(session, url, leaf, "stripe=0&home=0")]  # fmt: skip
+                out["third"] = await _attach(session, url, third, "stripe=0&home=0")
+                out["other"] = await _attach(session, url, s1, "stripe=1")
+                server.origin_info({}, [], None)  # from its upload (not measured yet): one slot per stripe
+                out["after"] = [await _attach(session, url, n, q) for n, q in
+                                ((interior, "stripe=0"), (leaf, "stripe=0&home=0"), (s1, "stripe=1"))]  # fmt: skip
+        finally:
+            await http.close()
+        return out
+
+    assert asyncio.run(main()) == {"two": [200, 200], "third": 503, "other": 200, "after": [200, 503, 200]}
+
+
+def test_slot_rules_of_a_relay_and_of_the_origin() -> None:
+    """``has_room`` and ``to_release`` as the relay and the simulator use them (children: stripe, leaf, heard)."""
+    assert has_room([0, 0, 1], 2, 4, None) and not has_room([0, 0, 1, 1], 2, 4, None)  # a relay: slots only
+    assert not has_room([0], 0, 4, 4) and has_room([0], 1, 4, 4)  # the origin: a share per stripe
+    assert has_room([], 0, 1, 4) and not has_room([2], 0, 1, 4)  # fewer slots than stripes: a share of 1
+    kids = {"a": (0, False, 1.0), "b": (0, True, 5.0), "c": (1, True, 2.0), "d": (2, False, 0.0)}
+    assert to_release(kids, 3, False, 4, None) == "c"  # a relay: the leaf heard from longest ago
+    assert to_release(kids, 0, False, 4, None) == "b"  # one of the same stripe first
+    assert to_release(kids, 3, True, 4, None) is None  # a leaf moves no one
+    assert to_release(kids, 3, True, 4, 4) == "b"  # the origin: stripe 3 has none, stripe 0 two: a leaf of it
+    assert to_release(kids, 1, False, 4, 4) == "c" and to_release(kids, 2, False, 4, 4) is None
+    assert over_share(kids, 4, 4) == ["b"] and sorted(over_share(kids, 8, 4)) == []
 
 
 def test_joining_nodes_lean_to_where_capacity_is_lowest_and_simultaneous_joiners_spread() -> None:
@@ -264,7 +311,8 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
         run = Identity.generate()
         tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(16)}
         write_checkpoint(tmp_path / str(home), run, run.node_id, 1, tensors, 4096)  # 4 shards a stripe
-        server = ShardServer(WeightStore(tmp_path / str(home), run.node_id), Metrics(), slots=8, node_id=ORIGIN)
+        slots = 8 if home is not None else 32  # the origin: 8 a stripe
+        server = ShardServer(WeightStore(tmp_path / str(home), run.node_id), Metrics(), slots=slots, node_id=ORIGIN)
         server.path, server.stripes, server.home = lambda: [ORIGIN], 4, lambda: home
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
@@ -279,4 +327,4 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
         return out
 
     assert asyncio.run(asks(1)) == [409, 200, 409, 200, 200, 200]  # garbage counts as nothing said
-    assert asyncio.run(asks(None))[:5] == [200] * 5  # (its sixth in one stripe: slots kept for the others)
+    assert asyncio.run(asks(None)) == [200] * 6
