@@ -3,8 +3,9 @@
 Runs the project's own tree code (benchmarks/simswarm.py: ``stripes``, ``tree.parents``/``below``/``holders``,
 ``fetch.pick_source``/``Source``, real ``NodeRecord``s with a DHT lag) against a flow-level network
 (benchmarks/simnet.py: every node's upload and download shared max-min fair by its transfers, cut-through relaying
-with a per-hop lag, latency per node, nodes that vanish mid-transfer). No packets: 1,000 nodes take a minute or
-two, 2,000 four (`--coarse`); 10,000 do not finish forming their trees within the hour (README).
+with a per-hop lag, latency per node, nodes that vanish mid-transfer). No packets: 1,000 nodes take under a
+minute, 2,000 two and a half (`--coarse`), 10,000 about 20 minutes without churn and under an hour with it
+(`--coarse`; the formation is 7-8 minutes of it: README).
 
 Population (``--dc-share``, ``--nat``): volunteers are residential (upload log-uniform 10-300 Mbit/s, download 10x
 that within 100-1,000 Mbit/s, one-way latency 5-40 ms) or in a datacenter (upload 500-1,000 Mbit/s, download
@@ -22,16 +23,16 @@ that poll it every 30 s, clients spread over the relays that poll every 30 s; wh
 Per-hop lag: a relay passes on a stripe's bytes ``--hop-lag-s`` seconds after it received them. The relay is
 cut-through (64 KiB pieces), so what a level adds is time in buffers: the kernel's send queue and the link's own
 queue (tbf in netns, the modem at home), which drain at the link's rate whatever the shard size. The measured
-old-chain netns figures grow by about one 1 MiB shard's transfer time at 25 Mbit/s per hop (0.335 s), which fits
-them within 3% (a quarter of it: up to 14% short): a calibration of one parameter on three figures, not a
+old-chain netns figures grow by about 0.22 s a hop, which fits them within 2% (with the links' payload rate and
+the origin's write time modelled; 0.335 s before): a calibration of one parameter on three figures, not a
 prediction of them. (It was a lag in bytes before, one shard: the same in the chain, but four times the time for
 a stripe at a quarter of the rate, and 19 s a hop for a 64 MiB shard.)
 
 Validation: the network-namespace benchmark (benchmarks/broadcast.py) simulated: origin + N receivers, every
 upload 25 Mbit/s, downloads unlimited, 0.1 ms LAN latency, 64 MiB in 1 MiB shards, 90 s to form the tree, the
-old single tree by default (``--netns-stripes 1 --netns-slots 1``: within 3%; the striped default,
-``--netns-stripes 4 --netns-slots 0``, reads 12-13% low: the origin's write and TCP's uneven sharing are not
-modelled), against measured seconds given as ``--netns-measured N:s,...``.
+old single tree by default (``--netns-stripes 1 --netns-slots 1``: within 2%; the striped default,
+``--netns-stripes 4 --netns-slots 0``, reads 1-17% low: TCP's uneven sharing of one upload is not modelled),
+against measured seconds given as ``--netns-measured N:s,...``.
 
     python benchmarks/simulate.py [--nodes 100 1000] [--size-gb 62] [--churn 0.1] [--netns-measured 4:23.01,...]
 
