@@ -19,6 +19,7 @@ from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
 from intellect_node.weights.pacing import _SIOCOUTQNSD, UNSENT_LOWAT, bound_unsent
@@ -454,3 +455,38 @@ def test_an_alternate_uses_a_free_slot_while_it_is_served(tmp_path: Path) -> Non
         return codes
 
     assert asyncio.run(main()) == [200, 503, 503, True, 200]
+
+
+def test_a_member_hogging_free_slots_with_slow_downloads_keeps_no_child_out(tmp_path: Path) -> None:
+    """The grudge: hold every free slot of the origin with downloads read slowly, so others are refused. It
+    refuses other alternates while it lasts (that is the rule), but a child still attaches and is served: a
+    request uses a free slot, it never keeps one from a child."""
+    g = torch.Generator().manual_seed(1)
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 1, {"w": torch.rand(4 << 20, generator=g)}, shard_bytes=32 << 20)
+    shard = "/weights/1/shard-00000.safetensors"
+    child = Identity.generate()
+
+    async def main() -> list[object]:
+        server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1, node_id=RUN)
+        server.path = lambda: [RUN]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        out: list[object] = []
+        try:
+            async with aiohttp.ClientSession() as hog, aiohttp.ClientSession() as s:
+                async with hog.get(url + shard) as held:  # anonymous, never read: the slot stays in use
+                    out.append(held.status)
+                    async with s.get(url + shard, headers={"X-Intellect-Node": "b" * 32}) as r:
+                        out.append(r.status)
+                    query = "/relay/attach?stripe=0"
+                    async with s.post(url + query, headers=signed_headers(child, "POST", query, RUN)) as r:
+                        out.append(r.status)
+                        token = (await r.json())["token"]
+                    headers = {"X-Intellect-Node": child.node_id, "X-Intellect-Token": token}
+                    async with s.get(url + shard, headers=headers) as r:
+                        out.append((r.status, len(await r.read()) > 16 << 20))
+        finally:
+            await http.close()
+        return out
+
+    assert asyncio.run(main()) == [200, 503, 200, (200, True)]
