@@ -266,9 +266,7 @@ class Swarm:
         rate = self.plan_rate()
         if n.idx == ORIGIN:  # relay.ShardServer.origin_info: children past their stripe's share give theirs up
             n.slots = st.origin_fanout(n.up, rate, self.k)
-            active = self.active(n)
-            info = {c: (c[1], not self._interior(*c), v) for c, v in active.items()}
-            for c in st.over_share(info, n.slots, self.k):
+            for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k):
                 n.children.pop(c, None)
                 self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
                               self._refused, self.nodes[c[0]], c[1], n)  # fmt: skip
@@ -388,9 +386,8 @@ class Swarm:
             # (it finds a parent below at its next keep-alive; without it, home nodes that came late found their
             # stripe's slots taken by leaves, could not root themselves, so offered none of theirs: netns N=8, 16),
             # and at the origin a stripe under its share takes a slot of one over it
-            info = {c: (c[1], not self._interior(*c), v) for c, v in active.items()}
             leaf = not (s == n.home and n.reachable and n.slots > 0)
-            c = st.to_release(info, s, leaf, t.slots, self.k if t.idx == ORIGIN else None)
+            c = st.to_release(self._child_info(active), s, leaf, t.slots, self.k if t.idx == ORIGIN else None)
             if c is not None:
                 active.pop(c)
                 t.children.pop(c, None)
@@ -408,6 +405,10 @@ class Swarm:
     def _room(self, t: Node, active: dict[tuple[int, int], float], s: int) -> bool:
         """relay.ShardServer._room: ``stripes.has_room`` (the origin's slots shared equally by the stripes)."""
         return st.has_room([c[1] for c in active], s, t.slots, self.k if t.idx == ORIGIN else None)
+
+    def _child_info(self, active: dict[tuple[int, int], float]) -> dict[tuple[int, int], tuple[int, bool, float]]:
+        """As relay.ShardServer._child_info: each child's stripe, whether it is a leaf there, when last heard."""
+        return {c: (c[1], not self._interior(*c), v) for c, v in active.items()}
 
     def _interior(self, c: int, s: int) -> bool:
         n = self.nodes[c]

@@ -181,8 +181,7 @@ class ShardServer:
         if slots is None:
             self.slots = origin_slots(records, self.upload_bps(), self.stripes)
         self.slots = max(self.slots, self.stripes)  # a slot for each stripe at least: else a stripe has no root
-        info = {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in self._active_children().items()}
-        for child in over_share(info, self.slots, self.stripes):  # told at its next keep-alive (503): it moves
+        for child in over_share(self._child_info(), self.slots, self.stripes):  # told at its next keep-alive (503)
             logger.info("child %s gives its slot up: past its stripe's share of %d slots", child[:8], self.slots)
             self._release(child)
         return RelayInfo(depth=0, slots_total=self.slots, slots_free=self.slots_free(), upload_bps=self.upload_bps(),
@@ -193,12 +192,14 @@ class ShardServer:
         stripes = [int(c.split("/")[1]) for c in self._children]  # as the caller filtered it
         return has_room(stripes, int(child.split("/")[1]), self.slots, self.stripes if self.home() is None else None)
 
+    def _child_info(self) -> dict[str, tuple[int, bool, float]]:
+        """Each child slot's stripe, whether it is a leaf there, and when it was last heard from (stripes.py)."""
+        return {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in self._active_children().items()}
+
     def _make_room(self, child: str, leaf: bool) -> None:
         """No slot is free for ``child``: a child gives up its slot to it if stripes.to_release says so."""
-        active = self._active_children()
-        info = {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in active.items()}
         stripe = int(child.split("/")[1])
-        out = to_release(info, stripe, leaf, self.slots, self.stripes if self.home() is None else None)
+        out = to_release(self._child_info(), stripe, leaf, self.slots, self.stripes if self.home() is None else None)
         if out is not None:
             logger.info("child %s gives its slot to %s in stripe %d", out[:8], child[:8], stripe)
             self.metrics.inc("node_relay_leaves_preempted_total", help="children moved for an interior one or a share")

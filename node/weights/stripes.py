@@ -105,6 +105,11 @@ def origin_fanout(origin_bps: float, stripe_bps: float, stripes: int) -> int:
     return n - n % k
 
 
+def share(slots: int, stripes: int) -> int:
+    """Children the origin takes in each stripe: an equal share of its slots, one at least."""
+    return max(1, slots // max(1, stripes))
+
+
 def has_room(stripes_of_children: list[int], stripe: int, slots: int, stripes: int | None) -> bool:
     """Whether a node with children in ``stripes_of_children`` (one entry per child) takes another in
     ``stripe``. ``stripes``: set for the origin, which serves every stripe and gives each an equal share of its
@@ -112,7 +117,7 @@ def has_room(stripes_of_children: list[int], stripe: int, slots: int, stripes: i
     upload: ``origin_fanout``); None for a relay (its home stripe only)."""
     if stripes is None or len(stripes_of_children) >= slots:
         return len(stripes_of_children) < slots
-    return stripes_of_children.count(stripe) < max(1, slots // max(1, stripes))
+    return stripes_of_children.count(stripe) < share(slots, stripes)
 
 
 def to_release(children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bool, slots: int,
@@ -128,10 +133,10 @@ def to_release(children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bo
         return children[c][0] != stripe, not children[c][1], children[c][2]
 
     if stripes is not None:
-        share = max(1, slots // max(1, stripes))
+        each = share(slots, stripes)
         count = Counter(x[0] for x in children.values())
-        over = [c for c, x in children.items() if count[x[0]] > share]
-        if count[stripe] < share and over:
+        over = [c for c, x in children.items() if count[x[0]] > each]
+        if count[stripe] < each and over:
             return min(over, key=key)
     mine = [c for c, x in children.items() if x[1] and not (stripes is not None and x[0] != stripe)]
     return min(mine, key=key) if mine and not leaf else None
@@ -141,11 +146,11 @@ def over_share(children: dict[T, tuple[int, bool, float]], slots: int, stripes: 
     """The origin's children past their stripe's share of its slots (``has_room``), leaves first, then those
     heard from longest ago: its slots were planned down (early on, with few records read, the origin planned 16),
     and a stripe with two children of the origin gets its data sent twice. ``children`` as ``to_release``."""
-    share = max(1, slots // max(1, stripes))
+    each = share(slots, stripes)
     out: list[T] = []
     for s in {x[0] for x in children.values()}:
         mine = sorted((c for c, x in children.items() if x[0] == s), key=lambda c: (not children[c][1], children[c][2]))
-        out += mine[: max(0, len(mine) - share)]
+        out += mine[: max(0, len(mine) - each)]
     return out
 
 
