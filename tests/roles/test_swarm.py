@@ -200,8 +200,10 @@ def test_batch_signed_by_unknown_key_is_rejected_and_counted(swarm: Swarm) -> No
 
 
 def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) -> None:
-    # A registered node (its real key) replays work on version 0 while the trainer is at STEPS > async_level.
-    worker_key = load_or_create(swarm.root / "inference-0" / "node.key")
+    # A registered node replays work on version 0 while the trainer is at STEPS > async_level. (A key of its own:
+    # a running worker's key may still be on probation with its one batch being judged, and is then told busy.)
+    worker_key = Identity.generate()
+    _register(swarm, worker_key)
     before = _rejections(swarm).get("stale_version", 0)
     reply = asyncio.run(_submit(swarm, seal(worker_key, _batch(worker_key, swarm, 0, 10_000))))
     assert not reply.ok and reply.reason == "stale_version"
@@ -211,7 +213,8 @@ def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) ->
 def test_a_batch_of_another_run_epoch_is_refused_before_any_work(swarm: Swarm) -> None:
     # A registered node replays a batch made before the run was started over (its version numbers name other
     # weights now): refused at the door as wrong_epoch, counted, nothing queued for validation.
-    worker_key = load_or_create(swarm.root / "inference-0" / "node.key")
+    worker_key = Identity.generate()
+    _register(swarm, worker_key)
     before = _rejections(swarm).get("wrong_epoch", 0)
     old = _batch(worker_key, swarm, swarm.status()["step"], 30_000).model_copy(update={"epoch": swarm.epoch - 1})
     reply = asyncio.run(_submit(swarm, seal(worker_key, old)))
