@@ -264,15 +264,16 @@ class Swarm:
             n.slots = self.fixed_slots if n.reachable else 0
             return
         rate = self.plan_rate()
-        if n.idx == ORIGIN:  # relay.ShardServer.origin_info: children past their stripe's share give theirs up
+        if n.idx == ORIGIN:
             n.slots = st.origin_fanout(n.up, rate, self.k)
-            for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k):
-                n.children.pop(c, None)
-                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
-                              self._refused, self.nodes[c[0]], c[1], n)  # fmt: skip
         else:
             f = st.fanout(n.up, rate, self.k)
             n.slots = f + (f >= self.spare_min) if n.reachable else 0
+        # relay.ShardServer.shed: children past the slots (at the origin, past their stripe's share) give theirs up
+        for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k if n.idx == ORIGIN else 1):
+            n.children.pop(c, None)
+            self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
+                          self._refused, self.nodes[c[0]], c[1], n)  # fmt: skip
 
     # ---------------------------------------------------------------- joining, attaching, leaving
     def join(self, n: Node) -> None:

@@ -184,6 +184,7 @@ class WeightFollower(Attachments):
         mine = self.server.upload_bps() or self.server.upload_limit_bps
         rate = self._rate({n: r for n, (_, r) in self._seen.items()})
         self.server.slots = fanout(mine, rate, len(self.links))
+        self.server.shed()
         return self.server.slots
 
     def relay_info(self) -> RelayInfo | None:

@@ -143,9 +143,10 @@ def to_release(children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bo
 
 
 def over_share(children: dict[T, tuple[int, bool, float]], slots: int, stripes: int) -> list[T]:
-    """The origin's children past their stripe's share of its slots (``has_room``), leaves first, then those
-    heard from longest ago: its slots were planned down (early on, with few records read, the origin planned 16),
-    and a stripe with two children of the origin gets its data sent twice. ``children`` as ``to_release``."""
+    """Children past their stripe's share of a node's slots (``has_room``; ``stripes`` 1 for a relay, all its
+    children in its home stripe), leaves first, then those heard from longest ago: its slots were planned down
+    (early on, with few records read, the origin planned 16), and a stripe with two children of the origin gets
+    its data sent twice. ``children`` as ``to_release``."""
     each = share(slots, stripes)
     out: list[T] = []
     for s in {x[0] for x in children.values()}:

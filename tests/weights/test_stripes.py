@@ -128,6 +128,32 @@ def test_each_stripe_gets_an_equal_share_of_the_origins_slots(tmp_path: Path) ->
     assert asyncio.run(main()) == {"two": [200, 200], "third": 503, "other": 200, "after": [200, 503, 200]}
 
 
+def test_a_relay_whose_slots_are_planned_down_sheds_children_past_them(tmp_path: Path) -> None:
+    """A relay at home in stripe 1 took three children while it planned 3 slots (early on, with few records
+    read); planned down to 2, the leaf gives its slot up and hears so at its next keep-alive, the two at home
+    keep theirs (kept, the three would each get two thirds of a child's rate, and their subtrees with them)."""
+    a, b, leaf = _node(), _node(), _node()
+
+    async def main() -> dict[str, object]:
+        server, http, url = await _origin_server(tmp_path, slots=3, home=1)
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                kids = ((a, "stripe=1"), (leaf, "stripe=1&home=0"), (b, "stripe=1"))
+                out["three"] = [await _attach(session, url, n, q) for n, q in kids]
+                server.slots = 2
+                server.shed()
+                out["after"] = [await _attach(session, url, n, q) for n, q in kids]
+                out["children"] = server.children()
+        finally:
+            await http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["three"] == [200, 200, 200] and out["after"] == [200, 503, 200]
+    assert out["children"] == sorted([a, b])
+
+
 def test_slot_rules_of_a_relay_and_of_the_origin() -> None:
     """``has_room`` and ``to_release`` as the relay and the simulator use them (children: stripe, leaf, heard)."""
     assert has_room([0, 0, 1], 2, 4, None) and not has_room([0, 0, 1, 1], 2, 4, None)  # a relay: slots only
@@ -140,6 +166,8 @@ def test_slot_rules_of_a_relay_and_of_the_origin() -> None:
     assert to_release(kids, 3, True, 4, 4) == "b"  # the origin: stripe 3 has none, stripe 0 two: a leaf of it
     assert to_release(kids, 1, False, 4, 4) == "c" and to_release(kids, 2, False, 4, 4) is None
     assert over_share(kids, 4, 4) == ["b"] and sorted(over_share(kids, 8, 4)) == []
+    relay = {"a": (1, False, 1.0), "b": (1, True, 5.0), "c": (1, False, 0.0)}  # a relay: all in its home stripe
+    assert over_share(relay, 2, 1) == ["b"] and over_share(relay, 1, 1) == ["b", "c"] and over_share(relay, 3, 1) == []
 
 
 def test_joining_nodes_lean_to_where_capacity_is_lowest_and_simultaneous_joiners_spread() -> None:
