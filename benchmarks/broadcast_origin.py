@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -95,4 +96,5 @@ if __name__ == "__main__":
     p.add_argument("--shard-mb", type=int, default=1)
     p.add_argument("--upload-limit-mbps", type=float, help="in-process upload cap (when tc is not available)")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(main(p.parse_args()))

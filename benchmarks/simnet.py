@@ -5,7 +5,9 @@ the stripe's shards in manifest order, so they pipeline and hide each request's 
 stream in order). A stream has one source at a time (its parent in that stripe, or an alternate for a shard).
 
 Rates: max-min fair over every node's upload and download capacity, computed by alternating water-filling at the
-uploads and at the downloads (two rounds each: exact when one side binds, close otherwise), with a cap per flow
+uploads and at the downloads (two rounds each: exact when one side binds, close otherwise); with ``unfair`` > 0,
+weighted by each connection's fixed weight (``tcp_weights``: TCP shares a link unevenly, and a connection it
+favours keeps its edge for the whole transfer, as measured in the netns runs), with a cap per flow
 for cut-through: a child cannot be ahead of the bytes its source held ``lag`` seconds ago (what waits in the relay's
 buffers and its link's queue before it goes on: the source's bytes less ``lag`` times the rate it receives them);
 a child that has caught up is capped at its source's own incoming rate. Rates are recomputed at every tick
@@ -28,29 +30,50 @@ Side = tuple[int, int, int, float]
 """A side transfer that ended: (node, stripe, source, seconds it took)."""
 
 
-def waterfill(group: np.ndarray, demand: np.ndarray, cap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Max-min fair shares: each group's capacity ``cap[g]`` split among its flows, none above its ``demand``.
-    Returns (rates, level per group); a group that is not saturated has level inf."""
+def waterfill(
+    group: np.ndarray, demand: np.ndarray, cap: np.ndarray, weight: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted max-min fair shares: each group's capacity ``cap[g]`` split among its flows in proportion to
+    ``weight`` (all 1: max-min fair), none above its ``demand``. Returns (rates, level per group): a flow of a
+    saturated group gets ``min(demand, weight * level)``; a group that is not saturated has level inf."""
     n = len(demand)
     level = np.full(len(cap), INF)
     if n == 0:
         return demand.copy(), level
-    order = np.lexsort((demand, group))
-    g = group[order]
-    d = np.minimum(demand[order], cap[g])  # no flow gets more than its whole group: keeps the sums finite
+    w = np.ones(n) if weight is None else weight
+    d_all = np.minimum(demand, cap[group])  # no flow gets more than its whole group: keeps the sums finite
+    order = np.lexsort((d_all / w, group))
+    g, d, wo = group[order], d_all[order], w[order]
     counts = np.bincount(g, minlength=len(cap))
     starts = np.cumsum(counts) - counts
-    rem = counts[g] - (np.arange(n) - starts[g])  # flows from this one to the group's end
-    csum = np.cumsum(d)
+    csum, wsum = np.cumsum(d), np.cumsum(wo)
     prev = csum - d - np.concatenate(([0.0], csum))[starts][g]  # demands below this one in its group
-    sat = np.nonzero(prev + d * rem >= cap[g])[0]
+    wtot = np.bincount(g, weights=wo, minlength=len(cap))
+    wrem = wtot[g] - (wsum - wo - np.concatenate(([0.0], wsum))[starts][g])  # weights from this one to the end
+    sat = np.nonzero(prev + d / wo * wrem >= cap[g])[0]
     if len(sat):
         gs, first = np.unique(g[sat], return_index=True)
         k = sat[first]
-        level[gs] = (cap[gs] - prev[k]) / rem[k]
+        level[gs] = (cap[gs] - prev[k]) / wrem[k]
     out = np.empty(n)
-    out[order] = np.minimum(d, level[g])
+    out[order] = np.minimum(d, wo * level[g])
     return out, level
+
+
+def tcp_weights(rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray, spread: float, seed: int) -> np.ndarray:
+    """Each connection's weight in the sharing of a bottleneck: log-uniform with standard deviation ``spread``
+    of its log, fixed for the connection (receiver, stripe, source) and the seed; 1 everywhere at spread 0."""
+    if spread <= 0:
+        return np.ones(len(rows))
+    h = (rows.astype(np.uint64) * np.uint64(0x9E3779B1) + cols.astype(np.uint64) * np.uint64(0x85EBCA77)
+         + srcs.astype(np.uint64) * np.uint64(0xC2B2AE3D) + np.uint64(seed * 0x27D4EB2F + 1))  # fmt: skip
+    h ^= h >> np.uint64(15)
+    h *= np.uint64(0x2C1B3C6D)
+    h ^= h >> np.uint64(12)
+    h *= np.uint64(0x297A2D39)
+    h ^= h >> np.uint64(15)
+    u = (h & np.uint64(0xFFFFFF)).astype(float) / float(0x1000000)
+    return np.exp(spread * np.sqrt(3.0) * (2.0 * u - 1.0))
 
 
 class Net:
@@ -59,8 +82,11 @@ class Net:
     flight); ``want``: the node is receiving the version. ``store_forward``: a source passes on whole shards
     only (shardcast), else cut-through ``lag`` seconds behind."""
 
-    def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False) -> None:
+    def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False,
+                 unfair: float = 0.0, seed: int = 0) -> None:  # fmt: skip
         k = len(need)
+        self.unfair, self.seed = unfair, seed
+        """``unfair``: the spread of TCP's uneven sharing of one link (tcp_weights); 0: max-min fair."""
         self.need = np.array(need, dtype=float)
         self.shard, self.lag, self.store_forward = shard, lag, store_forward
         self.up = np.zeros(n)
@@ -136,10 +162,11 @@ class Net:
         if len(cap) == 0:
             self.side_rate = np.zeros(0)
             return
-        r, _ = waterfill(g_up, cap, self.up)
-        r, down_level = waterfill(g_down, r, self.down)
-        r, _ = waterfill(g_up, np.minimum(cap, down_level[g_down]), self.up)
-        r, _ = waterfill(g_down, r, self.down)
+        w = tcp_weights(g_down, np.concatenate([cols, s_rows * 0 + self.need.size]), g_up, self.unfair, self.seed)
+        r, _ = waterfill(g_up, cap, self.up, w)
+        r, down_level = waterfill(g_down, r, self.down, w)
+        r, _ = waterfill(g_up, np.minimum(cap, w * down_level[g_down]), self.up, w)
+        r, _ = waterfill(g_down, r, self.down, w)
         self.rate[rows, cols] = r[: len(rows)]
         self.side_rate = r[len(rows) :]
 

@@ -92,6 +92,8 @@ class Scenario:
     publish_at: float = 0.0
     """When the version is out (t=0 is when the clock starts): the netns benchmark's clock runs while the origin
     writes it (broadcast.py's "origin write s")."""
+    unfair: float = 0.0
+    """TCP's uneven sharing of a link: the spread of each connection's weight (simnet.tcp_weights)."""
     exact: bool = True
     """False: bytes move at ticks only (simnet.Clock), and the home-stripe plan is computed once a simulated
     second at most (Swarm.moves_s), for thousands of nodes."""
@@ -141,7 +143,7 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     started = time.monotonic()
     rng = random.Random(sc.seed)
     total = 1 + len(sc.peers) + len(sc.joiners)
-    net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag)
+    net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag, unfair=sc.unfair, seed=sc.seed)
     clock = Clock(net, sc.tick, start=-sc.formation - 30.0, exact=sc.exact)
     swarm = Swarm(net, clock, sc.stripes, sc.dht_lag, rng, fixed_slots=sc.slots, preempt=sc.preempt,
                   spare_min=sc.spare_min, moves_s=0.0 if sc.exact else 1.0)
@@ -231,7 +233,7 @@ def run_shardcast(sc: Scenario, relays: int, relay_bps: float, poll_s: float = 3
     started = time.monotonic()
     rng = random.Random(sc.seed + 1)
     everyone = [sc.origin, *[Peer(relay_bps, relay_bps, True, 0.005)] * relays, *sc.peers, *sc.joiners]
-    net = Net(len(everyone), [sc.size], sc.shard, 0.0, store_forward=True)
+    net = Net(len(everyone), [sc.size], sc.shard, 0.0, store_forward=True, unfair=sc.unfair, seed=sc.seed)
     clock = Clock(net, sc.tick, exact=sc.exact)
     for i, p in enumerate(everyone):
         net.up[i], net.down[i] = p.up, p.down
@@ -288,7 +290,7 @@ def scale_scenario(args: argparse.Namespace, n: int, churn: float) -> Scenario:
                     lag=args.hop_lag_s, dht_lag=args.dht_lag,
                     tick=args.tick or min(1.0, max(0.005, b / 3000)),
                     formation=max(60.0, n / 50), seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout, exact=not args.coarse)  # fmt: skip
+                    spare_min=args.spare_min_fanout, exact=not args.coarse, unfair=args.tcp_spread)  # fmt: skip
 
 
 WIRE_PAYLOAD = 1448 / 1514
@@ -303,7 +305,8 @@ def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
     return Scenario(size=size, shard=2**20, stripes=args.netns_stripes, slots=args.netns_slots or None,
                     origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
                     dht_lag=1.0, tick=0.005, formation=90.0, seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout, publish_at=args.netns_write_s)  # fmt: skip
+                    spare_min=args.spare_min_fanout, publish_at=args.netns_write_s,
+                    unfair=args.tcp_spread)  # fmt: skip
 
 
 def main() -> int:
@@ -335,6 +338,8 @@ def main() -> int:
     p.add_argument("--no-preempt", action="store_true", help="a home node does not take a leaf's slot")
     p.add_argument("--spare-min-fanout", type=int, default=10**9,
                    help="a spare slot from this fan-out up (default: none, as the node)")
+    p.add_argument("--tcp-spread", type=float, default=0.0,
+                   help="TCP's uneven sharing of a link: std of the log of each connection's weight (0: fair)")
     p.add_argument("--coarse", action="store_true", help="scale runs: bytes move at ticks only (simnet.Clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="where the last node's time went")

@@ -20,7 +20,7 @@ import simulate  # noqa: E402
 
 ARGS = argparse.Namespace(
     seed=3, dc_share=0.1, nat=0.25, size_gb=2.0, shard_mib=64.0, stripes=4, origin_gbit=10.0, hop_lag_s=0.335,
-    dht_lag=3.0, tick=0.0, no_preempt=False, spare_min_fanout=0, coarse=False,
+    dht_lag=3.0, tick=0.0, no_preempt=False, spare_min_fanout=0, coarse=False, tcp_spread=0.0,
 )  # fmt: skip
 
 
@@ -75,6 +75,7 @@ def test_a_small_swarm_with_churn_and_nat_gets_the_whole_version_through_the_pro
         assert all(p >= 0 and swarm.nodes[p].alive for p in n.parent), (n.idx, n.parent)
     assert not any(n.children for n in swarm.nodes[1:] if not n.reachable)  # NAT nodes are never parents
     assert swarm.over_slots == []
+    assert all(len(swarm.active(n)) <= n.slots for n in alive)  # nor kept more than its slots once planned down
 
     assert swarm.orphaned  # parents did leave mid-broadcast, and each child that stayed found another
     for c, s in swarm.orphaned:
