@@ -9,13 +9,12 @@ keys the run knows, fresh, once, rate-limited per address), which takes one of t
 answers with this node's path from the origin and a token the child names itself with on its other requests; the
 child keeps the slot with the same signed request at least every ``CHILD_TTL_S`` and gives it back with a signed
 ``DELETE /relay/attach``. A node takes children only in its home stripe (stripes.py; the origin in every stripe,
-an equal share of its slots in each), only while it is itself connected to the origin (its path
-is known) and never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it
-answers 503 with its children, the places to look for one further down. Other nodes (alternates) are served
-only what this node already has, at once and while a slot is free, which each uses until its response ends;
-anonymous clients (curl, a mirror) too, and they wait for what is arriving only while fewer than
-``MAX_ANON_WAITS`` of them do. An optional upload limit (a
-token bucket over all responses) lets a volunteer cap what the node sends."""
+an equal share of its slots in each), only while it is itself connected to the origin (its path is known) and
+never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with
+its children, the places to look for one further down. Other nodes (alternates) are served only what this node
+already has, at once and while a slot is free, which each uses until its response ends; anonymous clients (curl,
+a mirror) too, and they wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An
+optional upload limit (a token bucket over all responses) lets a volunteer cap what the node sends."""
 
 from __future__ import annotations
 
@@ -46,7 +45,8 @@ VERSION_HEADER = "X-Intellect-Version"
 VERIFIED_HEADER = "X-Intellect-Verified"
 """'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
 STREAM_STALL_S = 15.0
-"""A cut-through response whose upstream bytes stop arriving this long is cut short."""
+"""A response that cannot move on this long is cut short: its upstream bytes (cut-through) stop, or its receiver
+reads nothing."""
 SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_PATH = 1024
 CHILD_TTL_S = 10.0
@@ -276,8 +276,7 @@ class ShardServer:
         return self.store.held(int(v), stripe, self.stripes) + BEHIND_SHARDS < int(have) // 2
 
     async def _detach(self, request: web.Request) -> web.Response:
-        """A child that moved elsewhere gives its slot back at once (else it frees after ``CHILD_TTL_S``); only
-        the child itself can (signed), so nobody evicts another node's child."""
+        """A child that moved elsewhere gives its slot back now (else after ``CHILD_TTL_S``); only itself can."""
         node = await self._authentic(request)
         self._release(f"{node}/{self._stripe_wanted(request)}")
         return web.Response(status=204)
@@ -438,7 +437,11 @@ class ShardServer:
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         behind = backlogged(request)
-        await resp.write(chunk)
+        try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
+            await within(resp.write(chunk), STREAM_STALL_S)
+        except TimeoutError:
+            self.metrics.inc("node_relay_responses_stalled_total", help="responses cut: nothing read for a while")
+            raise ConnectionResetError("the receiver read nothing") from None
         self.meter.sent(on_the_wire(request, len(chunk)), time.monotonic(), backlogged=behind)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights import relay
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
@@ -487,3 +488,44 @@ def test_a_member_hogging_free_slots_with_slow_downloads_keeps_no_child_out(tmp_
         return out
 
     assert asyncio.run(main()) == [200, 503, 200, (200, True)]
+
+
+def test_a_reader_that_reads_nothing_loses_its_slot_and_gets_a_cut_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grudge above, kept up: a download never read would hold the relay's free slot for ever (a write
+    waiting on a full socket has no end of its own). A response that cannot move on for ``STREAM_STALL_S`` is
+    cut: the slot serves the next alternate, and the reader gets a short body, never a complete wrong one."""
+    monkeypatch.setattr(relay, "STREAM_STALL_S", 0.5)
+    g = torch.Generator().manual_seed(1)
+    write_checkpoint(tmp_path, RUN_KEY, RUN, 1, {"w": torch.rand(8 << 20, generator=g)}, shard_bytes=64 << 20)
+    shard = "/weights/1/shard-00000.safetensors"
+
+    async def main() -> list[object]:
+        server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1, node_id=RUN)
+        server.path = lambda: [RUN]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        out: list[object] = []
+        try:
+            async with aiohttp.ClientSession() as hog, aiohttp.ClientSession() as s:
+                async with hog.get(url + shard) as held:
+                    out.append(held.status)
+                    async with s.get(url + shard, headers={"X-Intellect-Node": "b" * 32}) as r:
+                        out.append(r.status)  # the slot is in use
+                    for _ in range(200):  # until the relay cuts the response that does not move
+                        if server._lent == 0:
+                            break
+                        await asyncio.sleep(0.05)
+                    async with s.get(url + shard, headers={"X-Intellect-Node": "b" * 32}) as r:
+                        out.append((r.status, len(await r.read())))
+                    try:
+                        out.append(len(await held.read()))
+                    except aiohttp.ClientPayloadError:
+                        out.append("cut")
+        finally:
+            await http.close()
+        return out
+
+    size = (WeightStore(tmp_path, RUN).shard_file(1, shard.rsplit("/", 1)[1]) or Path()).stat().st_size
+    assert asyncio.run(main()) == [200, 503, (200, size), "cut"]
