@@ -455,6 +455,14 @@ def test_an_alternate_uses_a_free_slot_while_it_is_served(tmp_path: Path) -> Non
     assert asyncio.run(main()) == [200, 503, 503, True, 200]
 
 
+async def _one_slot_origin(tmp_path: Path) -> tuple[ShardServer, HttpServer, str]:
+    """An origin serving ``tmp_path`` with one upload slot, on loopback."""
+    server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1, node_id=RUN)
+    server.path = lambda: [RUN]
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    return server, http, f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+
+
 def test_a_member_hogging_free_slots_with_slow_downloads_keeps_no_child_out(tmp_path: Path) -> None:
     """The grudge: hold every free slot of the origin with downloads read slowly, so others are refused. It
     refuses other alternates while it lasts (that is the rule), but a child still attaches and is served: a
@@ -465,10 +473,7 @@ def test_a_member_hogging_free_slots_with_slow_downloads_keeps_no_child_out(tmp_
     child = Identity.generate()
 
     async def main() -> list[object]:
-        server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1, node_id=RUN)
-        server.path = lambda: [RUN]
-        http = HttpServer(Metrics(), lambda: {}, server.routes())
-        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        server, http, url = await _one_slot_origin(tmp_path)
         out: list[object] = []
         try:
             async with aiohttp.ClientSession() as hog, aiohttp.ClientSession() as s:
@@ -502,10 +507,7 @@ def test_a_reader_that_reads_nothing_loses_its_slot_and_gets_a_cut_body(
     shard = "/weights/1/shard-00000.safetensors"
 
     async def main() -> list[object]:
-        server = ShardServer(WeightStore(tmp_path, RUN), Metrics(), slots=1, node_id=RUN)
-        server.path = lambda: [RUN]
-        http = HttpServer(Metrics(), lambda: {}, server.routes())
-        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        server, http, url = await _one_slot_origin(tmp_path)
         out: list[object] = []
         try:
             async with aiohttp.ClientSession() as hog, aiohttp.ClientSession() as s:
