@@ -162,7 +162,8 @@ class Net:
         if len(cap) == 0:
             self.side_rate = np.zeros(0)
             return
-        w = tcp_weights(g_down, np.concatenate([cols, s_rows * 0 + self.need.size]), g_up, self.unfair, self.seed)
+        side = np.full(len(s_rows), self.need.size)  # a side transfer: a connection of its own
+        w = tcp_weights(g_down, np.concatenate([cols, side]), g_up, self.unfair, self.seed)
         r, _ = waterfill(g_up, cap, self.up, w)
         r, down_level = waterfill(g_down, r, self.down, w)
         r, _ = waterfill(g_up, np.minimum(cap, w * down_level[g_down]), self.up, w)
