@@ -103,11 +103,15 @@ def pick_source(
     a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
     when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
     moves below the faster one)."""
-    usable = [s for s in sources if s.away_until <= now and s.node_id not in banned]
-    if stripe is not None and any(s.serves(stripe) for s in usable):
-        # another stripe's parent is a leaf in this one: a detour through it takes upload its own children need
-        # (measured at N=16: shards fetched from five to seven sources a stripe, every subtree slowed)
-        usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
+    sources = [s for s in sources if s.node_id not in banned]
+    usable = [s for s in sources if s.away_until <= now]
+    if stripe is not None and any(s.serves(stripe) for s in sources):
+        # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
+        # parent is a leaf here: a detour through it takes upload its own children need (measured at N=16: shards
+        # from five to seven sources a stripe, every subtree slowed). Nor the origin (depth 0): a shard it sends
+        # twice is its upload, the whole run's bottleneck, gone (measured at N=16: its children took 13 of 64 shards
+        # of other stripes from it, whenever their parent there answered 404, 4 s of its link).
+        usable = [s for s in usable if s.serves(stripe) or not (s.is_parent or s.depth == 0)]
     if not usable:
         return None
     fresh = [s for s in usable if s.node_id not in tried] or usable
