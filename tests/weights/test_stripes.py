@@ -50,10 +50,13 @@ def _node() -> str:
     return key.node_id
 
 
-def _rec(nid: str, stripe: int = 0, slots: int = 4, bps: float = 0.0, role: str = "relay") -> NodeRecord:
+def _rec(
+    nid: str, stripe: int = 0, slots: int = 4, bps: float = 0.0, role: str = "relay", free: int | None = None
+) -> NodeRecord:
+    free = slots if free is None else free
     return NodeRecord(
         run_id=ORIGIN, node_id=nid, role=role, updated=0.0, http_url=f"http://{nid[:4]}",  # type: ignore[arg-type]
-        relay=RelayInfo(depth=1, slots_total=slots, slots_free=slots, upload_bps=bps, stripe=stripe, stripes=4),
+        relay=RelayInfo(depth=1, slots_total=slots, slots_free=free, upload_bps=bps, stripe=stripe, stripes=4),
     )  # fmt: skip
 
 
@@ -210,6 +213,28 @@ def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_
     assert rehome_moves(recs, 4, 1.0, stripe_need(recs, 4)) == {}
 
 
+
+def test_a_short_stripe_gets_a_node_with_children_when_no_childless_node_is_left() -> None:
+    """Homes 5, 4, 3, 4 once every node serves children (a netns run at N=16): stripe 2 serves 12 of the 15 its
+    receivers need, three of them without a parent there for good. The node of stripe 0 with the fewest children
+    moves (its stripe keeps 16 without it, so they find a parent there); a stripe that would be short without the
+    node keeps it."""
+    nodes = [_node() for _ in range(16)]
+    homes = dict(zip(nodes, [0] * 5 + [1] * 4 + [2] * 3 + [3] * 4, strict=True))
+    kids = dict(zip(nodes, [3, 1, 4, 2, 4] + [4] * 11, strict=True))
+    recs = {n: _rec(n, homes[n], free=4 - kids[n]) for n in nodes} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
+    moves = rehome_moves(recs, 4, 1.0, stripe_need(recs, 4))
+    assert moves == {nodes[1]: 2}  # one child: the fewest
+    recs[nodes[1]] = _rec(nodes[1], 2)
+    assert rehome_moves(recs, 4, 1.0, stripe_need(recs, 4)) == {}
+    # fifteen nodes, homes 4, 4, 3, 4, all with children: 14 needed, every full stripe would keep 12 without the
+    # node, so none moves (its children would be the ones without a parent then)
+    recs = {n: _rec(n, homes[n], free=1) for n in nodes[1:]} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
+    assert [sum(r.relay.stripe == x for r in recs.values() if r.role != "trainer") for x in range(4)] == [4, 4, 3, 4]
+    assert stripe_need(recs, 4) == 14
+    assert rehome_moves(recs, 4, 1.0, 14) == {}
+
+
 def test_the_upload_meter_counts_only_whole_busy_seconds() -> None:
     m = UploadMeter()
     for second in range(10):
@@ -239,8 +264,27 @@ def test_each_shard_goes_to_its_stripes_parent() -> None:
     origin = Source(ORIGIN, "u", 0, False)
     assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), False, 0) is p0  # slower, but its parent
     assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), False, 1) is p1
-    assert pick_source([p0, p1, origin], set(), {}, time.monotonic(), True, 0) is origin  # a probe, now and then
+    holder = Source("h", "u", 2, False)
+    assert pick_source([p0, p1, holder, origin], set(), {}, time.monotonic(), True, 0) is holder  # a probe now and then
     assert pick_source([p0, p1], set(), {"p0": 1e18}, time.monotonic(), False, 0) is p1  # banned: the other
+
+
+def test_a_shard_its_parent_has_not_yet_is_never_taken_from_the_origin_or_another_stripes_parent() -> None:
+    """The origin's upload is the run's bottleneck: a copy it sends twice is lost. A child whose parent in the stripe
+    answered 404 a moment ago (the shard is not there yet) waits for it, or takes it from a node that holds the
+    whole version; not from the origin, which is its parent in another stripe (at N=16 the origin's four children
+    took 13 of 64 shards of other stripes from it so, 4 s of its link), nor from another stripe's parent."""
+    now = time.monotonic()
+    p0 = Source("p0", "u", 2, True, frozenset({0}), bps=1e6, ok=3, away_until=now + 0.2)
+    origin = Source(ORIGIN, "u", 0, True, frozenset({1}), bps=6e6, ok=9)
+    p2 = Source("p2", "u", 1, True, frozenset({2}), bps=5e6, ok=9)
+    assert pick_source([p0, origin, p2], set(), {}, now, False, 0) is None  # wait for the parent
+    assert pick_source([p0, origin, p2], set(), {}, now, True, 0) is None
+    assert pick_source([p0, origin, p2], set(), {}, now, False, 1) is origin  # its own stripe
+    holder = Source("h", "u", 3, False, bps=2e6, ok=1)
+    assert pick_source([p0, origin, p2, holder], set(), {}, now, False, 0) is holder
+    banned = {"p0": now + 300}  # no parent in the stripe any more (one is being chosen): any source will do
+    assert pick_source([p0, origin, p2], set(), banned, now, False, 0) is origin
 
 
 async def _origin_server(tmp_path: Path, slots: int, home: int | None = None) -> tuple[ShardServer, HttpServer, str]:
