@@ -52,8 +52,11 @@ MEMBER_REFRESH_S = 2.0
 REHOME_S = 3.0
 REHOME_IDLE_S = 3.0
 """A node moves its home only after sending no shard for this long: between versions, never in the middle of one."""
-REHOME_HOLD_S = 20.0
-"""After a move, a node stays this long: the records others decide on show the move a DHT lag later."""
+REHOME_HOLD_S = 10.0
+"""After a move, a node stays this long: the records others decide on show the move a DHT lag later (a record goes
+out within volunteer.PUBLISH_MIN_S and is read at most REHOME_S old). Not longer: the plan every node computes names the
+movers, and one still holding blocks the fix (at 20 s a stripe stayed short through two netns versions while the
+node the plan named, the one with the fewest children because it had just moved, waited)."""
 REHOME_JOIN_S = 5.0
 """Nor does it move this soon after joining (nodes joining at once miss each other's records for a moment)."""
 """About how often a node without children looks whether another stripe needs its upload more."""
