@@ -79,6 +79,11 @@ class Refused(Exception):
         self.status = status
         self.reason = reason
 
+    def http(self) -> web.HTTPException:
+        """The answer: 429 for too many, 403 for a key the run does not know, else 401."""
+        kinds: dict[int, type[web.HTTPException]] = {429: web.HTTPTooManyRequests, 403: web.HTTPForbidden}
+        return kinds.get(self.status, web.HTTPUnauthorized)(text=self.reason)
+
 
 class RequestAuth:
     def __init__(self, server_id: str, members: Members | None) -> None:

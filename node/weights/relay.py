@@ -36,7 +36,7 @@ from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Ref
 from intellect_node.weights.files import MANIFEST_NAME
 from intellect_node.weights.pacing import TokenBucket, backlogged, bound_unsent, on_the_wire
 from intellect_node.weights.store import Growing, WeightStore
-from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, to_release
+from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, stripe_of, to_release
 from intellect_protocol.messages import NodeRecord, RelayInfo
 
 logger = logging.getLogger(__name__)
@@ -133,10 +133,16 @@ class ShardServer:
                 self.on_change()
         return self._children
 
-    def _child_of(self, request: web.Request) -> str | None:
-        """The attached child slot a request comes from (by its token), or None."""
+    def _child_of(self, request: web.Request, version: int = -1, name: str = "") -> str | None:
+        """The attached child slot a request comes from (by its token), or None; for shard ``name`` of ``version``
+        only a slot in that shard's stripe: a child taking another stripe from us is an alternate there (else the
+        origin's child in one stripe could take every stripe from it, k shares of the run's bottleneck)."""
         child = self._tokens.get(request.headers.get(TOKEN_HEADER, "")[:64])
-        return child if child is not None and child in self._active_children() else None
+        if child is None or child not in self._active_children():
+            return None
+        index = self.store.index(version, name) if name and self.stripes > 1 else None
+        slot = child if index is None else f"{child.split('/')[0]}/{stripe_of(index, self.stripes)}"
+        return slot if slot in self._children else None
 
     @staticmethod
     def _stripe_wanted(request: web.Request) -> int:
@@ -158,7 +164,7 @@ class ShardServer:
             return await self.auth.check(request)
         except Refused as e:
             self.metrics.inc("node_relay_requests_refused_total", label=e.reason)
-            raise _refusal(e) from None
+            raise e.http() from None
 
     def slots_free(self) -> int:
         return max(0, self.slots - len(self._active_children()))
@@ -330,7 +336,7 @@ class ShardServer:
             if data is None:
                 raise web.HTTPNotFound()
             return web.Response(body=data, content_type="application/octet-stream")
-        child = self._child_of(request)
+        child = self._child_of(request, version, name)
         stranger = child is None and CHILD_HEADER in request.headers  # another node's child (an alternate)
         if child is not None:
             self._children[child] = time.monotonic()
@@ -490,11 +496,3 @@ class ShardServer:
         await resp.write_eof()
         self.metrics.inc("node_relay_shards_served_total")
         return resp
-
-
-def _refusal(e: Refused) -> web.HTTPException:
-    kinds: dict[int, type[web.HTTPException]] = {
-        429: web.HTTPTooManyRequests,
-        403: web.HTTPForbidden,
-    }
-    return kinds.get(e.status, web.HTTPUnauthorized)(text=e.reason)

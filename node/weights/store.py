@@ -60,7 +60,8 @@ class WeightStore:
         """The run epoch held (None: any, for tools that read a single folder)."""
         root.mkdir(parents=True, exist_ok=True)
         self._manifests: dict[int, Manifest] = {}
-        self._names: dict[int, frozenset[str]] = {}
+        self._names: dict[int, dict[str, int]] = {}
+        """Per version: each shard's name and its place in the signed manifest."""
         self._verified: dict[int, set[str]] = {}
         self._arrived: dict[tuple[int, str], asyncio.Event] = {}
         self._growing: dict[tuple[int, str], Growing] = {}
@@ -123,16 +124,20 @@ class WeightStore:
         """Whether ``name`` is a shard of ``version`` by its signed manifest. Nothing else in a version folder is
         ever served: a file that got there by other means (a program run for a code reward copying the node key,
         say) is not a shard."""
+        return self.index(version, name) is not None
+
+    def index(self, version: int, name: str) -> int | None:
+        """The place of shard ``name`` in the signed manifest of ``version`` (its stripe: stripes.stripe_of)."""
         names = self._names.get(version)
         if names is None:
             try:
                 manifest = self.manifest(version)
             except Rejected:
-                return False
+                return None
             if manifest is None:
-                return False
-            names = self._names[version] = frozenset(s.name for s in manifest.shards)
-        return name in names
+                return None
+            names = self._names[version] = {s.name: i for i, s in enumerate(manifest.shards)}
+        return names.get(name)
 
     def shard_file(self, version: int, name: str) -> Path | None:
         """The verified file for shard ``name`` of ``version``, if this node has it."""
