@@ -108,10 +108,11 @@ def pick_source(
     if stripe is not None and any(s.serves(stripe) for s in sources):
         # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
         # parent is a leaf here: a detour through it takes upload its own children need (measured at N=16: shards
-        # from five to seven sources a stripe, every subtree slowed). Nor the origin (depth 0): a shard it sends
-        # twice is its upload, the whole run's bottleneck, gone (measured at N=16: its children took 13 of 64 shards
-        # of other stripes from it, whenever their parent there answered 404, 4 s of its link).
-        usable = [s for s in usable if s.serves(stripe) or not (s.is_parent or s.depth == 0)]
+        # from five to seven sources a stripe, every subtree slowed). The origin too, when it is our parent in
+        # another stripe: a shard it sends twice is the run's bottleneck gone (at N=16 its children took 13 of 64
+        # shards of other stripes from it whenever their parent there answered 404, 4 s of its link). As anyone's
+        # alternate it serves only from a spare slot (relay.py), and that is spare upload well used.
+        usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
     if not usable:
         return None
     fresh = [s for s in usable if s.node_id not in tried] or usable

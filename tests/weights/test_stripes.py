@@ -269,11 +269,12 @@ def test_each_shard_goes_to_its_stripes_parent() -> None:
     assert pick_source([p0, p1], set(), {"p0": 1e18}, time.monotonic(), False, 0) is p1  # banned: the other
 
 
-def test_a_shard_its_parent_has_not_yet_is_never_taken_from_the_origin_or_another_stripes_parent() -> None:
+def test_a_shard_its_parent_has_not_yet_is_not_taken_from_the_parent_of_another_stripe_the_origin_included() -> None:
     """The origin's upload is the run's bottleneck: a copy it sends twice is lost. A child whose parent in the stripe
     answered 404 a moment ago (the shard is not there yet) waits for it, or takes it from a node that holds the
-    whole version; not from the origin, which is its parent in another stripe (at N=16 the origin's four children
-    took 13 of 64 shards of other stripes from it so, 4 s of its link), nor from another stripe's parent."""
+    whole version, or from the origin's spare slot; not from the origin as its parent in another stripe (at N=16
+    the origin's four children took 13 of 64 shards of other stripes from it so, 4 s of its link), nor from
+    another stripe's parent."""
     now = time.monotonic()
     p0 = Source("p0", "u", 2, True, frozenset({0}), bps=1e6, ok=3, away_until=now + 0.2)
     origin = Source(ORIGIN, "u", 0, True, frozenset({1}), bps=6e6, ok=9)
@@ -283,6 +284,8 @@ def test_a_shard_its_parent_has_not_yet_is_never_taken_from_the_origin_or_anothe
     assert pick_source([p0, origin, p2], set(), {}, now, False, 1) is origin  # its own stripe
     holder = Source("h", "u", 3, False, bps=2e6, ok=1)
     assert pick_source([p0, origin, p2, holder], set(), {}, now, False, 0) is holder
+    spare = Source(ORIGIN, "u", 0, False, bps=6e6, ok=9)  # not our parent anywhere: it serves from a spare slot
+    assert pick_source([p0, spare], set(), {}, now, False, 0) is spare
     banned = {"p0": now + 300}  # no parent in the stripe any more (one is being chosen): any source will do
     assert pick_source([p0, origin, p2], set(), banned, now, False, 0) is origin
 
