@@ -110,8 +110,9 @@ def pick_source(
         # parent is a leaf here: a detour through it takes upload its own children need (measured at N=16: shards
         # from five to seven sources a stripe, every subtree slowed). The origin too, when it is our parent in
         # another stripe: a shard it sends twice is the run's bottleneck gone (at N=16 its children took 13 of 64
-        # shards of other stripes from it whenever their parent there answered 404, 4 s of its link). As anyone's
-        # alternate it serves only from a spare slot (relay.py), and that is spare upload well used.
+        # shards of other stripes from it, 4 s of its link; the old check applied only while the stripe's parent was
+        # usable, so a 404 a moment ago opened every source). As anyone's alternate it serves only from a spare slot
+        # (relay.py), and that is spare upload well used.
         usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
     if not usable:
         return None

@@ -217,7 +217,7 @@ def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need
     that moved away from four children in a 6-relay test, its stripe then short, left them without a parent). Moving
     only childless nodes left a stripe short for good once every node had children: in a netns run at N=16 homes of
     5, 4, 3 and 4 nodes, three receivers without a parent in the short stripe for two versions, taking its shards
-    from the origin as they could (13 of its 64 shards sent twice).
+    from the origin as they could (one of them took 10 of the 64 from it: sent twice).
 
     Decided one node at a time on records a DHT lag old, moves made nodes chase each other round the stripes (one
     simulated node moved seven times in 36 s), ties all went to stripe 0 (seven of sixteen netns nodes ended

@@ -273,7 +273,7 @@ def test_a_shard_its_parent_has_not_yet_is_not_taken_from_the_parent_of_another_
     """The origin's upload is the run's bottleneck: a copy it sends twice is lost. A child whose parent in the stripe
     answered 404 a moment ago (the shard is not there yet) waits for it, or takes it from a node that holds the
     whole version, or from the origin's spare slot; not from the origin as its parent in another stripe (at N=16
-    the origin's four children took 13 of 64 shards of other stripes from it so, 4 s of its link), nor from
+    the origin's children took 13 of 64 shards of other stripes from it, 4 s of its link), nor from
     another stripe's parent."""
     now = time.monotonic()
     p0 = Source("p0", "u", 2, True, frozenset({0}), bps=1e6, ok=3, away_until=now + 0.2)
