@@ -63,6 +63,39 @@ def bound_unsent(request: web.Request) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, UNSENT_LOWAT)
 
 
+VERIFIED_HEADER = "X-Intellect-Verified"
+"""'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
+
+
+async def respond(request: web.Request, size: int, cut_through: bool = False) -> tuple[web.StreamResponse, int, int]:
+    """The prepared response to a shard request for ``size`` bytes, and the range it is to send (start, stop):
+    the Range asked for, or all. ``cut_through`` (a shard still arriving): only "bytes=N-" or none, marked
+    unverified; any other range is a 404 (the receiver retries later)."""
+    try:
+        rng = request.http_range
+    except ValueError:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
+    start = rng.start or 0
+    if cut_through and (rng.stop is not None or start < 0 or start >= size):
+        raise web.HTTPNotFound()
+    if start < 0:
+        start = max(0, size + start)
+    stop = size if rng.stop is None else min(rng.stop, size)
+    ranged = rng.start is not None or rng.stop is not None
+    if ranged and start >= stop:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+    headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    if cut_through:
+        headers[VERIFIED_HEADER] = "0"
+    if ranged:
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+    resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
+    resp.content_length = stop - start
+    await resp.prepare(request)
+    bound_unsent(request)
+    return resp, start, stop
+
+
 _SIOCOUTQNSD = 0x894B
 """Linux: bytes in a TCP socket's send queue not yet sent (TIOCOUTQ also counts those sent and not acknowledged)."""
 
@@ -82,6 +115,10 @@ def backlogged(request: web.Request) -> bool:
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0"))[0] > 0
     except (OSError, ValueError):
         return True  # not Linux: count the second as before
+
+
+class Yielded(ConnectionResetError):
+    """A response on spare upload (relay.py) cut short for a child's."""
 
 
 class TokenBucket:

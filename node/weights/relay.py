@@ -12,8 +12,9 @@ child keeps the slot with the same signed request at least every ``CHILD_TTL_S``
 an equal share of its slots in each), only while it is itself connected to the origin (its path is known) and
 never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with
 its children, the places to look for one further down. Other nodes (alternates) are served only what this node
-already has, at once and while a slot is free, which each uses until its response ends; anonymous clients (curl,
-a mirror) too, and they wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An
+already has, at once and while a slot is free, which each uses until its response ends, or on spare upload (no
+child is being sent anything), cut short the moment a child is; anonymous clients (curl, a mirror) too, and they
+wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An
 optional upload limit (a token bucket over all responses) lets a volunteer cap what the node sends."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
-from intellect_node.weights.pacing import TokenBucket, backlogged, bound_unsent, on_the_wire
+from intellect_node.weights.pacing import TokenBucket, Yielded, backlogged, on_the_wire, respond
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, stripe_of, to_release
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -42,8 +43,6 @@ from intellect_protocol.messages import NodeRecord, RelayInfo
 logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "X-Intellect-Version"
-VERIFIED_HEADER = "X-Intellect-Verified"
-"""'0' on a shard relayed cut-through, before this node verified it (the receiver verifies it in any case)."""
 STREAM_STALL_S = 15.0
 """A response that cannot move on this long is cut short: its upstream bytes (cut-through) stop, or its receiver
 reads nothing."""
@@ -102,6 +101,8 @@ class ShardServer:
         self._tokens: dict[str, str] = {}
         """Token -> child slot: what a child names itself with on shard and news requests."""
         self._sending = 0
+        self._to_children = 0
+        """Responses to children in progress: while there is none, alternates may use the idle upload."""
         self._sent_at = -1e9
         self.meter = UploadMeter()
         self._leaves: set[str] = set()
@@ -338,16 +339,22 @@ class ShardServer:
             return web.Response(body=data, content_type="application/octet-stream")
         child = self._child_of(request, version, name)
         stranger = child is None and CHILD_HEADER in request.headers  # another node's child (an alternate)
+        spare = False
         if child is not None:
             self._children[child] = time.monotonic()
         elif len(self._active_children()) + self._lent >= self.slots:
             # not a child (an alternate, anonymous): only while a slot is free, used while served, never kept. Not
-            # so, 1,558 alternates once shared a node's upload, each shard at a crawl (simulate.py, 2,000 nodes)
-            self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
-            raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
+            # so, 1,558 alternates once shared a node's upload, each shard at a crawl (simulate.py, 2,000 nodes).
+            # Or while no child is being sent anything (spare: it yields the moment one is, see _write)
+            spare = self._to_children == 0 and self._lent < self.slots
+            if not spare:
+                self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
+                raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
         self._lent += child is None
         try:
-            if stranger:  # an alternate serves only what is here: no long poll
+            if spare:  # only a whole shard: one still arriving here held an endgame's last shard 7 s (netns N=16)
+                found = self.store.shard_file(version, name)
+            elif stranger:  # an alternate serves only what is here: no long poll
                 found = self.store.shard_file(version, name) or self.store.growing(version, name)
             else:
                 found = self.store.shard_file(version, name)
@@ -360,42 +367,28 @@ class ShardServer:
             # version finished) meanwhile, as it could while requests waited their turn (a 500 FileNotFoundError)
             with open(found.path if isinstance(found, Growing) else found, "rb") as f:
                 if isinstance(found, Growing):
-                    return await self._stream(request, found, f, child, version)
-                return await self._send(request, f, child, version)
+                    return await self._stream(request, found, f, child, spare)
+                return await self._send(request, f, child, spare)
         finally:
             self._lent -= child is None
 
     async def _stream(
-        self, request: web.Request, growing: Growing, f: BinaryIO, child: str | None, version: int = -1
+        self, request: web.Request, growing: Growing, f: BinaryIO, child: str | None, spare: bool = False
     ) -> web.StreamResponse:
         """Cut-through: send a shard's bytes as they arrive here, so a level of the tree adds about a network
         round trip, not a shard's transfer time. Marked unverified; if this node's own attempt fails, the
         response is cut short (the receiver resumes or goes elsewhere), never completed with other bytes."""
-        size = growing.total
-        try:
-            rng = request.http_range
-        except ValueError:
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
-        if rng.stop is not None or (rng.start or 0) < 0 or (rng.start or 0) >= size:
-            raise web.HTTPNotFound()  # only "bytes=N-" resumes are streamed; a plain request is retried later
-        start = rng.start or 0
-        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream", VERIFIED_HEADER: "0"}
-        if rng.start is not None:
-            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
-        resp = web.StreamResponse(status=206 if rng.start is not None else 200, headers=headers)
-        resp.content_length = size - start
-        await resp.prepare(request)
-        bound_unsent(request)
+        resp, start, size = await respond(request, growing.total, cut_through=True)
         self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
         pos = start
-        with self._busy(), self._hung_up(request):
+        with self._busy(child), self._hung_up(request):
             while pos < size:
                 if growing.size > pos:
                     f.seek(pos)
                     chunk = f.read(min(_CHUNK, growing.size - pos))
                     if not chunk:
                         break
-                    await self._write(request, resp, chunk, child)
+                    await self._write(request, resp, chunk, child, spare)
                     pos += len(chunk)
                     continue
                 if growing.state == "failed":
@@ -421,25 +414,34 @@ class ShardServer:
         """The receiver went away mid-response: its business, not an error here (counted, the rest not sent)."""
         try:
             yield
-        except ConnectionResetError:
-            self.metrics.inc("node_relay_responses_abandoned_total", help="responses the receiver hung up on")
+        except ConnectionResetError as e:
+            if not isinstance(e, Yielded):
+                self.metrics.inc("node_relay_responses_abandoned_total", help="responses the receiver hung up on")
             if request.transport is not None:
                 request.transport.close()
 
     @contextlib.contextmanager
-    def _busy(self) -> Iterator[None]:
+    def _busy(self, child: str | None) -> Iterator[None]:
         """A response in progress: the upload meter counts only seconds with one throughout."""
         self._sending += 1
+        self._to_children += child is not None
         try:
             yield
         finally:
             self._sending -= 1
+            self._to_children -= child is not None
             self._sent_at = time.monotonic()
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
 
-    async def _write(self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None) -> None:
-        """One chunk of a response, within the upload limit; the child's slot counts as in use."""
+    async def _write(
+        self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None, spare: bool = False
+    ) -> None:
+        """One chunk of a response, within the upload limit; the child's slot counts as in use. A response served
+        on spare upload stops the moment a child is being sent anything (the receiver resumes it elsewhere)."""
+        if spare and self._to_children:
+            self.metrics.inc("node_relay_spare_yielded_total", help="alternates' responses cut for a child's")
+            raise Yielded()
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         behind = backlogged(request)
@@ -456,37 +458,19 @@ class ShardServer:
             self._children[child] = time.monotonic()
 
     async def _send(
-        self, request: web.Request, f: BinaryIO, child: str | None, version: int = -1
+        self, request: web.Request, f: BinaryIO, child: str | None, spare: bool = False
     ) -> web.StreamResponse:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            rng = request.http_range
-        except ValueError:
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"}) from None
-        start = rng.start or 0
-        if start < 0:
-            start = max(0, size + start)
-        stop = size if rng.stop is None else min(rng.stop, size)
-        ranged = rng.start is not None or rng.stop is not None
-        if ranged and start >= stop:
-            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
-        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        if ranged:
-            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
-        resp = web.StreamResponse(status=206 if ranged else 200, headers=headers)
-        resp.content_length = stop - start
-        await resp.prepare(request)
-        bound_unsent(request)
+        resp, start, stop = await respond(request, os.fstat(f.fileno()).st_size)
         if request.method == "HEAD":
             return resp
         sent = 0
-        with self._busy(), self._hung_up(request):
+        with self._busy(child), self._hung_up(request):
             f.seek(start)
             while sent < stop - start:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
                 if not chunk:
                     break
-                await self._write(request, resp, chunk, child)
+                await self._write(request, resp, chunk, child, spare)
                 sent += len(chunk)
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
         if sent < stop - start:  # hung up on, or the file shrank: never completed with other bytes

@@ -407,15 +407,17 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
 
 def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(tmp_path: Path) -> None:
     """The grudge (and the waste it measured at N=16): a root, the origin's child in stripe 0, asks the origin for
-    the shards of every stripe with its token. It gets stripe 0's; another stripe's shard is the request of an
-    alternate there, served only while a slot is free (here none: every stripe has its root). Once it also holds
-    the slot of stripe 1 (a leaf there), stripe 1's shards are its too."""
+    the shards of every stripe with its token while stripe 1's root is being sent one. It gets stripe 0's; another
+    stripe's shard is the request of an alternate there, served only while a slot is free (here none: every stripe
+    has its root) or no child is being sent anything (spare upload: here one is). Once it also holds the slot of
+    stripe 1 (a leaf there), stripe 1's shards are its too."""
 
     async def main() -> list[int]:
         run = Identity.generate()
-        tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}
-        write_checkpoint(tmp_path, run, run.node_id, 1, tensors, 4096)  # 8 shards, two a stripe
-        server = ShardServer(WeightStore(tmp_path, run.node_id), Metrics(), slots=4, node_id=ORIGIN)
+        tensors = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}
+        write_checkpoint(tmp_path, run, run.node_id, 1, tensors, 1 << 20)  # 8 shards of 1 MiB, two a stripe
+        server = ShardServer(WeightStore(tmp_path, run.node_id), Metrics(), slots=4, node_id=ORIGIN,
+                             upload_limit_bps=1e6)  # fmt: skip
         server.path, server.stripes = lambda: [ORIGIN], 4
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
@@ -430,10 +432,14 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
                         out.append(r.status)
                         tokens[node] = (await r.json())["token"]
                 mine = {"X-Intellect-Node": grudge, "X-Intellect-Token": tokens[grudge]}
-                for index in range(4):  # shard i is in stripe i mod 4
-                    async with session.get(f"{url}/weights/1/shard-{index:05d}.safetensors", headers=mine) as r:
-                        out.append(r.status)
-                        await r.read()
+                theirs = {"X-Intellect-Node": roots[1], "X-Intellect-Token": tokens[roots[1]]}
+                async with aiohttp.ClientSession() as other, \
+                        other.get(f"{url}/weights/1/shard-00001.safetensors", headers=theirs) as sent:  # fmt: skip
+                    await sent.content.readexactly(1024)  # stripe 1's root is being sent its shard (at 1 MB/s)
+                    for index in (1, 2, 3, 0):  # shard i is in stripe i mod 4
+                        async with session.get(f"{url}/weights/1/shard-{index:05d}.safetensors", headers=mine) as r:
+                            out.append(r.status)
+                            await r.read()
                 server._children.pop(f"{roots[1]}/1")  # stripe 1's root went away: its slot is the grudge's now
                 query = "/relay/attach?stripe=1&home=0"
                 async with session.post(url + query, headers=signed_headers(_KEYS[grudge], "POST", query, ORIGIN)) as r:
@@ -444,4 +450,4 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
             await http.close()
         return out
 
-    assert asyncio.run(main()) == [200] * 4 + [200, 503, 503, 503] + [200, 200]
+    assert asyncio.run(main()) == [200] * 4 + [503, 503, 503, 200] + [200, 200]
