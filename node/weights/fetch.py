@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import heapq
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,7 +23,9 @@ import aiohttp
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
-from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S, VERIFIED_HEADER
+from intellect_node.weights.pacing import VERIFIED_HEADER
+from intellect_node.weights.progress import Progress
+from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import stripe_of
 from intellect_node.weights.tree import Candidate
@@ -37,6 +38,8 @@ _CHUNK = 1 << 20
 _PIECE = 64 * 1024
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
 REFRESH_S = 1.0
+SPARE_AGAIN_S = 1.0
+"""A source that had no spare upload (``pick_spare``) is asked again for it after this long."""
 REPLAN_S = 5.0
 """While shards flow, the sources are planned again this often (new holders of the version, a moved parent)."""
 PROBE_EVERY = 8
@@ -78,6 +81,8 @@ class Source:
     """It answered 503 (no free slot) last time."""
     away_until: float = 0.0
     """Not asked before this time: no slot, not there yet, or unreachable."""
+    spare_until: float = 0.0
+    """Not asked for a shard on its spare upload (``pick_spare``) before this time: it had none, or not the shard."""
     active: set[asyncio.Timeout] = field(default_factory=set)
     """The deadlines of transfers from it in flight: ``abort_source`` brings them forward to now."""
 
@@ -125,6 +130,20 @@ def pick_source(
     return max(fresh, key=lambda s: s.score(stripe))
 
 
+def pick_spare(
+    sources: Iterable[Source], banned: dict[str, float] | set[str], now: float, stripe: int
+) -> Source | None:
+    """A source for a shard of ``stripe`` that a worker done with its own stripe fetches beside the stripe's
+    parent (which goes on streaming to the stripe's own worker): a node that holds the whole version, or the origin,
+    none of our parents (a parent in another stripe served a shard it was still receiving itself, through a free
+    slot, and held the last shard of a stripe 7 s at N=16), on its spare upload (relay.py: while a slot is free
+    or no child of its own is being sent anything), best score first. None: every one is away or had no spare
+    upload a moment ago."""
+    usable = [s for s in sources if s.node_id not in banned and not s.is_parent
+              and s.away_until <= now and s.spare_until <= now]  # fmt: skip
+    return max(usable, key=lambda s: s.score(stripe), default=None)
+
+
 SLOW_FACTOR, SLOW_MIN_SHARDS = 2.0, 3
 
 
@@ -144,29 +163,6 @@ def faster_than_parent(
 
 SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
 """Given node ids seen failing, the sources to use, the parent first: see follower.WeightFollower._find."""
-
-
-class Progress:
-    """A one-line progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, version: int, total: int) -> None:
-        self.version, self.total, self.done = version, total, 0
-        self.started = time.monotonic()
-        self.enabled = sys.stderr.isatty()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        if self.enabled:
-            frac = self.done / max(1, self.total)
-            rate = self.done / max(1e-6, time.monotonic() - self.started) / 1e6
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(
-                f"\rweights v{self.version} [{bar:<30}] {frac:5.1%} "
-                f"{self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {rate:.1f} MB/s"
-            )
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 class ShardFetcher:
@@ -306,16 +302,27 @@ class ShardFetcher:
                 if time.monotonic() - self._refreshed > REPLAN_S:
                     await self._refresh()
                     continue  # another worker may have taken the last shard meanwhile
-                index, shard = heapq.heappop(pending)
-                attempted = tried.setdefault(shard.name, set())
-                src = self._pick(attempted, stripe if k > 1 else None)
+                # The endgame: a worker done with its own stripe takes the last shard of one behind from a node with
+                # spare upload (the origin done sending, say), while the stripe's own worker goes on with the parent
+                # from the front. Asking that parent too only splits its upload with our siblings' (measured at
+                # N=16: the origin idle from 22.8 s, a subtree done at 27.8 s behind its relay's saturated link).
+                spare = pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe) \
+                    if k > 1 and stripe != mine and len(pending) > 1 else None  # fmt: skip
+                if spare is not None:
+                    index, shard = max(pending)
+                    pending.remove((index, shard))
+                    heapq.heapify(pending)
+                    src = spare
+                else:
+                    index, shard = heapq.heappop(pending)
+                    src = self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))
                     await self._refresh()
                     await asyncio.sleep(0.05)
                     continue
-                attempted.add(src.node_id)
-                if await self._one(version, shard, src):
+                tried.setdefault(shard.name, set()).add(src.node_id)
+                if await self._one(version, shard, src, spare is not None):
                     progress.add(shard.size)
                     last_progress = time.monotonic()
                 else:
@@ -343,8 +350,9 @@ class ShardFetcher:
         self.store.finish(version)
         return manifest
 
-    async def _one(self, version: int, shard: ShardEntry, src: Source) -> bool:
-        """Fetch one shard from ``src``; True once it is verified and kept."""
+    async def _one(self, version: int, shard: ShardEntry, src: Source, spare: bool = False) -> bool:
+        """Fetch one shard from ``src``; True once it is verified and kept. ``spare``: on its spare upload
+        (``pick_spare``), where a refusal or a response cut short says nothing of it as a parent."""
         part = self.store.part_path(version, shard.name)
         have = part.stat().st_size if part.exists() else 0
         if have >= shard.size:
@@ -372,6 +380,9 @@ class ShardFetcher:
                 if resp.status in (404, 503):
                     logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
                                  resp.status, time.monotonic() - started)  # fmt: skip
+                    if spare:
+                        src.spare_until = time.monotonic() + SPARE_AGAIN_S
+                        return False
                     src.full = resp.status == 503
                     src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
                     if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
@@ -418,6 +429,8 @@ class ShardFetcher:
                 self.metrics.inc("node_weights_slow_sources_total", help="shard transfers cut for being too slow")
             elif received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
                 src.away_until = time.monotonic() + 0.2
+                if spare:  # a child of its own needed the upload: resumed from the parent or elsewhere
+                    src.spare_until = time.monotonic() + SPARE_AGAIN_S
             else:
                 src.failed += 1
                 src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
@@ -436,7 +449,7 @@ class ShardFetcher:
             "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
             time.monotonic() - started,
         )  # fmt: skip
-        src.ok += 1
+        src.ok += not spare  # spare upload does not make a parent (faster_than_parent)
         src.failed = 0
         src.full = False
         elapsed = time.monotonic() - started

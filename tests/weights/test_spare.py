@@ -1,0 +1,148 @@
+"""Spare upload and the endgame: a relay lends upload no child of its own is using to other nodes (relay.py), and a
+fetcher done with its own stripe takes the last shards of a lagging one from there, not from that stripe's parent
+(fetch.pick_spare). Real shard servers on loopback, real fetches."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.fetch import ShardFetcher, Source, pick_spare
+from intellect_node.weights.files import write_checkpoint
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.tree import Candidate
+from intellect_protocol.identity import Identity
+
+RUN_KEY = Identity.generate()
+RUN = RUN_KEY.node_id
+
+
+def _shard(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def _checkpoint(root: Path, shards: int, shard_mib: float, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    per = int(shard_mib * (1 << 20)) // 4
+    tensors = {f"t{i}": torch.rand(per, generator=g) for i in range(shards)}
+    write_checkpoint(root, RUN_KEY, RUN, 1, tensors, shard_bytes=per * 4)
+
+
+async def _server(
+    root: Path, node: Identity, slots: int, stripes: int, home: int | None = None, bps: float | None = None
+) -> tuple[ShardServer, HttpServer, str, Metrics]:
+    metrics = Metrics()
+    server = ShardServer(WeightStore(root, RUN), metrics, slots=slots, node_id=node.node_id, upload_limit_bps=bps)
+    server.path, server.stripes, server.home = (lambda: [node.node_id]), stripes, (lambda: home)
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    return server, http, f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}", metrics
+
+
+async def _attach(session: aiohttp.ClientSession, url: str, me: Identity, to: str, stripe: int) -> str:
+    query = f"/relay/attach?stripe={stripe}"
+    async with session.post(url + query, headers=signed_headers(me, "POST", query, to)) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["token"])
+
+
+def test_a_node_with_every_slot_held_lends_idle_upload_and_takes_it_back_for_a_child(tmp_path: Path) -> None:
+    """Every slot of the relay is held by a child, none of them being sent anything: an alternate (another node's
+    child, or anyone) is served on that idle upload; while a child is being sent a shard, one is refused (503);
+    and a response on spare upload is cut short the moment a child's starts (the alternate resumes elsewhere)."""
+    _checkpoint(tmp_path, 4, 4.0)
+    relay, child = Identity.generate(), Identity.generate()
+
+    async def main() -> list[object]:
+        server, http, url, metrics = await _server(tmp_path, relay, slots=1, stripes=1, bps=2e6)
+        alternate = {"X-Intellect-Node": "a" * 32}
+        out: list[object] = []
+        try:
+            async with aiohttp.ClientSession() as kid, aiohttp.ClientSession() as other:
+                mine = {"X-Intellect-Node": child.node_id,
+                        "X-Intellect-Token": await _attach(kid, url, child, relay.node_id, 0)}  # fmt: skip
+                async with other.get(f"{url}/weights/1/{_shard(0)}", headers=alternate) as lent:
+                    out.append(lent.status)  # the only slot is the child's, but it is idle
+                    await lent.content.readexactly(64 * 1024)
+                    async with kid.get(f"{url}/weights/1/{_shard(1)}", headers=mine) as own:
+                        out.append(own.status)
+                        await own.content.readexactly(64 * 1024)  # being sent: the relay is in its response
+                        async with other.get(f"{url}/weights/1/{_shard(2)}", headers={}) as r:
+                            out.append(r.status)  # anyone: no spare upload while a child is sent something
+                        try:
+                            await lent.read()
+                            out.append("whole")
+                        except aiohttp.ClientPayloadError:
+                            out.append("cut")
+                        out.append(len(await own.read()) + 64 * 1024)
+                out.append(metrics.counter("node_relay_spare_yielded_total"))
+        finally:
+            await http.close()
+        return out
+
+    size = (WeightStore(tmp_path, RUN).shard_file(1, _shard(1)) or Path()).stat().st_size
+    assert asyncio.run(main()) == [200, 200, 503, "cut", size, 1.0]
+
+
+def test_pick_spare_passes_over_the_stripes_parent_and_who_had_no_spare_upload() -> None:
+    now = time.monotonic()
+    parent = Source("p", "u", 1, True, frozenset({1}), bps=6e6, ok=9)
+    other = Source("q", "u", 1, True, frozenset({0}), bps=6e6, ok=9)  # our parent in another stripe
+    origin = Source("o", "u", 0, False)  # an alternate, as every holder of the whole version
+    holder = Source("h", "u", 2, False, bps=1e6, ok=3)
+    assert pick_spare([parent, other, origin, holder], {}, now, 1) is origin
+    origin.spare_until = now + 1.0  # it had no spare upload a moment ago
+    assert pick_spare([parent, other, origin, holder], {}, now, 1) is holder
+    assert pick_spare([parent, other, origin, holder], {"h": now + 300}, now, 1) is None  # banned
+    # never the stripe's parent (it streams the stripe already), nor another's (it may be receiving it still)
+    assert pick_spare([parent, other], {}, now, 1) is None
+
+
+def test_a_fetcher_done_with_its_stripe_takes_a_lagging_stripes_last_shards_from_spare_upload(tmp_path: Path) -> None:
+    """Two stripes: our parent in stripe 0 is fast, our parent in stripe 1 has a thin upload, and the origin's only
+    slot is another node's, which it is sending nothing. The worker done with stripe 0 takes stripe 1's last shards
+    from the origin's spare upload while stripe 1's own worker goes on with its parent from the first: the origin
+    sends most of stripe 1, the slow parent the rest, and every shard is verified. (Before, that worker asked the
+    slow parent too, splitting its upload: it sent 7 of stripe 1's 8 shards, a probe of the origin the other.)"""
+    _checkpoint(tmp_path / "o", 16, 0.25)
+    for copy in ("f", "p"):
+        shutil.copytree(tmp_path / "o", tmp_path / copy)
+    origin, fast, slow, me, other = RUN_KEY, *(Identity.generate() for _ in range(4))
+
+    async def main() -> tuple[list[float], list[int]]:
+        servers = [await _server(tmp_path / "o", origin, slots=1, stripes=2),
+                   await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
+                   await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=256e3)]  # fmt: skip
+        (_, _, o_url, _), (_, _, f_url, _), (_, _, p_url, _) = servers
+        store = WeightStore(tmp_path / "me", RUN)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await _attach(session, o_url, other, origin.node_id, 0)  # the origin's slot: idle
+                tokens = {fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
+                          slow.node_id: await _attach(session, p_url, me, slow.node_id, 1)}  # fmt: skip
+                sources = [Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
+                           Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
+                           Candidate(origin.node_id, o_url, 0, False)]  # fmt: skip
+
+                async def find(exclude: set[str]) -> list[Candidate]:
+                    return [c for c in sources if c.node_id not in exclude]
+
+                fetcher = ShardFetcher(session, store, me.node_id, Metrics())
+                fetcher.stripes, fetcher.token_for = 2, lambda node: tokens.get(node, "")
+                await fetcher.fetch(1, find, timeout=60)
+        finally:
+            for _, http, _, _ in servers:
+                await http.close()
+        return [m.counter("node_relay_shards_served_total") for _, _, _, m in servers], store.complete_versions()
+
+    (from_origin, from_fast, from_slow), held = asyncio.run(main())
+    assert held == [1]
+    assert from_origin + from_fast + from_slow == 16 and from_slow <= 4  # without the endgame: 7 (a probe took 1)
