@@ -13,8 +13,9 @@ import aiohttp
 
 from intellect_node.aio import within
 from intellect_node.roles.volunteer import POLL_S, Volunteer
+from intellect_node.weights.follower import WeightFollower
 from intellect_protocol.envelope import Rejected
-from intellect_protocol.messages import Role, RunSpec
+from intellect_protocol.messages import NodeRecord, Role, RunSpec
 
 logger = logging.getLogger(__name__)
 DISK_RETRY_S = 5.0
@@ -30,14 +31,30 @@ class RelayNode(Volunteer):
         assert self.follower is not None
         if self.server is None:
             raise SystemExit("a relay that does not relay has nothing to do: drop --no-relay")
-        f = self.follower
+        self._reading: asyncio.Future[NodeRecord | None] | None = None
+        try:
+            await self._follow(self.follower)
+        finally:
+            if self._reading is not None:
+                self._reading.cancel()
+
+    async def _follow(self, f: WeightFollower) -> None:
         failed_news = -1
         while True:
             f.news.clear()
             # news from the parent (a signed manifest), unless fetching that very version failed: then the DHT
             target = f.announced if f.announced > max(self.version, failed_news) else -1
             if target < 0:
-                trainer = await self.trainer()
+                # The trainer's record from the DHT, but never ahead of the parent's news: a read can take a second
+                # on a busy DHT, and news that waited for one held back a whole subtree's start (netns N=16: a
+                # stripe's root began 0.8 s after the version was out, its subtree with it).
+                self._reading = self._reading or asyncio.ensure_future(self.trainer())
+                news = asyncio.ensure_future(f.news.wait())
+                await asyncio.wait({self._reading, news}, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+                news.cancel()
+                if not self._reading.done():
+                    continue  # news, or a slow read that goes on meanwhile
+                trainer, self._reading = self._reading.result(), None
                 if trainer is not None and await self.follow_epoch(trainer):
                     failed_news = -1
                 if trainer is not None and trainer.epoch == self.store.epoch and trainer.weight_version > self.version:
