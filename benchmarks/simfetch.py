@@ -6,7 +6,11 @@ alternate probed one pick in ``PROBE_EVERY``), plans the sources as ``fetch.Shar
 measures each source at every shard as ``fetch._one`` does. A shard from an alternate is a side transfer beside the
 parent's stream (the fetcher's other worker of the stripe goes on with the parent), served only while the
 alternate has a free slot, and it holds one while it is served (MIRROR of relay.ShardServer._get: a stranger gets
-503 otherwise, away 2 s; an alternate that streams to a node without a parent is not counted).
+503 otherwise, away 2 s; an alternate that streams to a node without a parent is not counted), or on spare
+upload: while no child of its own is being sent anything. The endgame (fetch.ShardFetcher.fetch): with one of its
+stripes done, a node takes a shard of the stripe furthest behind from ``fetch.pick_spare``'s source, on spare upload
+or a free slot. Not modelled: several helpers on one stripe at once (one side transfer per stripe here), and a
+spare response cut short when a child of its source starts (here it runs to its end).
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from intellect_node.weights.fetch import PROBE_EVERY, REPLAN_S, Source, faster_than_parent, pick_source
+from intellect_node.weights.fetch import (
+    PROBE_EVERY,
+    REPLAN_S,
+    SPARE_AGAIN_S,
+    Source,
+    faster_than_parent,
+    pick_source,
+    pick_spare,
+)
 from intellect_node.weights.follower import REFUSED_AVOID_S
 from intellect_node.weights.tree import holders
 
@@ -56,6 +68,8 @@ class Node:
     published: tuple[object, ...] = ()
     mark: list[tuple[float, float]] = field(default_factory=list)
     """Per stripe: (time, bytes) at the last shard boundary, for the measured rate of the source."""
+    endgame_at: float = -1.0
+    """When its endgame is to look for spare upload again (-1: not planned)."""
 
 
 @dataclass
@@ -73,6 +87,7 @@ class Stats:
     preempted: int = 0
     rehomed: int = 0
     records: int = 0
+    spare_shards: int = 0
 
 
 class Fetcher:
@@ -80,6 +95,8 @@ class Fetcher:
 
     def __init__(self, sw: Swarm) -> None:
         self.sw = sw
+        self.spare: set[tuple[int, int]] = set()
+        """(node, stripe) of the side transfers the endgame started: they make no parent (fetch._one)."""
 
     def begin(self, n: Node) -> None:
         """``n`` learns of the version (news from a parent, or the trainer's record) and starts fetching."""
@@ -145,8 +162,7 @@ class Fetcher:
                 if self.sw.net.src[n.idx, s] != t.idx:
                     self.set_source(n, s, t)
                 return
-            busy = len(self.sw.active(t)) + self.sw.net.lent[t.idx]
-            if t.alive and (t.done == t.done or t.idx == ORIGIN) and busy < t.slots:
+            if self.admits(t):
                 p = n.parent[s]
                 if p < 0:  # no parent: the alternate is the stream's source for now
                     self.sw.stats.alt_shards += 1
@@ -170,6 +186,45 @@ class Fetcher:
         elif p < 0:
             self.sw.net.src[n.idx, s] = -1
 
+    def admits(self, t: Node) -> bool:
+        """Whether alternate ``t`` serves a shard now (MIRROR of relay.ShardServer._get): it holds the whole version
+        (the origin does), and a slot is free or its upload is spare (no child of its own is being sent anything)."""
+        net = self.sw.net
+        if not t.alive or not (t.done == t.done or t.idx == ORIGIN):
+            return False
+        if len(self.sw.active(t)) + net.lent[t.idx] < t.slots:
+            return True
+        sending = any(net.src[c, s] == t.idx and net.want[c, s] and self.sw.nodes[c].alive
+                      and net.got[c, s] < net.need[s] - net.skip[c, s] for (c, s) in t.children)  # fmt: skip
+        return not sending and net.lent[t.idx] < t.slots
+
+    def endgame(self, n: Node) -> None:
+        """MIRROR of the fetcher's endgame: per stripe done, one stripe still over two shards short (furthest
+        behind first) gets a shard from ``fetch.pick_spare``'s source if it admits it; else that source is not
+        asked again for SPARE_AGAIN_S, and the endgame looks again then."""
+        net, now = self.sw.net, self.sw.clock.now
+        n.endgame_at = -1.0
+        if not n.alive or not n.fetching or self.sw.k == 1:
+            return
+        left = net.need - net.skip[n.idx] - net.got[n.idx]
+        helpers = int(np.sum(net.got[n.idx] >= net.need))
+        retry = False
+        for s in np.argsort(-left)[:helpers].tolist():
+            if left[s] <= 2 * net.shard or (n.idx, s) in net.side:
+                continue
+            while (src := pick_spare(n.sources.values(), {}, now, s)) is not None:
+                t = self.sw.nodes[self.sw.ids[src.node_id]]
+                if self.admits(t):
+                    self.sw.stats.spare_shards += 1
+                    self.spare.add((n.idx, s))
+                    net.start_side(n.idx, s, t.idx, net.shard, now, now + self.sw.rtt(n, t))
+                    break
+                src.spare_until = now + SPARE_AGAIN_S
+                retry = True
+        if retry and n.endgame_at < 0:
+            n.endgame_at = now + SPARE_AGAIN_S
+            self.sw.clock.at(n.endgame_at, self.endgame, n)
+
     def crossed(self, i: int, s: int) -> None:
         """A stream finished a shard: the source's measured rate, then the next shard's source."""
         n = self.sw.nodes[i]
@@ -186,16 +241,20 @@ class Fetcher:
 
     def side_done(self, side: tuple[int, int, int, float]) -> None:
         """A shard from an alternate arrived: what it measured (fetch._one: ok, an EWMA of the rate)."""
-        i, _s, t, took = side
+        i, s, t, took = side
+        spare = (i, s) in self.spare
+        self.spare.discard((i, s))
         src = self.sw.nodes[i].sources.get(self.sw.nodes[t].nid)
         if src is not None and took > 0:
             rate = self.sw.net.shard / took
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
-            src.ok, src.failed, src.full = src.ok + 1, 0, False
+            src.ok, src.failed, src.full = src.ok + (not spare), 0, False
+        self.endgame(self.sw.nodes[i])
 
     def stripe_done(self, i: int, s: int) -> None:
         n = self.sw.nodes[i]
         if not np.all(self.sw.net.got[i] >= self.sw.net.need):
+            self.endgame(n)
             return
         n.done = float(np.nanmax(self.sw.net.done_at[i]))
         n.fetching = False

@@ -506,3 +506,4 @@ class Swarm:
         side = self.net.side.get((n.idx, s))
         if side is not None and int(side[0]) == gone.idx:
             self.net.cancel_side(n.idx, s)
+            self.fetch.spare.discard((n.idx, s))
