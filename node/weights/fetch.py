@@ -305,7 +305,9 @@ class ShardFetcher:
                 # The endgame: a worker done with its own stripe takes the last shard of one behind from a node with
                 # spare upload (the origin done sending, say), while the stripe's own worker goes on with the parent
                 # from the front. Asking that parent too only splits its upload with our siblings' (measured at
-                # N=16: the origin idle from 22.8 s, a subtree done at 27.8 s behind its relay's saturated link).
+                # N=16: the origin idle from 22.8 s, a subtree done at 27.8 s behind its relay's saturated link);
+                # it does so only while no source has spare upload, as every helper did before.
+                src: Source | None
                 spare = pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe) \
                     if k > 1 and stripe != mine and len(pending) > 1 else None  # fmt: skip
                 if spare is not None:
