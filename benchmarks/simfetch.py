@@ -88,6 +88,7 @@ class Stats:
     rehomed: int = 0
     records: int = 0
     spare_shards: int = 0
+    spare_yielded: int = 0
 
 
 class Fetcher:
@@ -95,6 +96,10 @@ class Fetcher:
 
     def __init__(self, sw: Swarm) -> None:
         self.sw = sw
+        self.retrying: set[tuple[int, int]] = set()
+        """(node, stripe) without a source that will look again (pick)."""
+        self.lent_spare: set[tuple[int, int]] = set()
+        """(node, stripe) of side transfers served on spare upload (no free slot): they yield to a child's stream."""
         self.spare: set[tuple[int, int]] = set()
         """(node, stripe) of the side transfers the endgame started: they make no parent (fetch._one)."""
 
@@ -113,6 +118,12 @@ class Fetcher:
             self.sw.clock.at(self.sw.clock.now + 2 * self.sw.rtt(n, child), self.begin, child)
 
     def set_source(self, n: Node, s: int, t: Node) -> None:
+        if n.parent[s] == t.idx:  # a child's stream starts: t's responses on spare upload yield (relay._write)
+            for key in [k for k in self.lent_spare if int(self.sw.net.side[k][0]) == t.idx]:
+                self.sw.net.cancel_side(*key)
+                self.lent_spare.discard(key)
+                self.spare.discard(key)
+                self.sw.stats.spare_yielded += 1
         self.sw.net.src[n.idx, s] = t.idx
         self.sw.net.rate[n.idx, s] = 0.0
         self.sw.net.ready[n.idx, s] = self.sw.clock.now + self.sw.rtt(n, t)
@@ -162,7 +173,7 @@ class Fetcher:
                 if self.sw.net.src[n.idx, s] != t.idx:
                     self.set_source(n, s, t)
                 return
-            if self.admits(t):
+            if admitted := self.admits(t):
                 p = n.parent[s]
                 if p < 0:  # no parent: the alternate is the stream's source for now
                     self.sw.stats.alt_shards += 1
@@ -173,6 +184,8 @@ class Fetcher:
                 # one worker on it, the other goes on with the parent
                 if (n.idx, s) not in self.sw.net.side and left > self.sw.net.shard:
                     self.sw.stats.alt_shards += 1
+                    if admitted == "spare":
+                        self.lent_spare.add((n.idx, s))
                     self.sw.net.start_side(n.idx, s, t.idx, self.sw.net.shard, self.sw.clock.now,
                                         self.sw.clock.now + self.sw.rtt(n, t))  # fmt: skip
                 if self.sw.net.src[n.idx, s] != p:
@@ -185,18 +198,31 @@ class Fetcher:
             self.set_source(n, s, self.sw.nodes[p])
         elif p < 0:
             self.sw.net.src[n.idx, s] = -1
+            net = self.sw.net
+            if net.want[n.idx, s] and net.got[n.idx, s] < net.need[s] and (n.idx, s) not in self.retrying:
+                # the fetcher's worker tries its sources again (fetch.ShardFetcher.fetch: a refresh a second); here
+                # every REPLAN_S. Before, a node without a parent whose alternates were full waited for a parent
+                # only (seed 1, 1,000 nodes with churn: one never finished)
+                self.retrying.add((n.idx, s))
+                self.sw.clock.at(now + REPLAN_S, self._retry, n, s)
 
-    def admits(self, t: Node) -> bool:
+    def _retry(self, n: Node, s: int) -> None:
+        self.retrying.discard((n.idx, s))
+        if n.alive and self.sw.net.want[n.idx, s] and self.sw.net.src[n.idx, s] < 0:
+            self.pick(n, s)
+
+    def admits(self, t: Node) -> str:
         """Whether alternate ``t`` serves a shard now (MIRROR of relay.ShardServer._get): it holds the whole version
-        (the origin does), and a slot is free or its upload is spare (no child of its own is being sent anything)."""
+        (the origin does), and a slot is free ("slot") or its upload is spare ("spare": no child of its own is
+        being sent anything; such a response yields when one is). "": 503."""
         net = self.sw.net
         if not t.alive or not (t.done == t.done or t.idx == ORIGIN):
-            return False
+            return ""
         if len(self.sw.active(t)) + net.lent[t.idx] < t.slots:
-            return True
+            return "slot"
         sending = any(net.src[c, s] == t.idx and net.want[c, s] and self.sw.nodes[c].alive
                       and net.got[c, s] < net.need[s] - net.skip[c, s] for (c, s) in t.children)  # fmt: skip
-        return not sending and net.lent[t.idx] < t.slots
+        return "spare" if not sending and net.lent[t.idx] < t.slots else ""
 
     def endgame(self, n: Node) -> None:
         """MIRROR of the fetcher's endgame: per stripe done, one stripe still over two shards short (furthest
@@ -214,9 +240,11 @@ class Fetcher:
                 continue
             while (src := pick_spare(n.sources.values(), {}, now, s)) is not None:
                 t = self.sw.nodes[self.sw.ids[src.node_id]]
-                if self.admits(t):
+                if admitted := self.admits(t):
                     self.sw.stats.spare_shards += 1
                     self.spare.add((n.idx, s))
+                    if admitted == "spare":
+                        self.lent_spare.add((n.idx, s))
                     net.start_side(n.idx, s, t.idx, net.shard, now, now + self.sw.rtt(n, t))
                     break
                 src.spare_until = now + SPARE_AGAIN_S
@@ -244,6 +272,7 @@ class Fetcher:
         i, s, t, took = side
         spare = (i, s) in self.spare
         self.spare.discard((i, s))
+        self.lent_spare.discard((i, s))
         src = self.sw.nodes[i].sources.get(self.sw.nodes[t].nid)
         if src is not None and took > 0:
             rate = self.sw.net.shard / took

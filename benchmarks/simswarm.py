@@ -507,3 +507,4 @@ class Swarm:
         if side is not None and int(side[0]) == gone.idx:
             self.net.cancel_side(n.idx, s)
             self.fetch.spare.discard((n.idx, s))
+            self.fetch.lent_spare.discard((n.idx, s))
