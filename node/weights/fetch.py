@@ -38,23 +38,23 @@ _CHUNK = 1 << 20
 _PIECE = 64 * 1024
 SHARD_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_connect=5, sock_read=LONG_POLL_S + 10)
 REFRESH_S = 1.0
-SPARE_AGAIN_S = 1.0
-"""A source that had no spare upload (``pick_spare``) is asked again for it after this long."""
+SPARE_AGAIN_S, SPARE_SLACK_S = 1.0, 2.0
+"""A source with no spare upload a moment ago (``pick_spare``) is asked again after the first; an alternate's shard
+(no long poll) must start within the second, then come at half our slowest parent's rate (``_deadline``)."""
 REPLAN_S = 5.0
 """While shards flow, the sources are planned again this often (new holders of the version, a moved parent)."""
 PROBE_EVERY = 8
 """One pick in this many may go to an alternate not yet measured, so a faster source than the parent is found."""
 MANIFEST_WAIT_S = 6.0
 STALL_S = 30.0
+"""No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
+the caller asks the trainer's record again and fetches the newest version instead."""
 MIN_SHARD_BPS = 64 * 1024
 """A shard must arrive at this rate at least, over its whole transfer (a parent that trickles a byte now and then
 never trips a per-read timeout): past ``SHARD_SLACK_S + size / MIN_SHARD_BPS`` the transfer is cut and the
 source blamed."""
 SHARD_SLACK_S = LONG_POLL_S + 10.0
 """Room for a shard that is still arriving at the source (a long poll) before the rate applies."""
-"""No shard verified for this long: give up on the version (sources may have moved past it and dropped it);
-the caller asks the trainer's record again and fetches the newest version instead."""
-
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """The whole body, or Rejected('oversized') as soon as it passes ``limit`` bytes."""
@@ -303,10 +303,8 @@ class ShardFetcher:
                     await self._refresh()
                     continue  # another worker may have taken the last shard meanwhile
                 # The endgame: a worker done with its own stripe takes the last shard of one behind from a node with
-                # spare upload (the origin done sending, say), while the stripe's own worker goes on with the parent
-                # from the front. Asking that parent too only splits its upload with our siblings' (measured at
-                # N=16: the origin idle from 22.8 s, a subtree done at 27.8 s behind its relay's saturated link);
-                # it does so only while no source has spare upload, as every helper did before.
+                # spare upload (pick_spare) while that stripe's worker goes on with the parent from the front; only
+                # while none has any does it ask the parent too (splitting its upload with our siblings'), as before.
                 src: Source | None
                 spare = pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe) \
                     if k > 1 and stripe != mine and len(pending) > 1 else None  # fmt: skip
@@ -324,7 +322,7 @@ class ShardFetcher:
                     await asyncio.sleep(0.05)
                     continue
                 tried.setdefault(shard.name, set()).add(src.node_id)
-                if await self._one(version, shard, src, spare is not None):
+                if await self._one(version, shard, src, spare is not None, stripe if k > 1 else None):
                     progress.add(shard.size)
                     last_progress = time.monotonic()
                 else:
@@ -352,9 +350,11 @@ class ShardFetcher:
         self.store.finish(version)
         return manifest
 
-    async def _one(self, version: int, shard: ShardEntry, src: Source, spare: bool = False) -> bool:
-        """Fetch one shard from ``src``; True once it is verified and kept. ``spare``: on its spare upload
-        (``pick_spare``), where a refusal or a response cut short says nothing of it as a parent."""
+    async def _one(
+        self, version: int, shard: ShardEntry, src: Source, spare: bool = False, stripe: int | None = None
+    ) -> bool:
+        """Fetch one shard (of ``stripe``) from ``src``; True once it is verified and kept. ``spare``: on its spare
+        upload (``pick_spare``), where a refusal or a response cut short says nothing of it as a parent."""
         part = self.store.part_path(version, shard.name)
         have = part.stat().st_size if part.exists() else 0
         if have >= shard.size:
@@ -376,7 +376,7 @@ class ShardFetcher:
         received = 0
         whole_from_src = have == 0
         try:
-            async with asyncio.timeout(SHARD_SLACK_S + (shard.size - have) / MIN_SHARD_BPS) as limit, \
+            async with asyncio.timeout(self._deadline(shard.size - have, not src.serves(stripe))) as limit, \
                     _tracked(src.active, limit), \
                     self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:  # fmt: skip
                 if resp.status in (404, 503):
@@ -459,6 +459,12 @@ class ShardFetcher:
             rate = received / elapsed
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
         return True
+
+    def _deadline(self, size: int, alternate: bool) -> float:
+        """Seconds a transfer of ``size`` bytes may take; from an alternate (no long poll: it serves what it has) at
+        half our slowest parent's rate at least: one that trickles held a shard 17 minutes for 64 MiB otherwise."""
+        rates = [s.bps for s in self.sources.values() if s.is_parent and s.bps > 0] if alternate else []
+        return (SPARE_SLACK_S if alternate else SHARD_SLACK_S) + size / max(MIN_SHARD_BPS, min(rates, default=0) / 2)
 
     def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, vouched: bool, why: str) -> bool:
         """Bad bytes: banned at once if the source vouched for them (it had verified the shard) and sent all of

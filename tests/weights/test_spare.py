@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
@@ -146,3 +147,65 @@ def test_a_fetcher_done_with_its_stripe_takes_a_lagging_stripes_last_shards_from
     (from_origin, from_fast, from_slow), held = asyncio.run(main())
     assert held == [1]
     assert from_origin + from_fast + from_slow == 16 and from_slow <= 4  # without the endgame: 7 (a probe took 1)
+
+
+def test_a_holder_that_trickles_holds_an_endgame_shard_only_briefly(tmp_path: Path) -> None:
+    """The grudge: a node whose record says it holds the version answers the endgame at once and then sends a
+    kilobyte now and then. A shard on spare upload must come at half our slowest parent's rate or at least
+    ``MIN_SHARD_BPS`` after ``SPARE_SLACK_S`` (no long poll to wait for): it is cut, and the bytes so far resumed
+    from the parent, so the version completes well within a timeout the ordinary deadline (20 s and more a shard)
+    would overrun."""
+    _checkpoint(tmp_path / "o", 16, 0.25)
+    for copy in ("f", "p"):
+        shutil.copytree(tmp_path / "o", tmp_path / copy)
+    fast, slow, me = (Identity.generate() for _ in range(3))
+    shards = WeightStore(tmp_path / "o", RUN)
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        path = shards.shard_file(int(request.match_info["version"]), request.match_info["name"])
+        if path is None:
+            raise web.HTTPNotFound()
+        data = path.read_bytes()
+        resp = web.StreamResponse()
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        for i in range(0, len(data), 1024):
+            await resp.write(data[i : i + 1024])
+            await asyncio.sleep(0.5)
+        return resp
+
+    async def main() -> tuple[list[int], float]:
+        app = web.Application()
+        app.router.add_get("/weights/{version}/{name}", trickle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        liar_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        servers = [await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
+                   await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=1e6)]  # fmt: skip
+        (_, _, f_url, _), (_, _, p_url, _) = servers
+        store = WeightStore(tmp_path / "me", RUN)
+        metrics = Metrics()
+        try:
+            async with aiohttp.ClientSession() as session:
+                tokens = {fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
+                          slow.node_id: await _attach(session, p_url, me, slow.node_id, 1)}  # fmt: skip
+                sources = [Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
+                           Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
+                           Candidate("l" * 32, liar_url, 1, False)]  # fmt: skip
+
+                async def find(exclude: set[str]) -> list[Candidate]:
+                    return [c for c in sources if c.node_id not in exclude]
+
+                fetcher = ShardFetcher(session, store, me.node_id, metrics)
+                fetcher.stripes, fetcher.token_for = 2, lambda node: tokens.get(node, "")
+                await fetcher.fetch(1, find, timeout=15)
+        finally:
+            for _, http, _, _ in servers:
+                await http.close()
+            await runner.cleanup()
+        return store.complete_versions(), metrics.counter("node_weights_slow_sources_total")
+
+    held, cut = asyncio.run(main())
+    assert held == [1] and cut >= 1
