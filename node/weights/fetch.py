@@ -376,7 +376,7 @@ class ShardFetcher:
         received = 0
         whole_from_src = have == 0
         try:
-            async with asyncio.timeout(self._deadline(shard.size - have, not src.serves(stripe))) as limit, \
+            async with asyncio.timeout(self._deadline(shard.size - have, src, stripe)) as limit, \
                     _tracked(src.active, limit), \
                     self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:  # fmt: skip
                 if resp.status in (404, 503):
@@ -460,9 +460,10 @@ class ShardFetcher:
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
         return True
 
-    def _deadline(self, size: int, alternate: bool) -> float:
-        """Seconds a transfer of ``size`` bytes may take; from an alternate (no long poll: it serves what it has) at
-        half our slowest parent's rate at least: one that trickles held a shard 17 minutes for 64 MiB otherwise."""
+    def _deadline(self, size: int, src: Source, stripe: int | None) -> float:
+        """Seconds a transfer of ``size`` bytes may take; from an alternate beside our parent in the stripe (a probe,
+        the endgame: no long poll) at half our slowest parent's rate at least (a trickler held one 17 min/64 MiB)."""
+        alternate = not src.serves(stripe) and any(s.serves(stripe) for s in self.sources.values())
         rates = [s.bps for s in self.sources.values() if s.is_parent and s.bps > 0] if alternate else []
         return (SPARE_SLACK_S if alternate else SHARD_SLACK_S) + size / max(MIN_SHARD_BPS, min(rates, default=0) / 2)
 
