@@ -555,7 +555,7 @@ def test_a_node_with_a_parent_plans_its_sources_without_waiting_for_a_dht_read(t
                 dht.get_nodes = get_nodes  # type: ignore[method-assign]
                 follower._read_at -= 60.0  # the records are a minute old
                 found = await asyncio.wait_for(follower._find(set()), 2.0)
-                await asyncio.sleep(0)  # the background read has begun
+                await asyncio.wait_for(hung.wait(), 2.0)  # the records are read again, in the background
                 return [c.node_id for c in found], hung.is_set()
         finally:
             for task in list(follower._tasks):
