@@ -37,6 +37,7 @@ from intellect_node.weights.stripes import (
     fanout,
     planned_rate,
     rehome_moves,
+    root_fanout,
     stripe_capacity,
     stripe_need,
 )
@@ -100,6 +101,8 @@ class WeightFollower(Attachments):
         self._read_at = -1e9
         self._avoid: dict[str, float] = {}
         """Nodes not to ask for a slot before the time given (we just left them)."""
+        self._climb_after: dict[str, float] = {}
+        """Nodes not to ask to move up to before the time given (they refused: links._climb)."""
         self._tasks: set[asyncio.Future[None]] = set()
         self.announced = -1
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
@@ -185,8 +188,11 @@ class WeightFollower(Attachments):
         if not self.auto_slots:
             return self.server.slots
         mine = self.server.upload_bps() or self.server.upload_limit_bps
-        rate = self._rate({n: r for n, (_, r) in self._seen.items()})
+        records = {n: r for n, (_, r) in self._seen.items()}
+        rate = self._rate(records)
         self.server.slots = fanout(mine, rate, len(self.links))
+        if self.depth == 1 and len(self.links) > 1:  # a stripe's root
+            self.server.slots = root_fanout(records, self.node_id, self.home, len(self.links), rate, self.server.slots)
         self.server.shed()
         return self.server.slots
 
@@ -284,9 +290,9 @@ class WeightFollower(Attachments):
         self._background(self.publish())
 
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
-        """Once the stripes are known (the origin's record), hold a parent in each (links.keep_link), and while
-        this node has no children, move its home to a stripe with less serving capacity (nodes that join at once
-        all see the same records, and choose alike)."""
+        """Once the stripes are known (the origin's record), hold a parent in each (links.keep_link); between
+        versions, move its home to a stripe with less serving capacity (nodes that join at once all see the same
+        records, and choose alike: _rehome), and move up in its home stripe's tree (links._climb)."""
         while not self._planned:
             self._plan_stripes(await self._records(max_age=RECORDS_MAX_AGE_S))
             if not self._planned:
@@ -296,7 +302,19 @@ class WeightFollower(Attachments):
                 tasks.create_task(self.keep_link(session, link))
             while True:
                 await asyncio.sleep(REHOME_S * (0.5 + random.random()))
-                self._rehome(await self._records(max_age=REHOME_S))
+                try:
+                    records = await self._records(max_age=REHOME_S)
+                    self._rehome(records)
+                    if self._between_versions():
+                        await self._climb(records)
+                except Exception:  # a bug here must not take the node down with it: logged, counted, tried again
+                    self.metrics.inc("node_errors_total", label="rehome")
+                    logger.exception("moving home or up in the relay tree failed; trying again")
+
+    def _between_versions(self) -> bool:
+        """A serving node that fetches nothing and has sent no shard for REHOME_IDLE_S."""
+        return (self.server is not None and self.home >= 0 and len(self.links) > 1 and self.fetching < 0
+                and self.server.idle_s() >= REHOME_IDLE_S)  # fmt: skip
 
     def _rehome(self, records: dict[str, NodeRecord]) -> None:
         """Between versions (this node fetches nothing and has sent no shard for REHOME_IDLE_S), move its home to
@@ -305,9 +323,7 @@ class WeightFollower(Attachments):
         record must reach the others first). Its children there are refused at their next keep-alive and choose
         again; in the middle of a version (say, it finished before them) that would move its whole subtree, so it
         waits."""
-        if self.server is None or self.home < 0 or len(self.links) < 2 or self.fetching >= 0:
-            return
-        if self.server.idle_s() < REHOME_IDLE_S or time.monotonic() - self._moved_at < REHOME_HOLD_S:
+        if not self._between_versions() or time.monotonic() - self._moved_at < REHOME_HOLD_S:
             return
         rate = self._rate(records)
         low = rehome_moves(records, len(self.links), rate, stripe_need(records, len(self.links))).get(self.node_id)

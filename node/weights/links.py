@@ -51,6 +51,8 @@ CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
 ATTACH_BODY_LIMIT = 64 * 1024
 CLOCK_TOLERANCE_S = 5.0
+CLIMB_REFUSED_S = 30.0
+"""How long a grandparent that refused to take this node up (_climb) is not asked again."""
 
 
 @dataclass(eq=False)
@@ -92,6 +94,7 @@ class Attachments:
     """The version being fetched (-1: none)."""
     _avoid: dict[str, float]
     _clock: dict[str, float]
+    _climb_after: dict[str, float]
 
     if TYPE_CHECKING:
 
@@ -267,6 +270,44 @@ class Attachments:
                 self.metrics.inc("node_relay_slow_parent_moves_total",
                                  help="moves from a parent much slower than another")  # fmt: skip
                 self._detach_soon(old, link)
+
+    async def _climb(self, records: dict[str, NodeRecord]) -> None:
+        """Move up in the home stripe: a node at home there serves children, and the shallower it sits the fewer
+        relays its subtree's data passes through, each of which shares its upload unevenly between children
+        (TCP) and leaves the slower-fed below it idle in a swarm that needs every upload busy. Nodes at home that
+        attached late found the nodes near the root full of leaves and went deeper: a netns run at N=16 built a
+        stripe of four levels, two of its four serving nodes under a third rather than under the root, whose
+        other three children were leaves. So, between versions, a node at home whose parent there is not the
+        stripe's root asks its grandparent (its path's, at home there like every node on it) for a slot; a full
+        one gives it a leaf's slot (stripes.to_release) and the leaf attaches lower at its next keep-alive. One
+        level a round, each node asking only its own grandparent: a node is asked by its grandchildren, at most
+        once in CLIMB_REFUSED_S each after refusing them."""
+        link, now = self.home_link, time.monotonic()
+        c, path = link.parent, link.path
+        if c is None or not link.home or len(self.links) < 2 or self.session is None or len(path) < 4:
+            return
+        up = path[-3]
+        r = records.get(up)
+        if up == self.run_id or self._climb_after.get(up, 0.0) > now or up in self._avoiding():
+            return
+        if r is None or r.relay is None or not r.http_url or r.relay.stripe != link.stripe:
+            return
+        t = Candidate(up, r.http_url, len(path) - 3, True)
+        status, body = await self._post_attach(t, link)
+        if link.parent is not c:  # it changed meanwhile (left, re-parented): keep no second slot
+            if status == 200:
+                self._detach_soon(t, link)
+            return
+        if status != 200:
+            self._climb_after = {n: x for n, x in self._climb_after.items() if x > now}
+            self._climb_after[up] = time.monotonic() + CLIMB_REFUSED_S
+            return
+        assert c is not None  # (the identity check above widened it for mypy)
+        link.parent_was = c.node_id
+        if self._adopt(t, body, link):
+            logger.info("moved up in stripe %d: from below %s to below %s", link.stripe, c.node_id[:8], up[:8])
+            self.metrics.inc("node_relay_climbs_total", help="moves nearer the origin in the home stripe")
+            self._detach_soon(c, link)
 
     async def keep_link(self, session: aiohttp.ClientSession, link: Link) -> None:
         """Hold this node's slot at its parent in one stripe, so the tree stays as it is between versions, and

@@ -198,6 +198,22 @@ def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: flo
     return second if capacity[second] < capacity[first] else first
 
 
+def root_fanout(records: dict[str, NodeRecord], me: str, home: int, stripes: int, rate: float, slots: int) -> int:
+    """Children a stripe's root (the origin's child there) serves: one fewer than its upload carries when the
+    others at home in the stripe have the slot to spare (``stripe_capacity`` against ``stripe_need``). The origin
+    shares its link among the stripes unevenly (TCP), and a root fed faster than a stripe's rate can pass on only
+    its upload over its children each: with every slot of the stripe in use there is no slack anywhere below it,
+    and what the origin sent ahead waits at the root (netns N=16: a root done 20.9 s into a version, its four
+    children 22.1-24.5 s). With one child fewer it passes on a third more per child."""
+    if slots < 2 or not 0 <= home < max(1, stripes):
+        return slots
+    roots = 1 + sum(1 for nid, r in records.items() if nid != me and r.relay is not None and r.role != "trainer"
+                    and r.relay.stripe == home and r.relay.depth == 1)  # fmt: skip
+    # every root of the stripe (a fast origin has many) may take one off at once: room for all of them
+    spare = stripe_capacity(records, me, stripes, rate)[home] + slots - roots - stripe_need(records, stripes)
+    return slots - 1 if spare >= 0 else slots
+
+
 def stripe_need(records: dict[str, NodeRecord], stripes: int) -> int:
     """Children the nodes at home in a stripe must serve between them: every receiver in the records needs a
     parent in every stripe, and the origin's slots (its record's, spread over the stripes) serve a few."""
