@@ -35,7 +35,15 @@ from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.files import MANIFEST_NAME
-from intellect_node.weights.pacing import TokenBucket, Yielded, backlogged, on_the_wire, respond
+from intellect_node.weights.pacing import (
+    FairShare,
+    TokenBucket,
+    Yielded,
+    backlogged,
+    on_the_wire,
+    pace,
+    respond,
+)
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, stripe_of, to_release
 from intellect_protocol.messages import NodeRecord, RelayInfo
@@ -105,6 +113,7 @@ class ShardServer:
         """Responses to children in progress: while there is none, alternates may use the idle upload."""
         self._sent_at = -1e9
         self.meter = UploadMeter()
+        self.fair = FairShare()
         self._leaves: set[str] = set()
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
         self._told_bps = 0.0
@@ -381,7 +390,7 @@ class ShardServer:
         resp, start, size = await respond(request, growing.total, cut_through=True)
         self.metrics.inc("node_relay_streams_total", help="shards relayed cut-through, before verifying them here")
         pos = start
-        with self._busy(child), self._hung_up(request):
+        with self._busy(child, request), self._hung_up(request):
             while pos < size:
                 if growing.size > pos:
                     f.seek(pos)
@@ -393,6 +402,7 @@ class ShardServer:
                     continue
                 if growing.state == "failed":
                     break
+                self.fair.update(request, False)  # it waits for its bytes, not for the link
                 changed = growing.changed
                 try:
                     await within(changed.wait(), STREAM_STALL_S)
@@ -421,7 +431,7 @@ class ShardServer:
                 request.transport.close()
 
     @contextlib.contextmanager
-    def _busy(self, child: str | None) -> Iterator[None]:
+    def _busy(self, child: str | None, request: web.Request) -> Iterator[None]:
         """A response in progress: the upload meter counts only seconds with one throughout."""
         self._sending += 1
         self._to_children += child is not None
@@ -430,6 +440,7 @@ class ShardServer:
         finally:
             self._sending -= 1
             self._to_children -= child is not None
+            self.fair.done(request)
             self._sent_at = time.monotonic()
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
@@ -445,6 +456,8 @@ class ShardServer:
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         behind = backlogged(request)
+        self.fair.update(request, behind)
+        pace(request, self.fair.cap(self.meter.peak_bps(time.monotonic())))
         try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
             await within(resp.write(chunk), STREAM_STALL_S)
         except TimeoutError:
@@ -464,7 +477,7 @@ class ShardServer:
         if request.method == "HEAD":
             return resp
         sent = 0
-        with self._busy(child), self._hung_up(request):
+        with self._busy(child, request), self._hung_up(request):
             f.seek(start)
             while sent < stop - start:
                 chunk = f.read(min(_CHUNK, stop - start - sent))

@@ -278,6 +278,7 @@ class UploadMeter:
         self._bytes = 0
         self._busy_all = True
         self._full: deque[int] = deque(maxlen=self.SPAN)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=self.SPAN)
 
     def sent(self, n: int, now: float, busy: bool = True, backlogged: bool = True) -> None:
         """``n`` bytes went out at ``now``; ``busy``: a response was in progress throughout since the last call;
@@ -287,6 +288,8 @@ class UploadMeter:
             consecutive = second == self._second + 1
             if self._second >= 0 and self._busy_all and consecutive and self._bytes > 0:
                 self._full.append(self._bytes)
+            if self._second >= 0:
+                self._recent.append((self._second, self._bytes))
             # a second counts only if sending went on from the one before: a start mid-second is a partial one
             self._second, self._bytes, self._busy_all = second, 0, busy and consecutive
         self._bytes += n
@@ -296,6 +299,11 @@ class UploadMeter:
         """Nothing was being sent at ``now``: the current second does not count as a busy one."""
         if int(now) == self._second:
             self._busy_all = False
+
+    def peak_bps(self, now: float) -> float:
+        """The most sent in one whole second of the last ``SPAN`` (busy or not; 0 if none): the link's rate
+        soon after it was last the limit, where ``bps`` may have no estimate yet (pacing.FairShare)."""
+        return float(max((b for sec, b in self._recent if sec >= int(now) - self.SPAN), default=0))
 
     def bps(self) -> float:
         """The median of the busy seconds (the first of a burst also fills kernel buffers: it reads high)."""

@@ -1,0 +1,208 @@
+"""The shape of a stripe's tree and how a node shares its upload: nodes at home in a stripe move up under their
+grandparent (links.Attachments._climb), a stripe's root keeps a slot spare when the stripe can afford it
+(stripes.root_fanout), and responses the link limits get equal parts of it (pacing.FairShare)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.follower import WeightFollower
+from intellect_node.weights.links import Link
+from intellect_node.weights.pacing import PACE_SHARE, FairShare, pace
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import UploadMeter, root_fanout
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RelayInfo
+
+ORIGIN = "0" * 32
+_KEYS: dict[str, Identity] = {}
+
+
+def _node() -> str:
+    key = Identity.generate()
+    _KEYS[key.node_id] = key
+    return key.node_id
+
+
+def _rec(nid: str, stripe: int, slots: int = 4, depth: int = 2, url: str | None = None, role: str = "relay",
+         parent: str | None = None, free: int = 0) -> NodeRecord:  # fmt: skip
+    return NodeRecord(
+        run_id=ORIGIN, node_id=nid, role=role, updated=0.0, http_url=url or f"http://{nid[:4]}",  # type: ignore[arg-type]
+        relay=RelayInfo(depth=depth, parent=parent, slots_total=slots, slots_free=free, stripe=stripe, stripes=4),
+    )  # fmt: skip
+
+
+class _Records:
+    def __init__(self, records: dict[str, NodeRecord]) -> None:
+        self.records = records
+
+    async def get_nodes(self) -> dict[str, NodeRecord]:
+        return self.records
+
+
+async def _relay(tmp_path: Path, node: str, path: list[str], slots: int) -> tuple[ShardServer, HttpServer, str]:
+    """A real shard server at home in stripe 0, ``path`` from the origin down to it."""
+    server = ShardServer(WeightStore(tmp_path / node[:6], ORIGIN), Metrics(), slots=slots, node_id=node)
+    server.path = lambda: path
+    server.stripes = 2
+    server.home = lambda: 0
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    return server, http, f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+
+
+async def _attach(session: aiohttp.ClientSession, url: str, node: str, server: str, query: str) -> int:
+    headers = signed_headers(_KEYS[node], "POST", f"/relay/attach?{query}", server)
+    async with session.post(f"{url}/relay/attach?{query}", headers=headers) as r:
+        return r.status
+
+
+async def _settled(follower: WeightFollower) -> None:
+    while follower._tasks:
+        await asyncio.gather(*follower._tasks)
+
+
+def _climbing(tmp_path: Path, sibling_at_home: bool) -> dict[str, object]:
+    """Stripe 0: the origin -> root -> {mid (at home), other}; this node, at home in stripe 0, under mid (depth
+    3). ``other`` is a leaf in stripe 0, or (``sibling_at_home``) at home there too. The node tries to move up."""
+    root, mid, other, me = _node(), _node(), _node(), _node()
+    out: dict[str, object] = {}
+
+    async def main() -> None:
+        sr, http_r, url_r = await _relay(tmp_path, root, [ORIGIN, root], slots=2)
+        sm, http_m, url_m = await _relay(tmp_path, mid, [ORIGIN, root, mid], slots=2)
+        records = {root: _rec(root, 0, 2, 1, url_r, parent=ORIGIN), mid: _rec(mid, 0, 2, 2, url_m, parent=root, free=2)}
+        follower = WeightFollower(_KEYS[me], ORIGIN, _Records(records), WeightStore(tmp_path / "me", ORIGIN),
+                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower.links = [Link(0, True), Link(1, False)]
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert await _attach(session, url_r, mid, root, "stripe=0") == 200
+                query = "stripe=0" if sibling_at_home else "stripe=0&home=0"
+                assert await _attach(session, url_r, other, root, query) == 200
+                follower.start(session)
+                await follower._choose(records, set(), follower.links[0])
+                out["first"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
+                refused = sr.metrics.counter("node_relay_requests_refused_total", "no_slot")
+                await follower._climb(records)
+                await _settled(follower)
+                out["after"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
+                out["root_children"] = sr.children()
+                out["mid_children"] = sm.children()
+                await follower._climb(records)  # again at once: a node that refused is not asked again soon
+                out["asked"] = sr.metrics.counter("node_relay_requests_refused_total", "no_slot") - refused
+        finally:
+            await http_r.close()
+            await http_m.close()
+
+    asyncio.run(main())
+    out["ids"] = {"root": root, "mid": mid, "other": other, "me": me}
+    return out
+
+
+def test_a_node_at_home_deep_in_its_stripe_moves_up_under_its_grandparent_and_a_leaf_moves_down(
+    tmp_path: Path,
+) -> None:
+    """Seen at N=16 in netns: two of a stripe's four serving nodes under a third, not under the root, whose
+    other children were leaves; each level shares its upload unevenly and the stripe took a level more."""
+    out = _climbing(tmp_path, sibling_at_home=False)
+    ids = out["ids"]
+    assert isinstance(ids, dict)
+    assert out["first"] == (ids["mid"], 3)
+    assert out["after"] == (ids["root"], 2)
+    assert out["root_children"] == sorted([ids["mid"], ids["me"]])  # the leaf gave its slot up
+    assert out["mid_children"] == []  # the slot below is given back at once
+
+
+def test_a_grandparent_whose_children_all_serve_refuses_and_is_not_asked_again_soon(tmp_path: Path) -> None:
+    out = _climbing(tmp_path, sibling_at_home=True)
+    ids = out["ids"]
+    assert isinstance(ids, dict)
+    assert out["after"] == (ids["mid"], 3)
+    assert out["root_children"] == sorted([ids["mid"], ids["other"]])
+    assert out["asked"] == 1  # refused once; the second round did not ask
+
+
+def test_a_stripes_root_keeps_a_slot_spare_only_where_the_others_at_home_can_do_without_it() -> None:
+    """16 receivers, four stripes, the origin's 4 slots: a stripe needs 15 children from the nodes at home there.
+    Its root with 4 slots and three others with 4 each: it serves 3. Not when the others have one slot fewer,
+    nor when the stripe has two roots (both would take one off at once)."""
+    me, origin = _node(), _rec(ORIGIN, 0, 4, 0, role="trainer")
+    others = [_node() for _ in range(15)]
+    records = {ORIGIN: origin, me: _rec(me, 0, 4, 1)}
+    records |= {n: _rec(n, i % 4 if i >= 3 else 0, 4) for i, n in enumerate(others)}
+    at_home = [n for n in others if records[n].relay.stripe == 0]  # type: ignore[union-attr]
+    assert len(at_home) == 6  # three of them enough: move the rest away
+    for n in at_home[3:]:
+        records[n] = _rec(n, 1, 4)
+    assert root_fanout(records, me, 0, 4, 6.25e5, 4) == 3
+    records[at_home[0]] = _rec(at_home[0], 0, 3)
+    assert root_fanout(records, me, 0, 4, 6.25e5, 4) == 4
+    records[at_home[0]] = _rec(at_home[0], 0, 4, depth=1)  # another root of the stripe
+    assert root_fanout(records, me, 0, 4, 6.25e5, 4) == 4
+    assert root_fanout(records, me, 0, 4, 6.25e5, 1) == 1  # one slot is never taken off
+
+
+def test_responses_the_link_limits_are_paced_at_an_equal_share_and_a_lone_one_never() -> None:
+    fair, a, b, c = FairShare(), object(), object(), object()
+    assert fair.cap(1e6) is None
+    fair.update(a, True)  # type: ignore[arg-type]
+    assert fair.cap(1e6) is None  # one alone takes the whole link
+    fair.update(b, True)  # type: ignore[arg-type]
+    fair.update(c, False)  # type: ignore[arg-type]  # waits for its bytes: not counted
+    assert fair.cap(1e6) == PACE_SHARE * 1e6 / 2
+    assert fair.cap(0.0) is None  # no peak measured yet
+    fair.update(c, True)  # type: ignore[arg-type]
+    fair.done(a)  # type: ignore[arg-type]
+    fair.update(b, False)  # type: ignore[arg-type]
+    assert fair.cap(1e6) is None
+
+
+def test_the_peak_is_the_most_sent_in_a_whole_second_lately() -> None:
+    meter = UploadMeter()
+    for t, n in ((100.2, 10), (100.7, 30), (101.5, 5), (102.1, 1), (103.0, 0)):
+        meter.sent(n, t)
+    assert meter.peak_bps(103.0) == 40
+    assert meter.peak_bps(100.0 + 1 + UploadMeter.SPAN) == 5  # second 100 is out of the window, 101 not yet
+    assert meter.peak_bps(200.0) == 0
+
+
+def test_a_paced_connection_carries_its_cap_in_the_kernel_and_each_response_sets_its_own() -> None:
+    """SO_MAX_PACING_RATE as the kernel reads it back; a kept-alive connection's next response starts unpaced."""
+
+    async def main() -> list[int]:
+        seen: list[int] = []
+
+        async def handler(request: web.Request) -> web.Response:
+            sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            before = struct.unpack("I", sock.getsockopt(socket.SOL_SOCKET, 47, 4))[0]
+            pace(request, 123_456.0 if request.query.get("cap") else None)
+            seen.extend([before, struct.unpack("I", sock.getsockopt(socket.SOL_SOCKET, 47, 4))[0]])
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+                for query in ("?cap=1", ""):  # the same connection, kept alive
+                    async with session.get(f"http://127.0.0.1:{port}/{query}") as r:
+                        assert r.status == 200
+        finally:
+            await runner.cleanup()
+        return seen
+
+    assert asyncio.run(main()) == [0xFFFFFFFF, 123_456, 123_456, 0xFFFFFFFF]
