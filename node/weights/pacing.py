@@ -131,23 +131,47 @@ class FairShare:
     s; paced at 1.1 times an equal share, at 22.0-22.6 s (the last no later). In the relay tree that unevenness is
     time lost: the origin's stripe done last arrives at its root at the end at the full rate of the origin's link,
     and the root passes it on at its share of its own; a root's child fed at half its siblings' rate (measured:
-    the last four shards at 6 Mbit/s to one child, 12-16 to another) starves the subtree below it. Responses
-    that wait for their bytes (cut-through at a stripe's pace) are not limited by the link and are not counted; a
-    single one is never paced. Pure bookkeeping but for ``pace``."""
+    the last four shards at 6 Mbit/s to one child, 12-16 to another) starves the subtree below it.
+
+    Responses that wait for their bytes (cut-through at a stripe's pace) are not limited by the link and are not
+    counted; a single one is never paced. Nor does a response that moves at under ``SLOW`` of an equal share
+    (its receiver reads slowly, or its path is thin elsewhere) hold the others to that share: what it leaves is
+    theirs. Else a member's grudge, children or alternates that read a byte a second, would pace a node's honest
+    children down to a fraction of its link. Pure bookkeeping but for ``pace``."""
+
+    SLOW = 0.5
+    TAU_S = 1.0
+    """Time constant of each response's rate estimate (it is written to every 256 KiB: 0.1 s at 20 Mbit/s)."""
 
     def __init__(self) -> None:
-        self._pressing: set[int] = set()
+        self._rate: dict[int, tuple[float, float]] = {}
+        """Response (its id) the link limits -> (bytes/s it moved lately, when last told)."""
 
-    def update(self, request: web.Request, pressing: bool) -> None:
-        (self._pressing.add if pressing else self._pressing.discard)(id(request))
+    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0) -> None:
+        """``sent`` more bytes of this response reached its receiver by ``now``; ``pressing``: the link limits it."""
+        key = id(request)
+        if not pressing:
+            self._rate.pop(key, None)
+            return
+        rate, at = self._rate.get(key, (0.0, now))
+        if now > at:
+            rate += (sent / (now - at) - rate) * min(1.0, (now - at) / self.TAU_S)
+        self._rate[key] = (rate, now)
 
     def done(self, request: web.Request) -> None:
-        self._pressing.discard(id(request))
+        self._rate.pop(id(request), None)
 
-    def cap(self, peak_bps: float) -> float | None:
+    def cap(self, peak_bps: float, now: float = 0.0) -> float | None:
         """Bytes/s each pressing response may send: None (no cap) with one of them or no peak measured."""
-        n = len(self._pressing)
-        return PACE_SHARE * peak_bps / n if n >= 2 and peak_bps > 0 else None
+        n = len(self._rate)
+        if n < 2 or peak_bps <= 0:
+            return None
+        # one not written to for a while (its receiver does not read) moves at most what it did over that while
+        rates = [r * min(1.0, self.TAU_S / max(1e-9, now - at)) for r, at in self._rate.values()]
+        slow = [r for r in rates if r < self.SLOW * peak_bps / n]
+        if len(slow) == n:
+            return None
+        return PACE_SHARE * (peak_bps - sum(slow)) / (n - len(slow))
 
 
 def pace(request: web.Request, rate: float | None) -> None:

@@ -455,15 +455,16 @@ class ShardServer:
             raise Yielded()
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
-        behind = backlogged(request)
-        self.fair.update(request, behind)
-        pace(request, self.fair.cap(self.meter.peak_bps(time.monotonic())))
+        behind, now = backlogged(request), time.monotonic()
+        pace(request, self.fair.cap(self.meter.peak_bps(now), now))
         try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
             await within(resp.write(chunk), STREAM_STALL_S)
         except TimeoutError:
             self.metrics.inc("node_relay_responses_stalled_total", help="responses cut: nothing read for a while")
             raise ConnectionResetError("the receiver read nothing") from None
-        self.meter.sent(on_the_wire(request, len(chunk)), time.monotonic(), backlogged=behind)
+        acked, now = on_the_wire(request, len(chunk)), time.monotonic()
+        self.meter.sent(acked, now, backlogged=behind)
+        self.fair.update(request, behind, acked, now)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)

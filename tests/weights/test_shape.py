@@ -154,17 +154,35 @@ def test_a_stripes_root_keeps_a_slot_spare_only_where_the_others_at_home_can_do_
 
 def test_responses_the_link_limits_are_paced_at_an_equal_share_and_a_lone_one_never() -> None:
     fair, a, b, c = FairShare(), object(), object(), object()
-    assert fair.cap(1e6) is None
-    fair.update(a, True)  # type: ignore[arg-type]
-    assert fair.cap(1e6) is None  # one alone takes the whole link
-    fair.update(b, True)  # type: ignore[arg-type]
-    fair.update(c, False)  # type: ignore[arg-type]  # waits for its bytes: not counted
-    assert fair.cap(1e6) == PACE_SHARE * 1e6 / 2
-    assert fair.cap(0.0) is None  # no peak measured yet
-    fair.update(c, True)  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0) is None
+    for t in (0.0, 1.0):
+        fair.update(a, True, int(t * 1e5), t)  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0) is None  # one alone takes the whole link
+    for t in (0.0, 1.0):
+        fair.update(b, True, int(t * 1e5), t)  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0) == PACE_SHARE * 1e5
+    assert fair.cap(0.0, 1.0) is None  # no peak measured yet
+    fair.update(c, False)  # type: ignore[arg-type]  # it waits for its bytes: not counted
+    assert fair.cap(2e5, 1.0) == PACE_SHARE * 1e5
     fair.done(a)  # type: ignore[arg-type]
-    fair.update(b, False)  # type: ignore[arg-type]
-    assert fair.cap(1e6) is None
+    assert fair.cap(2e5, 1.0) is None
+
+
+def test_a_receiver_that_reads_slowly_does_not_hold_the_others_to_its_share() -> None:
+    """A member's grudge: three children (or alternates) that read a trickle, beside one honest child. Counted as
+    equals they would pace the honest one at a quarter of the link; what they leave is its."""
+    fair, honest, grudges = FairShare(), object(), [object() for _ in range(3)]
+    for t in (0.0, 0.5, 1.0):
+        fair.update(honest, True, int(0.5 * 2e5), t)  # type: ignore[arg-type]
+        for g in grudges:
+            fair.update(g, True, 100 if t else 0, t)  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0) > 0.99 * PACE_SHARE * 2e5  # type: ignore[operator]
+    fair.update(grudges[0], True, 1e5, 1.5)  # type: ignore[arg-type]  # one reads at an honest rate after all
+    fair.update(honest, True, int(0.5 * 2e5), 1.5)  # type: ignore[arg-type]
+    cap = fair.cap(2e5, 1.5)
+    assert cap is not None and 0.45 * PACE_SHARE * 2e5 < cap < 0.55 * PACE_SHARE * 2e5
+    # one whose receiver stopped reading is not written to: what it moved fades with the time since
+    assert fair.cap(2e5, 11.5) is None or fair.cap(2e5, 11.5) > 0.99 * PACE_SHARE * 2e5  # type: ignore[operator]
 
 
 def test_the_peak_is_the_most_sent_in_a_whole_second_lately() -> None:
