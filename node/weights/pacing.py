@@ -131,7 +131,9 @@ class FairShare:
     s; paced at 1.1 times an equal share, at 22.0-22.6 s (the last no later). In the relay tree that unevenness is
     time lost: the origin's stripe done last arrives at its root at the end at the full rate of the origin's link,
     and the root passes it on at its share of its own; a root's child fed at half its siblings' rate (measured:
-    the last four shards at 6 Mbit/s to one child, 12-16 to another) starves the subtree below it.
+    the last four shards at 6 Mbit/s to one child, 12-16 to another) starves the subtree below it. Shares are
+    per receiver: a fetcher takes a stripe's shards two at a time, and paced per response the origin's four
+    roots, each at one or two responses from moment to moment, still ended their stripes 1.7 s apart (netns N=12).
 
     Responses that wait for their bytes (cut-through at a stripe's pace) are not limited by the link and are not
     counted; a single one is never paced. Nor does a response that moves at under ``SLOW`` of an equal share
@@ -144,34 +146,41 @@ class FairShare:
     """Time constant of each response's rate estimate (it is written to every 256 KiB: 0.1 s at 20 Mbit/s)."""
 
     def __init__(self) -> None:
-        self._rate: dict[int, tuple[float, float]] = {}
-        """Response (its id) the link limits -> (bytes/s it moved lately, when last told)."""
+        self._rate: dict[int, tuple[str, float, float]] = {}
+        """Response (its id) the link limits -> (its receiver, bytes/s it moved lately, when last told)."""
 
-    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0) -> None:
-        """``sent`` more bytes of this response reached its receiver by ``now``; ``pressing``: the link limits it."""
+    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "") -> None:
+        """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: the link
+        limits it."""
         key = id(request)
         if not pressing:
             self._rate.pop(key, None)
             return
-        rate, at = self._rate.get(key, (0.0, now))
+        _, rate, at = self._rate.get(key, (who, 0.0, now))
         if now > at:
             rate += (sent / (now - at) - rate) * min(1.0, (now - at) / self.TAU_S)
-        self._rate[key] = (rate, now)
+        self._rate[key] = (who, rate, now)
 
     def done(self, request: web.Request) -> None:
         self._rate.pop(id(request), None)
 
-    def cap(self, peak_bps: float, now: float = 0.0) -> float | None:
-        """Bytes/s each pressing response may send: None (no cap) with one of them or no peak measured."""
-        n = len(self._rate)
+    def cap(self, peak_bps: float, now: float = 0.0, who: str = "") -> float | None:
+        """Bytes/s a response to ``who`` may send: an equal share per receiver (a node fetching two shards at
+        once gets no more than one fetching one), split among its responses. None (no cap) with one receiver
+        or no peak measured."""
+        per: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for w, r, at in self._rate.values():
+            # one not written to for a while (its receiver does not read) moved at most that much over the while
+            per[w] = per.get(w, 0.0) + r * min(1.0, self.TAU_S / max(1e-9, now - at))
+            count[w] = count.get(w, 0) + 1
+        n = len(per)
         if n < 2 or peak_bps <= 0:
             return None
-        # one not written to for a while (its receiver does not read) moves at most what it did over that while
-        rates = [r * min(1.0, self.TAU_S / max(1e-9, now - at)) for r, at in self._rate.values()]
-        slow = [r for r in rates if r < self.SLOW * peak_bps / n]
+        slow = [r for r in per.values() if r < self.SLOW * peak_bps / n]
         if len(slow) == n:
             return None
-        return PACE_SHARE * (peak_bps - sum(slow)) / (n - len(slow))
+        return PACE_SHARE * (peak_bps - sum(slow)) / (n - len(slow)) / max(1, count.get(who, 0))
 
 
 def pace(request: web.Request, rate: float | None) -> None:

@@ -456,7 +456,8 @@ class ShardServer:
         if self._bucket is not None:
             await self._bucket.take(len(chunk))
         behind, now = backlogged(request), time.monotonic()
-        pace(request, self.fair.cap(self.meter.peak_bps(now), now))
+        who = child.split("/")[0] if child else request.remote or ""
+        pace(request, self.fair.cap(self.meter.peak_bps(now), now, who))
         try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
             await within(resp.write(chunk), STREAM_STALL_S)
         except TimeoutError:
@@ -464,7 +465,7 @@ class ShardServer:
             raise ConnectionResetError("the receiver read nothing") from None
         acked, now = on_the_wire(request, len(chunk)), time.monotonic()
         self.meter.sent(acked, now, backlogged=behind)
-        self.fair.update(request, behind, acked, now)
+        self.fair.update(request, behind, acked, now, who)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)

@@ -152,20 +152,23 @@ def test_a_stripes_root_keeps_a_slot_spare_only_where_the_others_at_home_can_do_
     assert root_fanout(records, me, 0, 4, 6.25e5, 1) == 1  # one slot is never taken off
 
 
-def test_responses_the_link_limits_are_paced_at_an_equal_share_and_a_lone_one_never() -> None:
-    fair, a, b, c = FairShare(), object(), object(), object()
-    assert fair.cap(2e5, 1.0) is None
+def test_responses_the_link_limits_are_paced_at_an_equal_share_per_receiver_and_a_lone_one_never() -> None:
+    fair, a, a2, b, c = FairShare(), object(), object(), object(), object()
+    assert fair.cap(2e5, 1.0, "A") is None
     for t in (0.0, 1.0):
-        fair.update(a, True, int(t * 1e5), t)  # type: ignore[arg-type]
-    assert fair.cap(2e5, 1.0) is None  # one alone takes the whole link
+        fair.update(a, True, int(t * 1e5), t, "A")  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0, "A") is None  # one alone takes the whole link
     for t in (0.0, 1.0):
-        fair.update(b, True, int(t * 1e5), t)  # type: ignore[arg-type]
-    assert fair.cap(2e5, 1.0) == PACE_SHARE * 1e5
-    assert fair.cap(0.0, 1.0) is None  # no peak measured yet
-    fair.update(c, False)  # type: ignore[arg-type]  # it waits for its bytes: not counted
-    assert fair.cap(2e5, 1.0) == PACE_SHARE * 1e5
+        fair.update(b, True, int(t * 1e5), t, "B")  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0, "A") == fair.cap(2e5, 1.0, "B") == PACE_SHARE * 1e5
+    assert fair.cap(0.0, 1.0, "A") is None  # no peak measured yet
+    fair.update(c, False, 0, 1.0, "C")  # type: ignore[arg-type]  # it waits for its bytes: not counted
+    assert fair.cap(2e5, 1.0, "B") == PACE_SHARE * 1e5
+    fair.update(a2, True, 0, 1.0, "A")  # type: ignore[arg-type]  # A's second shard at once: A's share, split
+    assert fair.cap(2e5, 1.0, "A") == PACE_SHARE * 1e5 / 2 and fair.cap(2e5, 1.0, "B") == PACE_SHARE * 1e5
     fair.done(a)  # type: ignore[arg-type]
-    assert fair.cap(2e5, 1.0) is None
+    fair.done(a2)  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0, "B") is None
 
 
 def test_a_receiver_that_reads_slowly_does_not_hold_the_others_to_its_share() -> None:
@@ -173,24 +176,29 @@ def test_a_receiver_that_reads_slowly_does_not_hold_the_others_to_its_share() ->
     equals they would pace the honest one at a quarter of the link; what they leave is its."""
     fair, honest, grudges = FairShare(), object(), [object() for _ in range(3)]
     for t in (0.0, 0.5, 1.0):
-        fair.update(honest, True, int(0.5 * 2e5), t)  # type: ignore[arg-type]
-        for g in grudges:
-            fair.update(g, True, 100 if t else 0, t)  # type: ignore[arg-type]
-    assert fair.cap(2e5, 1.0) > 0.99 * PACE_SHARE * 2e5  # type: ignore[operator]
-    fair.update(grudges[0], True, 1e5, 1.5)  # type: ignore[arg-type]  # one reads at an honest rate after all
-    fair.update(honest, True, int(0.5 * 2e5), 1.5)  # type: ignore[arg-type]
-    cap = fair.cap(2e5, 1.5)
+        fair.update(honest, True, int(0.5 * 2e5), t, "H")  # type: ignore[arg-type]
+        for i, g in enumerate(grudges):
+            fair.update(g, True, 100 if t else 0, t, f"G{i}")  # type: ignore[arg-type]
+    assert fair.cap(2e5, 1.0, "H") > 0.99 * PACE_SHARE * 2e5  # type: ignore[operator]
+    fair.update(grudges[0], True, 1e5, 1.5, "G0")  # type: ignore[arg-type]  # one reads at an honest rate after all
+    fair.update(honest, True, int(0.5 * 2e5), 1.5, "H")  # type: ignore[arg-type]
+    cap = fair.cap(2e5, 1.5, "H")
     assert cap is not None and 0.45 * PACE_SHARE * 2e5 < cap < 0.55 * PACE_SHARE * 2e5
     # one whose receiver stopped reading is not written to: what it moved fades with the time since
-    assert fair.cap(2e5, 11.5) is None or fair.cap(2e5, 11.5) > 0.99 * PACE_SHARE * 2e5  # type: ignore[operator]
+    late = fair.cap(2e5, 11.5, "H")
+    assert late is None or late > 0.99 * PACE_SHARE * 2e5
 
 
-def test_the_peak_is_the_most_sent_in_a_whole_second_lately() -> None:
+def test_the_peak_is_the_most_sent_over_two_seconds_in_a_row_lately() -> None:
     meter = UploadMeter()
-    for t, n in ((100.2, 10), (100.7, 30), (101.5, 5), (102.1, 1), (103.0, 0)):
+    meter.sent(10, 100.2)
+    meter.sent(30, 100.7)
+    meter.sent(5, 101.5)
+    assert meter.peak_bps(101.9) == 40  # one whole second alone
+    for t, n in ((102.1, 1), (103.0, 0)):
         meter.sent(n, t)
-    assert meter.peak_bps(103.0) == 40
-    assert meter.peak_bps(100.0 + 1 + UploadMeter.SPAN) == 5  # second 100 is out of the window, 101 not yet
+    assert meter.peak_bps(103.0) == (40 + 5) / 2  # a burst of acknowledgements in one second reads high
+    assert meter.peak_bps(100.0 + 1 + UploadMeter.SPAN) == (5 + 1) / 2  # second 100 is out of the window
     assert meter.peak_bps(200.0) == 0
 
 
