@@ -70,6 +70,8 @@ class Node:
     """Per stripe: (time, bytes) at the last shard boundary, for the measured rate of the source."""
     endgame_at: float = -1.0
     """When its endgame is to look for spare upload again (-1: not planned)."""
+    climb_after: dict[int, float] = field(default_factory=dict)
+    """Grandparents that refused to take it up, and until when they are not asked again (links.CLIMB_REFUSED_S)."""
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Stats:
     records: int = 0
     spare_shards: int = 0
     spare_yielded: int = 0
+    climbs: int = 0
 
 
 class Fetcher:

@@ -7,7 +7,8 @@ stream in order). A stream has one source at a time (its parent in that stripe, 
 Rates: max-min fair over every node's upload and download capacity, computed by alternating water-filling at the
 uploads and at the downloads (two rounds each: exact when one side binds, close otherwise); with ``unfair`` > 0,
 weighted by each connection's fixed weight (``tcp_weights``: TCP shares a link unevenly, and a connection it
-favours keeps its edge for the whole transfer, as measured in the netns runs), with a cap per flow
+favours keeps its edge for the whole transfer, as measured in the netns runs; at the uploads only where the
+sender does not pace its connections, ``paced``), with a cap per flow
 for cut-through: a child cannot be ahead of the bytes its source held ``lag`` seconds ago (what waits in the relay's
 buffers and its link's queue before it goes on: the source's bytes less ``lag`` times the rate it receives them);
 a child that has caught up is capped at its source's own incoming rate. Rates are recomputed at every tick
@@ -83,10 +84,12 @@ class Net:
     only (shardcast), else cut-through ``lag`` seconds behind."""
 
     def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False,
-                 unfair: float = 0.0, seed: int = 0) -> None:  # fmt: skip
+                 unfair: float = 0.0, seed: int = 0, paced: float | None = None) -> None:  # fmt: skip
         k = len(need)
-        self.unfair, self.seed = unfair, seed
-        """``unfair``: the spread of TCP's uneven sharing of one link (tcp_weights); 0: max-min fair."""
+        self.unfair, self.seed, self.paced = unfair, seed, paced
+        """``unfair``: the spread of TCP's uneven sharing of one link (tcp_weights); 0: max-min fair. ``paced``:
+        senders pace the connections their upload limits at about equal shares (pacing.FairShare): the spread
+        left at the uploads (each connection's weight there, its log scaled to it); None: not paced."""
         self.need = np.array(need, dtype=float)
         self.shard, self.lag, self.store_forward = shard, lag, store_forward
         self.up = np.zeros(n)
@@ -164,9 +167,10 @@ class Net:
             return
         side = np.full(len(s_rows), self.need.size)  # a side transfer: a connection of its own
         w = tcp_weights(g_down, np.concatenate([cols, side]), g_up, self.unfair, self.seed)
-        r, _ = waterfill(g_up, cap, self.up, w)
+        wu = w if self.paced is None or self.unfair <= 0 else w ** (self.paced / self.unfair)
+        r, _ = waterfill(g_up, cap, self.up, wu)
         r, down_level = waterfill(g_down, r, self.down, w)
-        r, _ = waterfill(g_up, np.minimum(cap, w * down_level[g_down]), self.up, w)
+        r, _ = waterfill(g_up, np.minimum(cap, w * down_level[g_down]), self.up, wu)
         r, _ = waterfill(g_down, r, self.down, w)
         self.rate[rows, cols] = r[: len(rows)]
         self.side_rate = r[len(rows) :]

@@ -30,6 +30,7 @@ from intellect_node.weights.follower import REHOME_HOLD_S, REHOME_IDLE_S, REHOME
 from intellect_node.weights.links import (
     ASK_STAGGER_S,
     CHOOSE_BUDGET_S,
+    CLIMB_REFUSED_S,
     FAST_KEEPALIVE_S,
     KEEPALIVE_S,
     KEEPALIVE_TIMEOUT,
@@ -269,6 +270,8 @@ class Swarm:
         else:
             f = st.fanout(n.up, rate, self.k)
             n.slots = f + (f >= self.spare_min) if n.reachable else 0
+            if n.slots and self.k > 1 and self.fixed_slots is None and self.depth(n, n.home) == 1:  # follower._slots
+                n.slots = st.root_fanout(self.visible, n.nid, n.home, self.k, rate, n.slots)
         # relay.ShardServer.shed: children past the slots (at the origin, past their stripe's share) give theirs up
         for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k if n.idx == ORIGIN else 1):
             n.children.pop(c, None)
@@ -307,7 +310,10 @@ class Swarm:
             return
         if any(self.nodes[c].fetching for c, _ in n.children):
             n.sent_at = self.clock.now
-        if self.clock.now - n.sent_at < REHOME_IDLE_S or self.clock.now - n.moved_at < REHOME_HOLD_S:
+        if self.clock.now - n.sent_at < REHOME_IDLE_S:
+            return
+        self.climb(n)
+        if self.clock.now - n.moved_at < REHOME_HOLD_S:
             return
         low = self.moves().get(n.nid)
         if low is None or low == n.home:
@@ -319,6 +325,34 @@ class Swarm:
             self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c]),
                           self._refused, self.nodes[c], s, n)  # fmt: skip
         self.publish(n)
+
+    def climb(self, n: Node) -> None:
+        """MIRROR of links.Attachments._climb (called where follower.keep_attached calls it, after the home
+        decision): a node at home whose parent in its home stripe is not the stripe's root asks its grandparent
+        for a slot; a full one gives it a leaf's slot (``admit``), one that refuses is not asked again for
+        CLIMB_REFUSED_S. The answer comes a round trip later."""
+        s, now = n.home, self.clock.now
+        if n.slots <= 0 or n.parent[s] < 0:
+            return
+        path = self.path(n, s)  # n, its parent, its grandparent, ..., the origin
+        if len(path) < 4 or path[-1] != ORIGIN or n.climb_after.get(path[2], -1e18) > now or path[2] in n.avoid:
+            return
+        t = self.nodes[path[2]]
+        if _home(self.visible.get(t.nid)) != s:
+            return
+        self.clock.at(now + self.rtt(n, t), self._climbed, n, s, t, n.parent[s])
+
+    def _climbed(self, n: Node, s: int, t: Node, was: int) -> None:
+        if not n.alive or n.parent[s] != was or n.home != s:
+            return
+        status, _ = self.admit(t, n, s)
+        if status != 200:
+            n.climb_after[t.idx] = self.clock.now + CLIMB_REFUSED_S
+            return
+        self.nodes[was].children.pop((n.idx, s), None)
+        self.publish(self.nodes[was])
+        self.stats.climbs += 1
+        self.adopt(n, s, t)
 
     def moves(self) -> dict[str, int]:
         """``stripes.rehome_moves`` over every record, computed again whenever a record's stripe or slots changed

@@ -36,7 +36,9 @@ old single tree by default (``--netns-stripes 1 --netns-slots 1``: within 2%; th
 against measured seconds given as ``--netns-measured N:s,...``. TCP's uneven sharing: each connection's weight
 at a shared link is log-uniform with a standard deviation of its log of ``--tcp-spread`` (0.05: the spread of the
 origin's connections' rates in three netns DEBUG runs, 0.032, 0.047 and 0.08; measured, not fitted to the
-completion times; 0 is max-min fair, which read 11-14% low at N=8 and 16).
+completion times; 0 is max-min fair, which read 11-14% low at N=8 and 16). A node paces the connections its
+upload limits at equal shares (pacing.FairShare): there what is left is ``--paced-spread`` (0.03: the roots'
+stripe rates from the origin in two netns DEBUG runs with pacing, 0.024 and 0.030; 0.077 in one without).
 
     python benchmarks/simulate.py [--nodes 100 1000] [--size-gb 62] [--churn 0.1] [--netns-measured 4:23.01,...]
 
@@ -98,6 +100,8 @@ class Scenario:
     writes it (broadcast.py's "origin write s")."""
     unfair: float = 0.0
     """TCP's uneven sharing of a link: the spread of each connection's weight (simnet.tcp_weights)."""
+    paced: float = 0.0
+    """What is left of it at an upload that paces its connections (pacing.FairShare; simnet.Net)."""
     exact: bool = True
     """False: bytes move at ticks only (simnet.Clock), and the home-stripe plan is computed once a simulated
     second at most (Swarm.moves_s), for thousands of nodes."""
@@ -147,7 +151,8 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     started = time.monotonic()
     rng = random.Random(sc.seed)
     total = 1 + len(sc.peers) + len(sc.joiners)
-    net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag, unfair=sc.unfair, seed=sc.seed)
+    net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag, unfair=sc.unfair, seed=sc.seed,
+              paced=min(sc.unfair, sc.paced))
     clock = Clock(net, sc.tick, start=-sc.formation - 30.0, exact=sc.exact)
     swarm = Swarm(net, clock, sc.stripes, sc.dht_lag, rng, fixed_slots=sc.slots, preempt=sc.preempt,
                   spare_min=sc.spare_min, moves_s=0.0 if sc.exact else 1.0)
@@ -294,7 +299,8 @@ def scale_scenario(args: argparse.Namespace, n: int, churn: float) -> Scenario:
                     lag=args.hop_lag_s, dht_lag=args.dht_lag,
                     tick=args.tick or min(1.0, max(0.005, b / 3000)),
                     formation=max(60.0, n / 50), seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout, exact=not args.coarse, unfair=args.tcp_spread)  # fmt: skip
+                    spare_min=args.spare_min_fanout, exact=not args.coarse, unfair=args.tcp_spread,
+                    paced=args.paced_spread)  # fmt: skip
 
 
 WIRE_PAYLOAD = 1448 / 1514
@@ -310,7 +316,7 @@ def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
                     origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
                     dht_lag=1.0, tick=0.005, formation=90.0, seed=args.seed, preempt=not args.no_preempt,
                     spare_min=args.spare_min_fanout, publish_at=args.netns_write_s,
-                    unfair=args.tcp_spread)  # fmt: skip
+                    unfair=args.tcp_spread, paced=args.paced_spread)  # fmt: skip
 
 
 def main() -> int:
@@ -345,6 +351,9 @@ def main() -> int:
     p.add_argument("--tcp-spread", type=float, default=0.05,
                    help="TCP's uneven sharing of a link: std of the log of each connection's weight (0: max-min "
                         "fair); default measured: the origin's connections in three netns DEBUG runs, 0.032-0.08")
+    p.add_argument("--paced-spread", type=float, default=0.03,
+                   help="what is left of it at an upload that paces its connections (pacing.FairShare); default "
+                        "measured: the roots' stripe rates from the origin in two netns DEBUG runs, 0.024 and 0.030")
     p.add_argument("--coarse", action="store_true", help="scale runs: bytes move at ticks only (simnet.Clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="where the last node's time went")
