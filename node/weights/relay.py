@@ -457,14 +457,14 @@ class ShardServer:
             await self._bucket.take(len(chunk))
         behind, now = backlogged(request), time.monotonic()
         who = child.split("/")[0] if child else request.remote or ""
-        pace(request, self.fair.cap(self.meter.peak_bps(now), now, who))
+        pace(request, cap := self.fair.cap(self.meter.peak_bps(now), now, who))
         try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
             await within(resp.write(chunk), STREAM_STALL_S)
         except TimeoutError:
             self.metrics.inc("node_relay_responses_stalled_total", help="responses cut: nothing read for a while")
             raise ConnectionResetError("the receiver read nothing") from None
         acked, now = on_the_wire(request, len(chunk)), time.monotonic()
-        self.meter.sent(acked, now, backlogged=behind)
+        self.meter.sent(acked, now, backlogged=behind and cap is None)  # paced: its share, not the link, limits it
         self.fair.update(request, behind, acked, now, who)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
