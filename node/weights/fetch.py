@@ -95,20 +95,16 @@ class Source:
         return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.serves(stripe) else 1.0)
 
 
-def pick_source(
-    sources: Iterable[Source],
-    tried: set[str],
-    banned: dict[str, float] | set[str],
-    now: float,
-    probe: bool,
-    stripe: int | None = None,
-) -> Source | None:
+def pick_source(sources: Iterable[Source], tried: set[str], banned: dict[str, float] | set[str], now: float,
+                probe: bool, stripe: int | None = None) -> Source | None:  # fmt: skip
     """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried
     for it (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (in
     a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
     when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
     moves below the faster one)."""
-    sources = [s for s in sources if s.node_id not in banned]
+    # a parent in another stripe that had no alternate's slot for this one (spare_until) is not asked again at once
+    sources = [s for s in sources if s.node_id not in banned and (s.serves(stripe) or s.spare_until <= now
+                                                                   or not s.is_parent)]  # fmt: skip
     usable = [s for s in sources if s.away_until <= now]
     if stripe is not None and any(s.serves(stripe) for s in sources):
         # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
@@ -382,8 +378,8 @@ class ShardFetcher:
                 if resp.status in (404, 503):
                     logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
                                  resp.status, time.monotonic() - started)  # fmt: skip
-                    if spare:
-                        src.spare_until = time.monotonic() + SPARE_AGAIN_S
+                    if spare or (src.is_parent and not src.serves(stripe)):  # or our parent elsewhere only: marked
+                        src.spare_until = time.monotonic() + SPARE_AGAIN_S  # full, it was dropped as that parent too
                         return False
                     src.full = resp.status == 503
                     src.away_until = time.monotonic() + (2.0 if src.full else 0.2)

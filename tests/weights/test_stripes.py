@@ -15,7 +15,7 @@ import torch
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import signed_headers
-from intellect_node.weights.fetch import Source, pick_source
+from intellect_node.weights.fetch import ShardFetcher, Source, pick_source
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
@@ -37,7 +37,7 @@ from intellect_node.weights.stripes import (
     to_release,
 )
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import NodeRecord, RelayInfo
+from intellect_protocol.messages import NodeRecord, RelayInfo, ShardEntry
 
 ORIGIN = "0" * 32
 MBIT = 1e6 / 8
@@ -288,6 +288,41 @@ def test_a_shard_its_parent_has_not_yet_is_not_taken_from_the_parent_of_another_
     assert pick_source([p0, spare], set(), {}, now, False, 0) is spare
     banned = {"p0": now + 300}  # no parent in the stripe any more (one is being chosen): any source will do
     assert pick_source([p0, origin, p2], set(), banned, now, False, 0) is origin
+
+
+def test_a_parent_in_one_stripe_without_an_alternates_slot_for_another_stays_the_parent_and_is_not_asked_at_once(
+    tmp_path: Path,
+) -> None:
+    """Six relays all at home in one stripe, then moved: one held the origin's slot in the other stripe, and the
+    nodes without a parent in the first asked the origin (their parent in the second) for its shards as an
+    alternate. Its 503 (no alternate's slot) marked it full, the next plan left it out as 'failed to serve', the
+    node dropped it as its parent and attached again, every 2 s, and the stripe never rooted (the striped
+    relay-tree test, 2 of 5 runs). The 503 now only keeps it from being asked for that stripe's shards a moment."""
+
+    async def main() -> tuple[bool, bool, float, Source | None, Source | None]:
+        server, http, url = await _origin_server(tmp_path, slots=2)
+        me = _node()
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert await _attach(session, url, me, "stripe=1") == 200
+                assert await _attach(session, url, _node(), "stripe=0") == 200  # the other slot: none to spare
+                store = WeightStore(tmp_path / "me", ORIGIN)
+                fetcher = ShardFetcher(session, store, me, Metrics())
+                fetcher.stripes = 4
+                origin = Source(ORIGIN, url, 0, True, frozenset({1}))
+                fetcher.sources = {ORIGIN: origin}
+                shard = ShardEntry(name="shard-00000.safetensors", size=10, sha256="0" * 64)
+                store.epoch = 0
+                ok = await fetcher._one(1, shard, origin, stripe=0)
+                now = time.monotonic()
+                return (ok, origin.full, origin.away_until - now, pick_source([origin], set(), {}, now, False, 0),
+                        pick_source([origin], set(), {}, now, False, 1))  # fmt: skip
+        finally:
+            await http.close()
+
+    ok, full, away, for_other, for_own = asyncio.run(main())
+    assert not ok and not full and away <= 0  # still our parent in its own stripe: never "failed to serve"
+    assert for_other is None and for_own is not None
 
 
 async def _origin_server(tmp_path: Path, slots: int, home: int | None = None) -> tuple[ShardServer, HttpServer, str]:
