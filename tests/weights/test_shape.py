@@ -215,20 +215,15 @@ def test_a_paced_connection_carries_its_cap_in_the_kernel_and_each_response_sets
             seen.extend([before, struct.unpack("I", sock.getsockopt(socket.SOL_SOCKET, 47, 4))[0]])
             return web.Response(text="ok")
 
-        app = web.Application()
-        app.router.add_get("/", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        http = HttpServer(Metrics(), lambda: {}, [web.get("/paced", handler)])
+        port = await http.start("127.0.0.1", 0)
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
                 for query in ("?cap=1", ""):  # the same connection, kept alive
-                    async with session.get(f"http://127.0.0.1:{port}/{query}") as r:
+                    async with session.get(f"http://127.0.0.1:{port}/paced{query}") as r:
                         assert r.status == 200
         finally:
-            await runner.cleanup()
+            await http.close()
         return seen
 
     assert asyncio.run(main()) == [0xFFFFFFFF, 123_456, 123_456, 0xFFFFFFFF]
