@@ -82,7 +82,8 @@ class Source:
     away_until: float = 0.0
     """Not asked before this time: no slot, not there yet, or unreachable."""
     spare_until: float = 0.0
-    """Not asked for a shard on its spare upload (``pick_spare``) before this time: it had none, or not the shard."""
+    """Not asked for a shard outside its stripes (spare upload, ``pick_spare``; as an alternate while our parent
+    elsewhere, ``pick_source``) before this time: it had no slot to spare, or not the shard."""
     active: set[asyncio.Timeout] = field(default_factory=set)
     """The deadlines of transfers from it in flight: ``abort_source`` brings them forward to now."""
 
