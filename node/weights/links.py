@@ -53,6 +53,11 @@ ATTACH_BODY_LIMIT = 64 * 1024
 CLOCK_TOLERANCE_S = 5.0
 CLIMB_REFUSED_S = 30.0
 """How long a grandparent that refused to take this node up (_climb) is not asked again."""
+CLIMB_AFTER_MOVE_S = 10.0
+"""Nor is one asked this soon after this node moved its home into the stripe: the grandparent decides who is at
+home by the records, where the move shows a DHT lag later (follower.REHOME_HOLD_S), and meanwhile takes the
+climber for a leaf and refuses it. Measured at N=16 in netns: two nodes asked within 3 ms of moving home, were
+refused, and, not asking again for CLIMB_REFUSED_S, stayed a level too deep through the timed version."""
 
 
 @dataclass(eq=False)
@@ -95,6 +100,8 @@ class Attachments:
     _avoid: dict[str, float]
     _clock: dict[str, float]
     _climb_after: dict[str, float]
+    _moved_at: float
+    """When this node last moved its home stripe (time.monotonic())."""
 
     if TYPE_CHECKING:
 
@@ -290,6 +297,8 @@ class Attachments:
         r = records.get(up)
         if up == self.run_id or self._climb_after.get(up, 0.0) > now or up in self._avoiding():
             return
+        if now - self._moved_at < CLIMB_AFTER_MOVE_S:
+            return
         if r is None or r.relay is None or not r.http_url or r.relay.stripe != link.stripe:
             return
         t = Candidate(up, r.http_url, len(path) - 3, True)
@@ -299,6 +308,8 @@ class Attachments:
                 self._detach_soon(t, link)
             return
         if status != 200:
+            logger.debug("grandparent %s did not take us up in stripe %d (%s): not asked again for %.0fs", up[:8],
+                         link.stripe, status, CLIMB_REFUSED_S)  # fmt: skip
             self._climb_after = {n: x for n, x in self._climb_after.items() if x > now}
             self._climb_after[up] = time.monotonic() + CLIMB_REFUSED_S
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 from pathlib import Path
 
 import aiohttp
@@ -71,9 +72,10 @@ async def _settled(follower: WeightFollower) -> None:
         await asyncio.gather(*follower._tasks)
 
 
-def _climbing(tmp_path: Path, sibling_at_home: bool) -> dict[str, object]:
+def _climbing(tmp_path: Path, sibling_at_home: bool, just_moved: bool = False) -> dict[str, object]:
     """Stripe 0: the origin -> root -> {mid (at home), other}; this node, at home in stripe 0, under mid (depth
-    3). ``other`` is a leaf in stripe 0, or (``sibling_at_home``) at home there too. The node tries to move up."""
+    3). ``other`` is a leaf in stripe 0, or (``sibling_at_home``) at home there too. The node tries to move up
+    (``just_moved``: first a moment after moving its home into stripe 0, then as if long after)."""
     root, mid, other, me = _node(), _node(), _node(), _node()
     out: dict[str, object] = {}
 
@@ -93,6 +95,12 @@ def _climbing(tmp_path: Path, sibling_at_home: bool) -> dict[str, object]:
                 await follower._choose(records, set(), follower.links[0])
                 out["first"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
                 refused = sr.metrics.counter("node_relay_requests_refused_total", "no_slot")
+                if just_moved:
+                    follower._moved_at = time.monotonic()
+                    await follower._climb(records)
+                    await _settled(follower)
+                    out["at_once"] = (follower.links[0].parent.node_id, sr.children())  # type: ignore[union-attr]
+                    follower._moved_at = -1e9
                 await follower._climb(records)
                 await _settled(follower)
                 out["after"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
@@ -130,6 +138,20 @@ def test_a_grandparent_whose_children_all_serve_refuses_and_is_not_asked_again_s
     assert out["after"] == (ids["mid"], 3)
     assert out["root_children"] == sorted([ids["mid"], ids["other"]])
     assert out["asked"] == 1  # refused once; the second round did not ask
+
+
+def test_a_node_that_just_moved_home_does_not_ask_its_grandparent_until_its_record_can_show_the_move(
+    tmp_path: Path,
+) -> None:
+    """The grandparent reads the climber's home from its record, a DHT lag after the move: asked at once, it took
+    the climber for a leaf and refused it, and the climber did not ask again for CLIMB_REFUSED_S (netns N=16: two
+    serving nodes a level too deep through the timed version)."""
+    out = _climbing(tmp_path, sibling_at_home=False, just_moved=True)
+    ids = out["ids"]
+    assert isinstance(ids, dict)
+    assert out["at_once"] == (ids["mid"], sorted([ids["mid"], ids["other"]]))  # not asked: nothing moved
+    assert out["after"] == (ids["root"], 2)  # asked once the move can show, and taken up
+    assert out["root_children"] == sorted([ids["mid"], ids["me"]])
 
 
 def test_a_stripes_root_keeps_a_slot_spare_only_where_the_others_at_home_can_do_without_it() -> None:
