@@ -20,16 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from intellect_node.weights.fetch import (
-    PROBE_EVERY,
-    REPLAN_S,
-    SPARE_AGAIN_S,
-    Source,
-    faster_than_parent,
-    pick_source,
-    pick_spare,
-)
+from intellect_node.weights.fetch import PROBE_EVERY, REPLAN_S, SPARE_AGAIN_S
 from intellect_node.weights.follower import REFUSED_AVOID_S
+from intellect_node.weights.sources import Source, faster_than_parent, pick_source, pick_spare
 from intellect_node.weights.tree import holders
 
 if TYPE_CHECKING:

@@ -15,8 +15,7 @@ import hashlib
 import heapq
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
@@ -26,6 +25,7 @@ from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 from intellect_node.weights.pacing import VERIFIED_HEADER
 from intellect_node.weights.progress import Progress
 from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S
+from intellect_node.weights.sources import Source, above_share, pick_source, pick_spare
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import stripe_of
 from intellect_node.weights.tree import Candidate
@@ -64,98 +64,6 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if len(body) > limit:
             raise Rejected("oversized", f"more than {limit} bytes")
     return bytes(body)
-
-
-@dataclass
-class Source:
-    node_id: str
-    url: str
-    depth: int
-    is_parent: bool = False
-    """Our parent in some stripe (``parent_of``: which; the origin can be ours in several)."""
-    parent_of: frozenset[int] = frozenset()
-    bps: float = 0.0
-    ok: int = 0
-    failed: int = 0
-    full: bool = False
-    """It answered 503 (no free slot) last time."""
-    away_until: float = 0.0
-    """Not asked before this time: no slot, not there yet, or unreachable."""
-    spare_until: float = 0.0
-    """Not asked for a shard outside its stripes (spare upload, ``pick_spare``; as an alternate while our parent
-    elsewhere, ``pick_source``) before this time: it had no slot to spare, or not the shard."""
-    active: set[asyncio.Timeout] = field(default_factory=set)
-    """The deadlines of transfers from it in flight: ``abort_source`` brings them forward to now."""
-
-    def serves(self, stripe: int | None) -> bool:
-        """Whether it is our parent for a shard of ``stripe`` (None: any stripe)."""
-        return self.is_parent if stripe is None else stripe in self.parent_of
-
-    def score(self, stripe: int | None = None) -> float:
-        base = self.bps if self.bps > 0 else 100e6 / (1 + self.depth)
-        return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.serves(stripe) else 1.0)
-
-
-def pick_source(sources: Iterable[Source], tried: set[str], banned: dict[str, float] | set[str], now: float,
-                probe: bool, stripe: int | None = None) -> Source | None:  # fmt: skip
-    """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried
-    for it (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (in
-    a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
-    when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
-    moves below the faster one)."""
-    # a parent in another stripe that had no alternate's slot for this one (spare_until) is not asked again at once
-    sources = [s for s in sources if s.node_id not in banned and (s.serves(stripe) or s.spare_until <= now
-                                                                   or not s.is_parent)]  # fmt: skip
-    usable = [s for s in sources if s.away_until <= now]
-    if stripe is not None and any(s.serves(stripe) for s in sources):
-        # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
-        # parent is a leaf here: a detour through it takes upload its own children need (measured at N=16: shards
-        # from five to seven sources a stripe, every subtree slowed). The origin too, when it is our parent in
-        # another stripe: a shard it sends twice is the run's bottleneck gone (at N=16 its children took 13 of 64
-        # shards of other stripes from it, 4 s of its link; the old check applied only while the stripe's parent was
-        # usable, so a 404 a moment ago opened every source). As anyone's alternate it serves only from a spare slot
-        # (relay.py), and that is spare upload well used.
-        usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
-    if not usable:
-        return None
-    fresh = [s for s in usable if s.node_id not in tried] or usable
-    if any(s.serves(stripe) for s in fresh):
-        untried = [s for s in fresh if not s.serves(stripe) and s.bps == 0 and s.failed == 0 and not s.full]
-        if untried and probe:
-            return untried[0]
-        fresh = [s for s in fresh if s.serves(stripe) or s.bps > 0]
-    return max(fresh, key=lambda s: s.score(stripe))
-
-
-def pick_spare(
-    sources: Iterable[Source], banned: dict[str, float] | set[str], now: float, stripe: int
-) -> Source | None:
-    """A source for a shard of ``stripe`` that a worker done with its own stripe fetches beside the stripe's
-    parent (which goes on streaming to the stripe's own worker): a node that holds the whole version, or the origin,
-    none of our parents (a parent in another stripe served a shard it was still receiving itself, through a free
-    slot, and held the last shard of a stripe 7 s at N=16), on its spare upload (relay.py: while a slot is free
-    or no child of its own is being sent anything), best score first. None: every one is away or had no spare
-    upload a moment ago."""
-    usable = [s for s in sources if s.node_id not in banned and not s.is_parent
-              and s.away_until <= now and s.spare_until <= now]  # fmt: skip
-    return max(usable, key=lambda s: s.score(stripe), default=None)
-
-
-SLOW_FACTOR, SLOW_MIN_SHARDS = 2.0, 3
-
-
-def faster_than_parent(
-    sources: dict[str, Source], parent: str, origin: str, banned: dict[str, float] | set[str]
-) -> Source | None:
-    """An alternate that delivered at least SLOW_FACTOR times the parent's rate, both over SLOW_MIN_SHARDS shards
-    or more (the origin excepted: it stays the last resort): the follower moves below it."""
-    mine = sources.get(parent)
-    if mine is None or mine.ok < SLOW_MIN_SHARDS or mine.bps <= 0:
-        return None
-    alts = [s for s in sources.values() if s.node_id != parent and not s.is_parent and s.node_id != origin
-            and s.ok >= SLOW_MIN_SHARDS and s.node_id not in banned]  # fmt: skip
-    best = max(alts, key=lambda s: s.bps, default=None)
-    return best if best is not None and best.bps >= SLOW_FACTOR * mine.bps else None
 
 
 SourceFinder = Callable[[set[str]], Awaitable[list[Candidate]]]
@@ -229,7 +137,8 @@ class ShardFetcher:
         fresh: dict[str, Source] = {}
         for c in plan:
             src = self.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
-            src.url, src.depth, src.is_parent, src.parent_of = c.url, c.depth, c.is_parent, c.parent_of
+            src.url, src.depth, src.is_parent, src.parent_of, src.above_of = (c.url, c.depth, c.is_parent,
+                                                                               c.parent_of, c.above_of)
             fresh[c.node_id] = src
         self.sources = fresh
 
@@ -312,7 +221,10 @@ class ShardFetcher:
                     src = spare
                 else:
                     index, shard = heapq.heappop(pending)
-                    src = self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
+                    above = [s for s in self.sources.values() if stripe in s.above_of and s.node_id not in self.banned
+                             and max(s.away_until, s.spare_until) <= time.monotonic()]  # fmt: skip
+                    spare = above[0] if above and above_share(self.node_id, index // k) else None
+                    src = spare or self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))
                     await self._refresh()

@@ -190,9 +190,11 @@ class WeightFollower(Attachments):
         mine = self.server.upload_bps() or self.server.upload_limit_bps
         records = {n: r for n, (_, r) in self._seen.items()}
         rate = self._rate(records)
-        self.server.slots = fanout(mine, rate, len(self.links))
-        if self.depth == 1 and len(self.links) > 1:  # a stripe's root
-            self.server.slots = root_fanout(records, self.node_id, self.home, len(self.links), rate, self.server.slots)
+        upload = fanout(mine, rate, len(self.links))
+        self.server.slots = upload
+        if self.depth == 1 and len(self.links) > 1:  # a stripe's root: the slot it keeps is lent to the level below
+            self.server.slots = root_fanout(records, self.node_id, self.home, len(self.links), rate, upload)
+        self.server.kept = upload - self.server.slots
         self.server.shed()
         return self.server.slots
 
@@ -272,6 +274,11 @@ class WeightFollower(Attachments):
                 mine[c.node_id] = Candidate(c.node_id, c.url, c.depth, True, c.parent_of | {link.stripe})
         sources = sorted(mine.values(), key=lambda c: min(c.parent_of))
         skip = self._avoiding() | exclude | set(mine)
+        for link in self.links:  # a stripe's root two levels up serves us a share of the stripe (fetch.above_share)
+            r = records.get(link.path[1]) if len(link.path) == 4 else None
+            if r is not None and r.http_url and r.node_id not in skip and r.relay is not None and r.relay.depth == 1:
+                sources.append(Candidate(r.node_id, r.http_url, 1, False, above_of=frozenset({link.stripe})))
+                skip.add(r.node_id)
         sources += holders(records, self.node_id, self.run_id, self.fetching, skip) if self.fetching >= 0 else []
         origin = records.get(self.run_id)
         if origin is not None and origin.http_url and self.run_id not in skip:

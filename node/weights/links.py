@@ -21,8 +21,9 @@ import aiohttp
 from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import server_clock_offset, signed_headers
-from intellect_node.weights.fetch import ShardFetcher, faster_than_parent, read_limited
+from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.relay import MAX_PATH
+from intellect_node.weights.sources import faster_than_parent
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate, below, is_path, parents
 from intellect_protocol.envelope import Rejected

@@ -92,6 +92,8 @@ class ShardServer:
         self.auth = RequestAuth(node_id, members)
         self.metrics = metrics
         self.slots = slots
+        self.kept = 0
+        """Slots beyond ``slots`` lent to alternates only (a stripe's root keeps one: stripes.root_fanout)."""
         self.upload_limit_bps = upload_limit_bps or 0.0
         self.home: Callable[[], int | None] = lambda: None
         """The one stripe this node takes children in (None: every stripe, as the origin)."""
@@ -351,11 +353,11 @@ class ShardServer:
         spare = False
         if child is not None:
             self._children[child] = time.monotonic()
-        elif len(self._active_children()) + self._lent >= self.slots:
+        elif len(self._active_children()) + self._lent >= self.slots + self.kept:
             # not a child (an alternate, anonymous): only while a slot is free, used while served, never kept. Not
             # so, 1,558 alternates once shared a node's upload, each shard at a crawl (simulate.py, 2,000 nodes).
             # Or while no child is being sent anything (spare: it yields the moment one is, see _write)
-            spare = self._to_children == 0 and self._lent < self.slots
+            spare = self._to_children == 0 and self._lent < self.slots + self.kept
             if not spare:
                 self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
                 raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})

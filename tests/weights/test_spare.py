@@ -16,9 +16,10 @@ from aiohttp import web
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import signed_headers
-from intellect_node.weights.fetch import ShardFetcher, Source, pick_spare
+from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.sources import Source, pick_spare
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
 from intellect_protocol.identity import Identity

@@ -15,9 +15,10 @@ import torch
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import signed_headers
-from intellect_node.weights.fetch import ShardFetcher, Source, pick_source
+from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.sources import Source, pick_source
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import (
     SLACK,

@@ -17,10 +17,10 @@ from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights import relay
 from intellect_node.weights.auth import signed_headers
-from intellect_node.weights.fetch import Source
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.sources import Source
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import holders, parents
 from intellect_protocol.identity import Identity
