@@ -25,7 +25,7 @@ from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 from intellect_node.weights.pacing import VERIFIED_HEADER
 from intellect_node.weights.progress import Progress
 from intellect_node.weights.relay import LONG_POLL_S, MANIFEST_POLL_S
-from intellect_node.weights.sources import Source, above_share, pick_source, pick_spare
+from intellect_node.weights.sources import ABOVE_EVERY, Source, above_due, pick_source, pick_spare
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import stripe_of
 from intellect_node.weights.tree import Candidate
@@ -194,6 +194,8 @@ class ShardFetcher:
         for heap in heaps:
             heapq.heapify(heap)
         tried: dict[str, set[str]] = {}
+        lent: dict[int, int] = {}
+        """Per stripe, the last run of ABOVE_EVERY of its shards in which the root above us sent our share."""
         last_progress = time.monotonic()
 
         async def worker(mine: int) -> None:
@@ -223,7 +225,9 @@ class ShardFetcher:
                     index, shard = heapq.heappop(pending)
                     above = [s for s in self.sources.values() if stripe in s.above_of and s.node_id not in self.banned
                              and max(s.away_until, s.spare_until) <= time.monotonic()]  # fmt: skip
-                    spare = above[0] if above and above_share(self.node_id, index // k) else None
+                    run = index // k // ABOVE_EVERY  # our share of each run of the stripe: from our place on, once
+                    spare = above[0] if above and stripe == mine and above_due(self.node_id, index // k) \
+                        and lent.get(stripe) != run else None  # fmt: skip
                     src = spare or self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))
@@ -232,6 +236,8 @@ class ShardFetcher:
                     continue
                 tried.setdefault(shard.name, set()).add(src.node_id)
                 if await self._one(version, shard, src, spare is not None, stripe if k > 1 else None):
+                    if stripe in src.above_of:
+                        lent[stripe] = index // k // ABOVE_EVERY
                     progress.add(shard.size)
                     last_progress = time.monotonic()
                 else:

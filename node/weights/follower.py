@@ -274,7 +274,7 @@ class WeightFollower(Attachments):
                 mine[c.node_id] = Candidate(c.node_id, c.url, c.depth, True, c.parent_of | {link.stripe})
         sources = sorted(mine.values(), key=lambda c: min(c.parent_of))
         skip = self._avoiding() | exclude | set(mine)
-        for link in self.links:  # a stripe's root two levels up serves us a share of the stripe (fetch.above_share)
+        for link in self.links:  # a stripe's root two levels up serves us a share of the stripe (sources.above_due)
             r = records.get(link.path[1]) if len(link.path) == 4 else None
             if r is not None and r.http_url and r.node_id not in skip and r.relay is not None and r.relay.depth == 1:
                 sources.append(Candidate(r.node_id, r.http_url, 1, False, above_of=frozenset({link.stripe})))

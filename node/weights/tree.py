@@ -25,7 +25,7 @@ class Candidate:
     parent_of: frozenset[int] = frozenset()
     """The stripes it is our parent in (stripes.py)."""
     above_of: frozenset[int] = frozenset()
-    """The stripes it is the root of two levels above us in (it lends us a slot it keeps: fetch.above_share)."""
+    """The stripes it is the root of two levels above us in (it lends us a slot it keeps: sources.above_due)."""
 
 
 def _descends_from(records: dict[str, NodeRecord], node: str, ancestor: str) -> bool:

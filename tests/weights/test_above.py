@@ -1,5 +1,5 @@
 """A stripe's root lends the slot it keeps (stripes.root_fanout) to the level below its children: each node two
-levels below it takes one shard in ``ABOVE_EVERY`` of the stripe from it (sources.above_share) rather than from its
+levels below it takes one shard in ``ABOVE_EVERY`` of the stripe from it (sources.above_due) rather than from its
 parent, whose link (a whole copy, its acknowledgements on top) is the tightest in the tree. Real shard servers on
 loopback, real fetches; the follower names the root from the path its parent told it."""
 
@@ -16,7 +16,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.links import Link
-from intellect_node.weights.sources import ABOVE_EVERY, above_share
+from intellect_node.weights.sources import ABOVE_EVERY, above_due
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import Candidate
 from intellect_protocol.identity import Identity
@@ -24,27 +24,28 @@ from intellect_protocol.messages import NodeRecord, RelayInfo
 from tests.weights.test_spare import RUN, _attach, _checkpoint, _server, _shard
 
 
-def test_a_node_takes_one_shard_in_sixteen_from_above_in_the_second_half_of_each_run_at_a_place_set_by_its_id() -> None:
+def test_a_nodes_share_from_above_is_due_from_a_place_set_by_its_id_to_the_end_of_each_run() -> None:
     places = set()
     for _ in range(64):
         me = Identity.generate().node_id
-        mine = [p for p in range(4 * ABOVE_EVERY) if above_share(me, p)]
-        assert len(mine) == 4 and len({p % ABOVE_EVERY for p in mine}) == 1  # one a run, the same place in each
-        assert all(p % ABOVE_EVERY >= ABOVE_EVERY // 2 for p in mine)  # its parent is behind the root by then
-        places.add(mine[0])
-    assert len(places) >= 6  # siblings ask at different times (8 places)
+        due = [p for p in range(4 * ABOVE_EVERY) if above_due(me, p)]
+        first = due[0]
+        assert first < ABOVE_EVERY * 3 // 4  # a quarter of the run at least to ask again after a refusal
+        assert due == [r * ABOVE_EVERY + p for r in range(4) for p in range(first, ABOVE_EVERY)]
+        places.add(first)
+    assert len(places) >= 8  # siblings ask at different times (12 places)
 
 
 def _fetch_below(tmp_path: Path, shards: int, root_up: bool) -> tuple[list[float], list[int], int]:
     """The root R (one child's slot, held, and one kept) and our parent D (below R) both hold version 1; we fetch
     it with D as our parent and R named as the stripe's root two levels up (``root_up``: else R is not there)."""
-    _checkpoint(tmp_path / "r", shards, 0.25)
+    _checkpoint(tmp_path / "r", shards, 0.125)
     shutil.copytree(tmp_path / "r", tmp_path / "d")
     root, parent, me = (Identity.generate() for _ in range(3))
 
     async def main() -> tuple[list[float], list[int], int]:
-        servers = [await _server(tmp_path / "r", root, slots=1, stripes=1, home=0),
-                   await _server(tmp_path / "d", parent, slots=1, stripes=1, home=0)]  # fmt: skip
+        servers = [await _server(tmp_path / "r", root, slots=1, stripes=2, home=0),
+                   await _server(tmp_path / "d", parent, slots=1, stripes=2, home=0)]  # fmt: skip
         (r_server, r_http, r_url, _), (_, d_http, d_url, _) = servers
         r_server.kept = 1
         store = WeightStore(tmp_path / "me", RUN)
@@ -54,34 +55,34 @@ def _fetch_below(tmp_path: Path, shards: int, root_up: bool) -> tuple[list[float
                 token = await _attach(session, d_url, me, parent.node_id, 0)
                 if not root_up:
                     await r_http.close()
-                sources = [Candidate(parent.node_id, d_url, 2, True, frozenset({0})),
+                sources = [Candidate(parent.node_id, d_url, 2, True, frozenset({0, 1})),
                            Candidate(root.node_id, r_url, 1, False, above_of=frozenset({0}))]  # fmt: skip
 
                 async def find(exclude: set[str]) -> list[Candidate]:
                     return [c for c in sources if c.node_id not in exclude]
 
                 fetcher = ShardFetcher(session, store, me.node_id, Metrics())
-                fetcher.token_for = lambda node: token if node == parent.node_id else ""
+                fetcher.stripes, fetcher.token_for = 2, lambda node: token if node == parent.node_id else ""
                 await fetcher.fetch(1, find, timeout=60)
         finally:
             for _, http, _, _ in servers:
                 await http.close()
-        ours = sum(1 for p in range(shards) if above_share(me.node_id, p))
+        ours = shards // 2 // ABOVE_EVERY  # one a run of stripe 0's shards
         return [m.counter("node_relay_shards_served_total") for _, _, _, m in servers], store.complete_versions(), ours
 
     return asyncio.run(main())
 
 
 def test_a_node_two_levels_below_a_stripes_root_takes_its_share_from_the_slot_the_root_keeps(tmp_path: Path) -> None:
-    (from_root, from_parent), held, ours = _fetch_below(tmp_path, 32, root_up=True)
+    (from_root, from_parent), held, ours = _fetch_below(tmp_path, 64, root_up=True)
     assert held == [1]
-    assert ours == 2 and from_root == ours and from_parent == 32 - ours
+    assert ours == 2 and from_root == ours and from_parent == 64 - ours
 
 
 def test_a_root_that_cannot_be_reached_costs_nothing_but_the_try_the_parent_sends_the_rest(tmp_path: Path) -> None:
-    (from_root, from_parent), held, _ = _fetch_below(tmp_path, 32, root_up=False)
+    (from_root, from_parent), held, _ = _fetch_below(tmp_path, 64, root_up=False)
     assert held == [1]
-    assert from_root == 0 and from_parent == 32
+    assert from_root == 0 and from_parent == 64
 
 
 def test_the_kept_slot_is_lent_one_response_at_a_time_and_never_to_a_child(tmp_path: Path) -> None:
