@@ -136,30 +136,39 @@ class FairShare:
     roots, each at one or two responses from moment to moment, still ended their stripes 1.7 s apart (netns N=12).
 
     Responses that wait for their bytes (cut-through at a stripe's pace) are not limited by the link and are not
-    counted; a single one is never paced. Nor does a response that moves at under ``SLOW`` of an equal share
-    (its receiver reads slowly, or its path is thin elsewhere) hold the others to that share: what it leaves is
-    theirs. Else a member's grudge, children or alternates that read a byte a second, would pace a node's honest
-    children down to a fraction of its link. Pure bookkeeping but for ``pace``."""
+    counted; a single one is never paced. Nor does a receiver that moves at under ``SLOW`` of an equal share hold
+    the others to that share, if it holds itself back (its window was the limit: it reads slowly; TCP_INFO's
+    ``rwnd_limited``, where the kernel tells) or has been that slow for ``SLOW_FOR_S`` (its path is thin
+    elsewhere): what it leaves is theirs. Else a member's grudge, children or alternates that read a byte a second,
+    would pace a node's honest children down to a fraction of its link. A receiver slow for neither reason is one
+    TCP starved beside its siblings, and it is their equal: left out at once (as before, measured), it stayed
+    starved while the others took its share (one child's shard 3.4 s while its sibling's took 1.0 s from the same
+    parent; its parent's children ended 1.5-2.5 s apart at N=16). Pure bookkeeping but for ``pace``."""
 
     SLOW = 0.5
+    SLOW_FOR_S = 3.0
     TAU_S = 1.0
     """Time constant of each response's rate estimate (it is written to every 256 KiB: 0.1 s at 20 Mbit/s)."""
 
     def __init__(self) -> None:
-        self._rate: dict[int, tuple[str, float, float]] = {}
-        """Response (its id) the link limits -> (its receiver, bytes/s it moved lately, when last told)."""
+        self._rate: dict[int, tuple[str, float, float, int | None, bool]] = {}
+        """Response (its id) the link limits -> (its receiver, bytes/s it moved lately, when last told, its
+        connection's rwnd_limited then, whether its receiver's window held it back since the time before)."""
+        self._slow_since: dict[str, float] = {}
 
-    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "") -> None:
+    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "",
+               rwnd_us: int | None = None) -> None:  # fmt: skip
         """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: the link
-        limits it."""
+        limits it; ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None: not known, as if held back)."""
         key = id(request)
         if not pressing:
             self._rate.pop(key, None)
             return
-        _, rate, at = self._rate.get(key, (who, 0.0, now))
+        _, rate, at, was_us, held = self._rate.get(key, (who, 0.0, now, rwnd_us, False))
         if now > at:
             rate += (sent / (now - at) - rate) * min(1.0, (now - at) / self.TAU_S)
-        self._rate[key] = (who, rate, now)
+            held = rwnd_us is None or was_us is None or rwnd_us - was_us >= 0.5e6 * (now - at)
+        self._rate[key] = (who, rate, now, rwnd_us, held)
 
     def done(self, request: web.Request) -> None:
         self._rate.pop(id(request), None)
@@ -170,17 +179,40 @@ class FairShare:
         or no peak measured."""
         per: dict[str, float] = {}
         count: dict[str, int] = {}
-        for w, r, at in self._rate.values():
+        held: set[str] = set()
+        for w, r, at, _, h in self._rate.values():
             # one not written to for a while (its receiver does not read) moved at most that much over the while
             per[w] = per.get(w, 0.0) + r * min(1.0, self.TAU_S / max(1e-9, now - at))
             count[w] = count.get(w, 0) + 1
+            if h:
+                held.add(w)
         n = len(per)
         if n < 2 or peak_bps <= 0:
             return None
-        slow = [r for r in per.values() if r < self.SLOW * peak_bps / n]
+        low = [w for w, r in per.items() if r < self.SLOW * peak_bps / n]
+        self._slow_since = {w: self._slow_since.get(w, now) for w in low}
+        slow = [per[w] for w in low if w in held or now - self._slow_since[w] >= self.SLOW_FOR_S]
         if len(slow) == n:
             return None
         return PACE_SHARE * (peak_bps - sum(slow)) / (n - len(slow)) / max(1, count.get(who, 0))
+
+
+_TCPI_RWND_LIMITED = 176
+"""Offset of ``tcpi_rwnd_limited`` (u64, microseconds) in Linux's struct tcp_info (since 4.10)."""
+
+
+def rwnd_limited_us(request: web.Request) -> int | None:
+    """Microseconds this response's connection has spent limited by the receiver's window so far (it read slower
+    than we could send): TCP_INFO, Linux 4.10 and later; None elsewhere."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(struct.unpack_from("Q", info, _TCPI_RWND_LIMITED)[0]) if len(info) >= _TCPI_RWND_LIMITED + 8 else None
 
 
 def pace(request: web.Request, rate: float | None) -> None:

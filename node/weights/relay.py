@@ -43,6 +43,7 @@ from intellect_node.weights.pacing import (
     on_the_wire,
     pace,
     respond,
+    rwnd_limited_us,
 )
 from intellect_node.weights.store import Growing, WeightStore
 from intellect_node.weights.stripes import UploadMeter, has_room, origin_slots, over_share, stripe_of, to_release
@@ -467,7 +468,7 @@ class ShardServer:
             raise ConnectionResetError("the receiver read nothing") from None
         acked, now = on_the_wire(request, len(chunk)), time.monotonic()
         self.meter.sent(acked, now, backlogged=behind and cap is None)  # paced: its share, not the link, limits it
-        self.fair.update(request, behind, acked, now, who)
+        self.fair.update(request, behind, acked, now, who, rwnd_limited_us(request))
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)

@@ -5,6 +5,7 @@ grandparent (links.Attachments._climb), a stripe's root keeps a slot spare when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import time
@@ -18,7 +19,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.links import Link
-from intellect_node.weights.pacing import PACE_SHARE, FairShare, pace
+from intellect_node.weights.pacing import PACE_SHARE, FairShare, pace, rwnd_limited_us
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import UploadMeter, root_fanout
@@ -209,6 +210,65 @@ def test_a_receiver_that_reads_slowly_does_not_hold_the_others_to_its_share() ->
     # one whose receiver stopped reading is not written to: what it moved fades with the time since
     late = fair.cap(2e5, 11.5, "H")
     assert late is None or late > 0.99 * PACE_SHARE * 2e5
+
+
+def test_a_receiver_tcp_starved_is_the_others_equal_and_one_that_holds_itself_back_is_not() -> None:
+    """Four children of one parent: C is slow but its window never held it back (TCP gave its siblings more): it
+    is their equal, and they are capped at an equal share so that it catches up, until it has been slow for
+    SLOW_FOR_S (then its path is thin elsewhere, and what it leaves is theirs). D is as slow, but its window held it
+    back (it reads slowly): left out at once."""
+    fair, kids = FairShare(), {w: object() for w in "ABCD"}
+    rwnd = {"A": 0, "B": 0, "C": 0, "D": 0}
+    for t in (0.0, 0.5, 1.0):
+        for w, r in kids.items():
+            rwnd["D"] = int(t * 0.9e6)  # D's window the limit 90% of the time
+            rate = 1e3 if w in "CD" else 0.5 * 2e5 / 3
+            fair.update(r, True, int(rate * 0.5) if t else 0, t, w, rwnd[w])  # type: ignore[arg-type]
+    cap = fair.cap(2e5, 1.0, "A")
+    assert cap is not None and abs(cap - PACE_SHARE * (2e5 - 1e3) / 3) < 0.01 * cap  # D left out, C counted
+    for t in (1.5, 2.5, 3.5, 4.5):
+        for w, r in kids.items():
+            rwnd["D"] = int(t * 0.9e6)
+            fair.update(r, True, int((1e3 if w in "CD" else 2e5 / 3) * 0.5), t, w, rwnd[w])  # type: ignore[arg-type]
+        fair.cap(2e5, t, "A")
+    cap = fair.cap(2e5, 4.5, "A")
+    assert cap is not None and cap > 0.45 * PACE_SHARE * 2e5  # C slow for over SLOW_FOR_S: left out too
+
+
+def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> None:
+    """rwnd_limited_us on real responses: it grows for a receiver that reads nothing, not for one that reads."""
+
+    async def main() -> dict[str, int]:
+        out: dict[str, int] = {}
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            before = rwnd_limited_us(request)
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(1.0):
+                    for _ in range(256):
+                        await resp.write(b"x" * (256 * 1024))
+            after = rwnd_limited_us(request)
+            assert before is not None and after is not None
+            out[request.query["who"]] = after - before
+            return resp
+
+        http = HttpServer(Metrics(), lambda: {}, [web.get("/bytes", handler)])
+        port = await http.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/bytes?who=reader") as r:
+                    await r.read()
+                r = await session.get(f"http://127.0.0.1:{port}/bytes?who=stalled")  # reads nothing
+                await asyncio.sleep(1.5)
+                r.close()
+        finally:
+            await http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["stalled"] > 500_000 > 100_000 > out["reader"]
 
 
 def test_the_peak_is_the_most_sent_over_two_seconds_in_a_row_lately() -> None:
