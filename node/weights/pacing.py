@@ -190,7 +190,13 @@ class FairShare:
         if n < 2 or peak_bps <= 0:
             return None
         low = [w for w, r in per.items() if r < self.SLOW * peak_bps / n]
-        self._slow_since = {w: self._slow_since.get(w, now) for w in low}
+        for w in per:  # kept between a receiver's responses: each new one starts at 0, its slowness does not
+            if w in low:
+                self._slow_since.setdefault(w, now)
+            else:
+                self._slow_since.pop(w, None)
+        if len(self._slow_since) > 1024:  # receivers long gone (alternates by address are many)
+            self._slow_since = {w: t for w, t in self._slow_since.items() if w in per or now - t < 60.0}
         slow = [per[w] for w in low if w in held or now - self._slow_since[w] >= self.SLOW_FOR_S]
         if len(slow) == n:
             return None

@@ -233,6 +233,12 @@ def test_a_receiver_tcp_starved_is_the_others_equal_and_one_that_holds_itself_ba
         fair.cap(2e5, t, "A")
     cap = fair.cap(2e5, 4.5, "A")
     assert cap is not None and cap > 0.45 * PACE_SHARE * 2e5  # C slow for over SLOW_FOR_S: left out too
+    fair.done(kids["C"])  # type: ignore[arg-type]  # C's next shard: a new response, its rate from 0 again
+    fair.cap(2e5, 4.55, "A")  # the siblings' writes go on meanwhile
+    fair.update(c2 := object(), True, 0, 4.6, "C", 0)  # type: ignore[arg-type]
+    fair.update(c2, True, 50, 4.9, "C", 0)  # type: ignore[arg-type]
+    cap = fair.cap(2e5, 4.9, "A")
+    assert cap is not None and cap > 0.45 * PACE_SHARE * 2e5  # still left out: not SLOW_FOR_S per response
 
 
 def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> None:
@@ -268,7 +274,9 @@ def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> 
         return out
 
     out = asyncio.run(main())
-    assert out["stalled"] > 500_000 > 100_000 > out["reader"]
+    # FairShare counts a receiver as holding itself back when its window was the limit half the time or more; on
+    # loopback a reader in the same event loop is the limit now and then (44-88 ms of the second measured here)
+    assert out["reader"] < 500_000 < out["stalled"]
 
 
 def test_the_peak_is_the_most_sent_over_two_seconds_in_a_row_lately() -> None:
