@@ -9,8 +9,11 @@ alternate has a free slot, and it holds one while it is served (MIRROR of relay.
 503 otherwise, away 2 s; an alternate that streams to a node without a parent is not counted), or on spare
 upload: while no child of its own is being sent anything. The endgame (fetch.ShardFetcher.fetch): with one of its
 stripes done, a node takes a shard of the stripe furthest behind from ``fetch.pick_spare``'s source, on spare upload
-or a free slot. Not modelled: several helpers on one stripe at once (one side transfer per stripe here), and a
-spare response cut short when a child of its source starts (here it runs to its end).
+or a free slot. Not modelled: several helpers on one stripe at once (one side transfer per stripe here), a
+spare response cut short when a child of its source starts (here it runs to its end), and the share of each stripe
+a node two levels below the stripe's root takes from the slot the root keeps (fetch: ``sources.above_due``; here
+the root's kept slot is not lent, as before that change): a side transfer here is of a stripe's last bytes from a
+holder of the whole version, and a root mid-stripe holds neither.
 """
 
 from __future__ import annotations
