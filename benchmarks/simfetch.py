@@ -10,10 +10,9 @@ alternate has a free slot, and it holds one while it is served (MIRROR of relay.
 upload: while no child of its own is being sent anything. The endgame (fetch.ShardFetcher.fetch): with one of its
 stripes done, a node takes a shard of the stripe furthest behind from ``fetch.pick_spare``'s source, on spare upload
 or a free slot. Not modelled: several helpers on one stripe at once (one side transfer per stripe here), a
-spare response cut short when a child of its source starts (here it runs to its end), and the share of each stripe
-a node two levels below the stripe's root takes from the slot the root keeps (fetch: ``sources.above_due``; here
-the root's kept slot is not lent, as before that change): a side transfer here is of a stripe's last bytes from a
-holder of the whole version, and a root mid-stripe holds neither.
+spare response cut short when a child of its source starts (here it runs to its end). The share of each stripe a
+node two levels below the stripe's root takes from the slot the root keeps (``sources.above_due``, relay's
+``kept``) is a side transfer too (``Fetcher.above``): one shard a run, from a root that holds it whole.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import numpy as np
 
 from intellect_node.weights.fetch import PROBE_EVERY, REPLAN_S, SPARE_AGAIN_S
 from intellect_node.weights.follower import REFUSED_AVOID_S
-from intellect_node.weights.sources import Source, faster_than_parent, pick_source, pick_spare
+from intellect_node.weights.sources import ABOVE_EVERY, Source, above_due, faster_than_parent, pick_source, pick_spare
 from intellect_node.weights.tree import holders
 
 if TYPE_CHECKING:
@@ -68,6 +67,10 @@ class Node:
     """When its endgame is to look for spare upload again (-1: not planned)."""
     climb_after: dict[int, float] = field(default_factory=dict)
     """Grandparents that refused to take it up, and until when they are not asked again (links.CLIMB_REFUSED_S)."""
+    kept: int = 0
+    """Slots a stripe's root keeps beyond its children's, lent to alternates (relay.ShardServer.kept)."""
+    above_run: dict[int, int] = field(default_factory=dict)
+    """Per stripe, the last run of ABOVE_EVERY shards whose share came from the root two levels up."""
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Stats:
     spare_shards: int = 0
     spare_yielded: int = 0
     climbs: int = 0
+    above_shards: int = 0
 
 
 class Fetcher:
@@ -217,11 +221,11 @@ class Fetcher:
         net = self.sw.net
         if not t.alive or not (t.done == t.done or t.idx == ORIGIN):
             return ""
-        if len(self.sw.active(t)) + net.lent[t.idx] < t.slots:
+        if len(self.sw.active(t)) + net.lent[t.idx] < t.slots + t.kept:
             return "slot"
         sending = any(net.src[c, s] == t.idx and net.want[c, s] and self.sw.nodes[c].alive
                       and net.got[c, s] < net.need[s] - net.skip[c, s] for (c, s) in t.children)  # fmt: skip
-        return "spare" if not sending and net.lent[t.idx] < t.slots else ""
+        return "spare" if not sending and net.lent[t.idx] < t.slots + t.kept else ""
 
     def endgame(self, n: Node) -> None:
         """MIRROR of the fetcher's endgame: per stripe done, one stripe still over two shards short (furthest
@@ -264,7 +268,38 @@ class Fetcher:
             rate = (got - b0) / (now - t0)
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
             src.ok, src.failed, src.full = src.ok + 1, 0, False
+        self.above(n, s)
         self.pick(n, s)
+
+    def above(self, n: Node, s: int) -> None:
+        """MIRROR of fetch.ShardFetcher.fetch's share from the stripe's root two levels up (sources.above_due, once a
+        run of ABOVE_EVERY, from a place set by the node's id; refused while the root's kept slot and free slots are
+        lent, the next shard asks again): a side transfer of one shard from the root, only once the root holds the
+        node's next shard whole (a side transfer here has no cut-through cap; the real root streams a shard it is
+        still receiving). As every side transfer here, its bytes are the stripe's last, so the parent's stream stops
+        a shard short. In the netns model the nodes two levels down keep within a shard of the root (N=16, seed 0:
+        3 such shards of 717 chances), where the real ones fell 2-4 s behind: the model's N=16 is unchanged."""
+        net, k = self.sw.net, self.sw.k
+        p = n.parent[s]
+        if k == 1 or p < 0 or (n.idx, s) in net.side:
+            return
+        g = self.sw.nodes[p].parent[s]
+        if g < 0 or g == ORIGIN:
+            return
+        t = self.sw.nodes[g]
+        pos = int(net.got[n.idx, s] // net.shard)
+        if not t.alive or t.kept <= 0 or n.above_run.get(s) == pos // ABOVE_EVERY or not above_due(n.nid, pos):
+            return
+        left = net.need[s] - net.skip[n.idx, s] - net.got[n.idx, s]
+        holds = net.got[g, s] >= min(net.need[s], net.got[n.idx, s] + net.shard)
+        if left <= net.shard or not holds or self.sw.depth(t, s) != 1:
+            return
+        if len(self.sw.active(t)) + net.lent[t.idx] >= t.slots + t.kept:
+            return
+        n.above_run[s] = pos // ABOVE_EVERY
+        self.sw.stats.above_shards += 1
+        self.spare.add((n.idx, s))  # it makes no parent (fetch._one: spare)
+        net.start_side(n.idx, s, t.idx, net.shard, self.sw.clock.now, self.sw.clock.now + self.sw.rtt(n, t))
 
     def side_done(self, side: tuple[int, int, int, float]) -> None:
         """A shard from an alternate arrived: what it measured (fetch._one: ok, an EWMA of the rate)."""

@@ -265,13 +265,16 @@ class Swarm:
             n.slots = self.fixed_slots if n.reachable else 0
             return
         rate = self.plan_rate()
+        n.kept = 0
         if n.idx == ORIGIN:
             n.slots = st.origin_fanout(n.up, rate, self.k)
         else:
             f = st.fanout(n.up, rate, self.k)
             n.slots = f + (f >= self.spare_min) if n.reachable else 0
             if n.slots and self.k > 1 and self.fixed_slots is None and self.depth(n, n.home) == 1:  # follower._slots
+                kept = n.slots
                 n.slots = st.root_fanout(self.visible, n.nid, n.home, self.k, rate, n.slots)
+                n.kept = kept - n.slots  # lent to alternates (relay.ShardServer.kept)
         # relay.ShardServer.shed: children past the slots (at the origin, past their stripe's share) give theirs up
         for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k if n.idx == ORIGIN else 1):
             n.children.pop(c, None)
