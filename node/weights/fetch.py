@@ -223,11 +223,12 @@ class ShardFetcher:
                     src = spare
                 else:
                     index, shard = heapq.heappop(pending)
-                    above = [s for s in self.sources.values() if stripe in s.above_of and s.node_id not in self.banned
-                             and max(s.away_until, s.spare_until) <= time.monotonic()]  # fmt: skip
-                    run = index // k // ABOVE_EVERY  # our share of each run of the stripe: from our place on, once
-                    spare = above[0] if above and stripe == mine and above_due(self.node_id, index // k) \
-                        and lent.get(stripe) != run else None  # fmt: skip
+                    # our share of each run of the stripe from the root above: from our place on, once a run
+                    if stripe == mine and lent.get(stripe) != index // k // ABOVE_EVERY \
+                            and above_due(self.node_id, index // k):  # fmt: skip
+                        spare = next((s for s in self.sources.values() if stripe in s.above_of
+                                      and s.node_id not in self.banned
+                                      and max(s.away_until, s.spare_until) <= time.monotonic()), None)  # fmt: skip
                     src = spare or self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))

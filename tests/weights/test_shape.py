@@ -246,6 +246,7 @@ def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> 
 
     async def main() -> dict[str, int]:
         out: dict[str, int] = {}
+        measured = asyncio.Event()
 
         async def handler(request: web.Request) -> web.StreamResponse:
             resp = web.StreamResponse()
@@ -258,6 +259,7 @@ def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> 
             after = rwnd_limited_us(request)
             assert before is not None and after is not None
             out[request.query["who"]] = after - before
+            measured.set()
             return resp
 
         http = HttpServer(Metrics(), lambda: {}, [web.get("/bytes", handler)])
@@ -266,8 +268,10 @@ def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> 
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{port}/bytes?who=reader") as r:
                     await r.read()
+                measured.clear()
                 r = await session.get(f"http://127.0.0.1:{port}/bytes?who=stalled")  # reads nothing
-                await asyncio.sleep(1.5)
+                async with asyncio.timeout(30):
+                    await measured.wait()  # the handler's second of writing is over
                 r.close()
         finally:
             await http.close()
