@@ -116,3 +116,22 @@ def test_no_module_past_500_lines() -> None:
         for p in (ROOT / folder).rglob("*.py")
     }
     assert {name: n for name, n in sizes.items() if n > 500} == {}
+
+
+def test_the_kernels_folder_does_not_hide_hugging_faces_kernels_from_code_run_at_the_root() -> None:
+    """``python -m pytest`` (or any ``python -m``) run at the repository's root puts the root on ``sys.path``, where
+    the ``kernels`` folder shadowed the ``kernels`` distribution that transformers 5.25 depends on: every test
+    that imports the model failed to collect. Imported as ``kernels`` it hands the name to the installed one."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    code = "import kernels, sys; print(kernels.__file__); from transformers import LlamaConfig"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:  # no such distribution here: a clear error, not our folder
+        assert done.returncode != 0 and "installed as 'intellect_kernels'" in done.stderr, done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    assert not Path(done.stdout.strip()).is_relative_to(ROOT), done.stdout
