@@ -128,10 +128,9 @@ def test_the_kernels_folder_does_not_hide_hugging_faces_kernels_from_code_run_at
 
     code = "import kernels, sys; print(kernels.__file__); from transformers import LlamaConfig"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
     try:
         importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:  # no such distribution here: a clear error, not our folder
-        assert done.returncode != 0 and "installed as 'intellect_kernels'" in done.stderr, done.stderr
+    except importlib.metadata.PackageNotFoundError:  # none installed (transformers < 5.25): the folder, as before
         return
-    assert done.returncode == 0, done.stderr
     assert not Path(done.stdout.strip()).is_relative_to(ROOT), done.stdout
