@@ -309,6 +309,8 @@ class WeightFollower(Attachments):
                 tasks.create_task(self.keep_link(session, link))
             while True:
                 await asyncio.sleep(REHOME_S * (0.5 + random.random()))
+                if not self._between_versions():  # both moves wait for it: no read of every record for nothing
+                    continue
                 try:
                     records = await self._records(max_age=REHOME_S)
                     self._rehome(records)

@@ -321,3 +321,39 @@ def test_a_paced_connection_carries_its_cap_in_the_kernel_and_each_response_sets
         return seen
 
     assert asyncio.run(main()) == [0xFFFFFFFF, 123_456, 123_456, 0xFFFFFFFF]
+
+
+def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Moving home or up happens only between versions; mid-version the loop read every node's record every few
+    seconds for nothing (one DHT read returns all N records). Between versions it still reads, and moves."""
+    import intellect_node.weights.follower as follower_mod
+
+    monkeypatch.setattr(follower_mod, "REHOME_S", 0.01)
+    me = _node()
+
+    class Counting(_Records):
+        reads = 0
+
+        async def get_nodes(self) -> dict[str, NodeRecord]:
+            Counting.reads += 1
+            return self.records
+
+    async def main(fetching: int) -> int:
+        server = ShardServer(WeightStore(tmp_path / f"s{fetching}", ORIGIN), Metrics(), slots=2, node_id=me)
+        follower = WeightFollower(_KEYS[me], ORIGIN, Counting({}), WeightStore(tmp_path / f"me{fetching}", ORIGIN),
+                                  Metrics(), server, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower.links = [Link(0, True), Link(1, False)]
+        follower._planned, follower.fetching = True, fetching
+
+        async def hold(session: object, link: Link) -> None:
+            await asyncio.sleep(3600)
+
+        follower.keep_link = hold  # type: ignore[method-assign]
+        Counting.reads = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await follower.keep_attached(None)  # type: ignore[arg-type]
+        return Counting.reads
+
+    assert asyncio.run(main(fetching=3)) == 0
+    assert asyncio.run(main(fetching=-1)) > 0
