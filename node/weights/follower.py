@@ -27,7 +27,14 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER
 from intellect_node.weights.fetch import ShardFetcher, read_limited
 from intellect_node.weights.files import verify_manifest
-from intellect_node.weights.links import KEEPALIVE_S, RECORDS_MAX_AGE_S, REFUSED_AVOID_S, Attachments, Link
+from intellect_node.weights.links import (
+    KEEPALIVE_S,
+    RECORDS_MAX_AGE_S,
+    REFUSED_AVOID_S,
+    ROOTED_RECORDS_AGE_S,
+    Attachments,
+    Link,
+)
 from intellect_node.weights.relay import LONG_POLL_S, VERSION_HEADER, ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import (
@@ -261,8 +268,8 @@ class WeightFollower(Attachments):
         # version's first request at every level of the tree (netns N=16, 2 cores: first requests 0.7 to 2.0 s).
         rooted = self._planned and all(link.parent is not None for link in self.links)
         records = await self._records(max_age=float("inf") if rooted else RECORDS_MAX_AGE_S)
-        if rooted and time.monotonic() - self._read_at > RECORDS_MAX_AGE_S:
-            self._background(self._records(max_age=RECORDS_MAX_AGE_S))
+        if rooted and time.monotonic() - self._read_at > ROOTED_RECORDS_AGE_S:
+            self._background(self._records(max_age=ROOTED_RECORDS_AGE_S))
         self._plan_stripes(records)
         orphans = [link for link in self.links if link.parent is None]
         if orphans:

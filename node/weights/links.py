@@ -41,6 +41,10 @@ UNROOTED_GRACE_S = 5.0
 MAX_ATTACH_TRIES = 24
 RECORDS_MAX_AGE_S = 5.0
 """Sources are planned from records read up to this long ago (alternates only need to be roughly right)."""
+ROOTED_RECORDS_AGE_S = 15.0
+"""With a parent in every stripe, records are read again in the background this often: they name only alternates
+(the root above, holders for the endgame). Each read is answered by every DHT node a lookup visits with the run's
+whole record dictionary (~12 KB at 17 nodes): read every 5 s, an estimated 35 KB/s of each node's upload (N=16)."""
 SILENT_KEEPALIVES = 2
 """Keep-alives in a row without a usable answer after which a node leaves its parent."""
 FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5

@@ -357,3 +357,39 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
 
     assert asyncio.run(main(fetching=3)) == 0
     assert asyncio.run(main(fetching=-1)) > 0
+
+
+def test_a_node_with_a_parent_in_every_stripe_reads_every_record_again_only_every_15_s(tmp_path: Path) -> None:
+    """Its sources' plan names only alternates then; each read is every record from every DHT node a lookup
+    visits (~12 KB each at 17 nodes), and at every 5 s they were a large part of each node's libp2p upload."""
+    from intellect_node.weights.links import ROOTED_RECORDS_AGE_S
+    from intellect_node.weights.tree import Candidate
+
+    me, parent = _node(), _node()
+
+    class Counting(_Records):
+        reads = 0
+
+        async def get_nodes(self) -> dict[str, NodeRecord]:
+            Counting.reads += 1
+            return self.records
+
+    async def main() -> list[int]:
+        records = {parent: _rec(parent, 0, url="http://127.0.0.1:9")}
+        follower = WeightFollower(_KEYS[me], ORIGIN, Counting(records), WeightStore(tmp_path / "me", ORIGIN),
+                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower.links = [Link(0, True), Link(1, False)]
+        for link in follower.links:
+            link.parent = Candidate(parent, "http://127.0.0.1:9", 1, True, frozenset({link.stripe}))
+        follower._planned = True
+        seen = []
+        for ago in (1.0, ROOTED_RECORDS_AGE_S - 5, ROOTED_RECORDS_AGE_S + 1):
+            follower._read_at = time.monotonic() - ago
+            Counting.reads = 0
+            sources = await follower._find(set())
+            await _settled(follower)
+            assert [s.node_id for s in sources][:1] == [parent]  # the plan is made either way, at once
+            seen.append(Counting.reads)
+        return seen
+
+    assert asyncio.run(main()) == [0, 0, 1]
