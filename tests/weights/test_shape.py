@@ -349,10 +349,23 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
             await asyncio.sleep(3600)
 
         follower.keep_link = hold  # type: ignore[method-assign]
+        rounds, checked = asyncio.Event(), [0]
+        between = follower._between_versions
+
+        def counted() -> bool:  # the loop asks once a round: five rounds, then stop it (no fixed wait)
+            checked[0] += 1
+            if checked[0] >= 5:
+                rounds.set()
+            return between()
+
+        follower._between_versions = counted  # type: ignore[method-assign]
         Counting.reads = 0
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.5):
-                await follower.keep_attached(None)  # type: ignore[arg-type]
+        loop = asyncio.ensure_future(follower.keep_attached(None))  # type: ignore[arg-type]
+        await rounds.wait()
+        await asyncio.sleep(0)  # the fifth round's read, if it reads, runs before the loop is stopped
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
         return Counting.reads
 
     assert asyncio.run(main(fetching=3)) == 0
