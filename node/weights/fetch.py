@@ -263,7 +263,7 @@ class ShardFetcher:
             if isinstance(e, TimeoutError):
                 raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s") from None
             raise
-        self.store.finish(version)
+        await self.store.finish(version)
         return manifest
 
     async def _one(
@@ -361,8 +361,10 @@ class ShardFetcher:
             raise
         if have + received != shard.size or digest.hexdigest() != shard.sha256:
             return self._bad(version, shard, src, whole_from_src, vouched, "hash mismatch")
-        self.store.mark_verified(version, shard.name)
-        self.store.part_closed(version, shard.name, verified=True)
+        try:
+            await self.store.mark_verified(version, shard.name)
+        finally:  # cut-through readers end with the whole shard either way (its bytes matched the manifest)
+            self.store.part_closed(version, shard.name, verified=True)
         logger.debug(
             "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
             time.monotonic() - started,

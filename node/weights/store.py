@@ -274,8 +274,11 @@ class WeightStore:
             growing.state = "done" if verified else "failed"
             growing.pulse()
 
-    def mark_verified(self, version: int, name: str) -> None:
-        fsync_file(self.part_path(version, name))  # a name without .part is a promise that the bytes are whole
+    async def mark_verified(self, version: int, name: str) -> None:
+        # A name without .part is a promise that the bytes are whole: fsynced first, in a thread. In the event loop
+        # an fsync stopped the node's uploads and cut-through with it for as long as the disk took; with a swarm's
+        # writes on one disk (every fsync on ext4 waits for a journal commit) every node stalled at once.
+        await asyncio.to_thread(fsync_file, self.part_path(version, name))
         self.part_path(version, name).rename(self.partial(version) / name)
         self._verified.setdefault(version, set()).add(name)
         event = self._arrived.pop((version, name), None)
@@ -296,14 +299,14 @@ class WeightStore:
     def verified_count(self, version: int) -> int:
         return len(self._verified.get(version, ()))
 
-    def finish(self, version: int) -> Path:
+    async def finish(self, version: int) -> Path:
+        """The version whole: its folder renamed into place, durably (the fsyncs in a thread, see mark_verified)."""
         partial = self.partial(version)
         for leftover in partial.glob("*.part"):
             leftover.unlink()
-        fsync_file(partial / MANIFEST_NAME)
-        fsync_dir(partial)
+        await asyncio.to_thread(_fsync_folder, partial)
         partial.rename(self.folder(version))
-        fsync_dir(self.root)
+        await asyncio.to_thread(fsync_dir, self.root)
         self._verified.pop(version, None)
         self.added()  # waiters re-check: a version they wait for may now be known to be skipped
         for key in [k for k in self._arrived if k[0] == version]:
@@ -337,6 +340,11 @@ class WeightStore:
             stem = p.name.split(".")[0]
             if stem.isdigit() and int(stem) < newest and int(stem) not in self._verified:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fsync_file(folder / MANIFEST_NAME)
+    fsync_dir(folder)
 
 
 def _held(path: Path, run_id: str, version: int, epoch: int | None) -> Manifest | None:

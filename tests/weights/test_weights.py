@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from aiohttp import web
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights import relay
+from intellect_node.weights import store as store_module
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest, write_checkpoint
@@ -203,9 +205,48 @@ def test_verified_shards_survive_a_restart(tmp_path: Path) -> None:
     manifest, missing = first.begin(5, manifest_data)
     for shard in manifest.shards[:3]:  # as if three shards arrived before the node was killed
         first.part_path(5, shard.name).write_bytes((tmp_path / "origin" / "5" / shard.name).read_bytes())
-        first.mark_verified(5, shard.name)
+        asyncio.run(first.mark_verified(5, shard.name))
     _, missing = WeightStore(tmp_path / "client", RUN).begin(5, manifest_data)
     assert [s.name for s in missing] == [manifest.shards[3].name]
+
+
+def test_a_slow_fsync_stops_nothing_else_the_node_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard made durable (and then the version) waits for the disk in a thread: with the fsync in the event
+    loop a busy disk stopped every upload and cut-through of the node for as long as it took, and a swarm's nodes
+    on one disk all at once. A disk that takes 0.3 s an fsync here: the loop goes on ticking meanwhile."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 5, _tensors(), shard_bytes=20_000)
+    manifest_data = (tmp_path / "origin" / "5" / MANIFEST_NAME).read_bytes()
+    store = WeightStore(tmp_path / "client", RUN)
+    manifest, _ = store.begin(5, manifest_data)
+    real_fsync = store_module.fsync_file
+
+    def slow_fsync(path: Path) -> None:
+        time.sleep(0.3)
+        real_fsync(path)
+
+    monkeypatch.setattr(store_module, "fsync_file", slow_fsync)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        for shard in manifest.shards:
+            store.part_path(5, shard.name).write_bytes((tmp_path / "origin" / "5" / shard.name).read_bytes())
+            await store.mark_verified(5, shard.name)
+        await store.finish(5)
+        ticker.cancel()
+        return ticks
+
+    fsyncs = len(manifest.shards) + 1  # every shard's, the manifest's (a folder's is fsync_dir)
+    assert asyncio.run(main()) >= fsyncs * 0.3 / 0.01 / 2
+    assert store.complete_versions() == [5]
 
 
 def test_a_republished_version_replaces_the_held_copy(tmp_path: Path) -> None:
