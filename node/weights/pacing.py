@@ -16,6 +16,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -117,7 +118,7 @@ def backlogged(request: web.Request) -> bool:
         return True  # not Linux: count the second as before
 
 
-PACE_SHARE = 1.0
+PACE_SHARE = 1.1
 """A response the link limits beside others it limits is paced at this share of an equal part of the link."""
 _SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 _UNPACED = 0xFFFFFFFF
@@ -147,31 +148,78 @@ class FairShare:
 
     SLOW = 0.5
     SLOW_FOR_S = 3.0
+    CATCH_UP = 1.0
+    """Shards: a receiver this far behind the others' mean place in its stripe gets ``MAX_EXTRA`` more than an
+    equal share (less in proportion), one as far ahead as much less (at most half as much)."""
+    MAX_EXTRA = 0.5
+    KEEPS_UP = 0.8
+    """Only receivers moving at this share of an equal share at least are weighed by place (the others get an
+    equal share): more to one that cannot use it would leave the link idle (a thin path, a grudge)."""
     TAU_S = 1.0
     """Time constant of each response's rate estimate (it is written to every 256 KiB: 0.1 s at 20 Mbit/s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peak: Callable[[float], float] | None = None) -> None:
         self._rate: dict[int, tuple[str, float, float, int | None, bool]] = {}
         """Response (its id) the link limits -> (its receiver, bytes/s it moved lately, when last told, its
         connection's rwnd_limited then, whether its receiver's window held it back since the time before)."""
         self._slow_since: dict[str, float] = {}
+        self._peak = peak
+        """The link's recent peak (bytes/s) at a time: given, the responses left are paced again the moment
+        one joins or leaves the count (``repace``)."""
+        self._requests: dict[int, web.Request] = {}
+        self._reached: dict[str, tuple[int, float]] = {}
+        """Receiver -> the furthest (version, place in its stripe, in shards) we have sent it (``update``)."""
+        self._moved: dict[str, tuple[float, float]] = {}
+        """Receiver -> (bytes/s it moved lately over all its responses while it had one, when last told): with one
+        response at a time each starts at 0 in ``_rate``, and its rate there reads low for most of each shard;
+        the pauses between its requests (a round trip, 0.1-0.4 s through busy uplinks) are not counted either:
+        the receiver they hold back is the one that needs to catch up."""
 
     def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "",
-               rwnd_us: int | None = None) -> None:  # fmt: skip
+               rwnd_us: int | None = None, place: tuple[int, float] | None = None) -> None:  # fmt: skip
         """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: the link
-        limits it; ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None: not known, as if held back)."""
+        limits it; ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None: not known, as if held back);
+        ``place``: (version, how far along its stripe the response is, in shards: ``place_in_stripe``), for a
+        child's. The furthest a receiver reached counts, so asking again for an old shard does not look behind."""
         key = id(request)
+        if place is not None and place > self._reached.get(who, (-1, 0.0)):
+            self._reached[who] = place
+        moved, told = self._moved.get(who, (0.0, now))
+        if key not in self._rate and all(w != who for w, *_ in self._rate.values()):
+            told = now  # its first bytes since a while with nothing in flight to it: the pause is not its rate
+        if now > told:
+            moved += (sent / (now - told) - moved) * min(1.0, (now - told) / self.TAU_S)
+        self._moved[who] = (moved, max(now, told))
         if not pressing:
-            self._rate.pop(key, None)
+            self.done(request, now)
             return
+        joins = key not in self._rate
         _, rate, at, was_us, held = self._rate.get(key, (who, 0.0, now, rwnd_us, False))
         if now > at:
             rate += (sent / (now - at) - rate) * min(1.0, (now - at) / self.TAU_S)
             held = rwnd_us is None or was_us is None or rwnd_us - was_us >= 0.5e6 * (now - at)
         self._rate[key] = (who, rate, now, rwnd_us, held)
+        self._requests[key] = request
+        if joins:
+            self.repace(now)
 
-    def done(self, request: web.Request) -> None:
-        self._rate.pop(id(request), None)
+    def done(self, request: web.Request, now: float | None = None) -> None:
+        if self._rate.pop(id(request), None) is not None:
+            self._requests.pop(id(request), None)
+            self.repace(time.monotonic() if now is None else now)
+
+    def repace(self, now: float) -> None:
+        """Pace every response counted at its share now. Each is otherwise paced again only at its next write (a
+        256 KiB chunk: 0.7 s at half of a quarter of 25 Mbit/s), so when one of a receiver's two responses ended
+        the other went on at half the receiver's share until then, and part of the link stood idle."""
+        if self._peak is None:
+            return
+        peak, caps = self._peak(now), {}
+        for key, request in list(self._requests.items()):
+            who = self._rate[key][0]
+            if who not in caps:
+                caps[who] = self.cap(peak, now, who)
+            pace(request, caps[who])
 
     def cap(self, peak_bps: float, now: float = 0.0, who: str = "") -> float | None:
         """Bytes/s a response to ``who`` may send: an equal share per receiver (a node fetching two shards at
@@ -197,10 +245,42 @@ class FairShare:
                 self._slow_since.pop(w, None)
         if len(self._slow_since) > 1024:  # receivers long gone (alternates by address are many)
             self._slow_since = {w: t for w, t in self._slow_since.items() if w in per or now - t < 60.0}
-        slow = [per[w] for w in low if w in held or now - self._slow_since[w] >= self.SLOW_FOR_S]
+        if len(self._reached) > 1024 or len(self._moved) > 1024:
+            self._reached = {w: r for w, r in self._reached.items() if w in per}
+            self._moved = {w: r for w, r in self._moved.items() if w in per}
+        slow = {w for w in low if w in held or now - self._slow_since[w] >= self.SLOW_FOR_S}
         if len(slow) == n:
             return None
-        return PACE_SHARE * (peak_bps - sum(slow)) / (n - len(slow)) / max(1, count.get(who, 0))
+        left = peak_bps - sum(per[w] for w in slow)
+        weight = self._catch_up([w for w in per if w not in slow], now, left / (n - len(slow)))
+        return PACE_SHARE * left * weight.get(who, 1.0) / sum(weight.values()) / max(1, count.get(who, 0))
+
+    def _catch_up(self, fair: list[str], now: float, equal: float) -> dict[str, float]:
+        """Each receiver's weight in the link's split: 1, or, among those whose place we know, more to one behind
+        the others' mean place in the current version and less to one ahead. Equal shares kept whatever lag a
+        receiver took: the origin's four roots paced alike ended 1.5-3.0 s apart (one's first shard came 2 s
+        late, and one moved 11% slower than the others for 10 s), and the subtree of the root behind, starved
+        meanwhile, ended last (N=16: its nodes' uploads at 19 Mbit/s of 24 for 5-10 s, busy 1.5 s past the rest)."""
+        weight = dict.fromkeys(fair, 1.0)
+        moved = {w: r * min(1.0, self.TAU_S / max(1e-9, now - at)) for w, (r, at) in self._moved.items()}
+        known = {w: self._reached[w] for w in fair if w in self._reached and moved.get(w, 0.0) >= self.KEEPS_UP * equal}
+        if len(known) < 2:
+            return weight
+        version = max(v for v, _ in known.values())
+        places = {w: at for w, (v, at) in known.items() if v == version}
+        if len(places) < 2:
+            return weight
+        mean = sum(places.values()) / len(places)
+        for w, at in places.items():
+            weight[w] = 1.0 + max(-self.MAX_EXTRA, min(self.MAX_EXTRA, (mean - at) / self.CATCH_UP * self.MAX_EXTRA))
+        return weight
+
+
+def place_in_stripe(version: int, index: int | None, stripes: int, pos: int, size: int) -> tuple[int, float] | None:
+    """How far along its stripe a response for the ``index``-th shard of ``version``'s manifest is once ``pos`` of
+    its ``size`` bytes are written: (version, in shards: the shard's place among its stripe's and the part of it
+    written). None for a shard not known."""
+    return None if index is None else (version, index // max(1, stripes) + pos / max(1, size))
 
 
 _TCPI_RWND_LIMITED = 176

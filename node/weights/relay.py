@@ -14,8 +14,8 @@ never one of its own ancestors, so the tree has no cycles to begin with; without
 its children, the places to look for one further down. Other nodes (alternates) are served only what this node
 already has, at once and while a slot is free, which each uses until its response ends, or on spare upload (no
 child is being sent anything), cut short the moment a child is; anonymous clients (curl, a mirror) too, and they
-wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An
-optional upload limit (a token bucket over all responses) lets a volunteer cap what the node sends."""
+wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a token
+bucket over all responses) lets a volunteer cap what the node sends."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from intellect_node.weights.pacing import (
     backlogged,
     on_the_wire,
     pace,
+    place_in_stripe,
     respond,
     rwnd_limited_us,
 )
@@ -77,16 +78,9 @@ completed). Lying high only costs the liar."""
 
 
 class ShardServer:
-    def __init__(
-        self,
-        store: WeightStore,
-        metrics: Metrics,
-        slots: int,
-        upload_limit_bps: float | None = None,
-        on_change: Callable[[], None] | None = None,
-        node_id: str = "",
-        members: Members | None = None,
-    ) -> None:
+    def __init__(self, store: WeightStore, metrics: Metrics, slots: int, upload_limit_bps: float | None = None,
+                 on_change: Callable[[], None] | None = None, node_id: str = "",
+                 members: Members | None = None) -> None:  # fmt: skip
         """``node_id``: this node's id, which children sign their slot requests for; ``members``: who belongs to
         the run (None: any signed key, for a standalone origin)."""
         self.store = store
@@ -116,7 +110,7 @@ class ShardServer:
         """Responses to children in progress: while there is none, alternates may use the idle upload."""
         self._sent_at = -1e9
         self.meter = UploadMeter()
-        self.fair = FairShare()
+        self.fair = FairShare(self.meter.peak_bps)
         self._leaves: set[str] = set()
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
         self._told_bps = 0.0
@@ -400,7 +394,8 @@ class ShardServer:
                     chunk = f.read(min(_CHUNK, growing.size - pos))
                     if not chunk:
                         break
-                    await self._write(request, resp, chunk, child, spare)
+                    await self._write(request, resp, chunk, child, spare, (pos + len(chunk), growing.total),
+                                      growing.size - pos > len(chunk))  # fmt: skip
                     pos += len(chunk)
                     continue
                 if growing.state == "failed":
@@ -443,16 +438,16 @@ class ShardServer:
         finally:
             self._sending -= 1
             self._to_children -= child is not None
-            self.fair.done(request)
+            self.fair.done(request, time.monotonic())
             self._sent_at = time.monotonic()
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
 
-    async def _write(
-        self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None, spare: bool = False
-    ) -> None:
+    async def _write(self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None,
+                     spare: bool = False, at: tuple[int, int] = (0, 1), ready: bool = True) -> None:  # fmt: skip
         """One chunk of a response, within the upload limit; the child's slot counts as in use. A response served
-        on spare upload stops the moment a child is being sent anything (the receiver resumes it elsewhere)."""
+        on spare upload stops the moment a child is being sent anything (the receiver resumes it elsewhere).
+        ``at``: the bytes of the shard written with this chunk, of its size (a child's place: pacing.FairShare)."""
         if spare and self._to_children:
             self.metrics.inc("node_relay_spare_yielded_total", help="alternates' responses cut for a child's")
             raise Yielded()
@@ -460,15 +455,17 @@ class ShardServer:
             await self._bucket.take(len(chunk))
         behind, now = backlogged(request), time.monotonic()
         who = child.split("/")[0] if child else request.remote or ""
-        pace(request, cap := self.fair.cap(self.meter.peak_bps(now), now, who))
+        pace(request, self.fair.cap(self.meter.peak_bps(now), now, who))
         try:  # a receiver that reads nothing holds no slot for long (a member's grudge: a relay's free slots)
             await within(resp.write(chunk), STREAM_STALL_S)
         except TimeoutError:
             self.metrics.inc("node_relay_responses_stalled_total", help="responses cut: nothing read for a while")
             raise ConnectionResetError("the receiver read nothing") from None
         acked, now = on_the_wire(request, len(chunk)), time.monotonic()
-        self.meter.sent(acked, now, backlogged=behind and cap is None)  # paced: its share, not the link, limits it
-        self.fair.update(request, behind, acked, now, who, rwnd_limited_us(request))
+        self.meter.sent(acked, now, backlogged=behind)
+        version = int(request.match_info["version"])
+        place = place_in_stripe(version, self.store.index(version, request.match_info["name"]), self.stripes, *at)
+        self.fair.update(request, ready, acked, now, who, rwnd_limited_us(request), place if child else None)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)
@@ -488,7 +485,7 @@ class ShardServer:
                 chunk = f.read(min(_CHUNK, stop - start - sent))
                 if not chunk:
                     break
-                await self._write(request, resp, chunk, child, spare)
+                await self._write(request, resp, chunk, child, spare, (start + sent + len(chunk), stop))
                 sent += len(chunk)
         self.metrics.inc("node_relay_bytes_sent_total", sent, help="weight bytes served to other nodes")
         if sent < stop - start:  # hung up on, or the file shrank: never completed with other bytes

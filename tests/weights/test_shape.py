@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
@@ -241,6 +242,41 @@ def test_a_receiver_tcp_starved_is_the_others_equal_and_one_that_holds_itself_ba
     assert cap is not None and cap > 0.45 * PACE_SHARE * 2e5  # still left out: not SLOW_FOR_S per response
 
 
+def test_a_receiver_behind_in_its_stripe_gets_more_of_the_link_until_it_catches_up() -> None:
+    """Four roots at the origin, each moving at an equal share: the one a shard behind the others' mean gets half
+    as much again per shard of lag (at most MAX_EXTRA), the ones ahead less; none once level. One behind that does
+    not even use an equal share gets no more (it would leave the link idle), and asking again for an old shard
+    does not make a receiver look behind."""
+    peak, fair = 4e5, FairShare()
+    responses = {w: object() for w in "ABCD"}
+
+    def moving(now: float, places: dict[str, float], rate: dict[str, float] | None = None, new: str = "") -> None:
+        for w, r in responses.items():
+            moved = (rate or {}).get(w, 1e5)
+            sent = int(moved * 0.5) if now and w != new else 0
+            fair.update(r, True, sent, now, w, 0, (7, places[w]))  # type: ignore[arg-type]
+
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        if t == 1.5:  # A's next shard after a pause of 0.5 s (its request's round trip), each response's rate from 0
+            responses["A"] = object()
+        moving(t, {"A": 3.0 if t < 1.5 else 2.9 + t / 20, "B": 4.0, "C": 4.0, "D": 4.0}, new="A" if t == 1.5 else "")
+        if t == 1.0:
+            fair.done(responses.pop("A"))  # type: ignore[arg-type]
+    caps = {w: fair.cap(peak, 2.0, w) for w in "ABCD"}
+    extra = (3.75 - 3.0) / FairShare.CATCH_UP * FairShare.MAX_EXTRA
+    assert caps["A"] == pytest.approx(PACE_SHARE * peak * (1 + extra) / 4)
+    assert caps["B"] == caps["C"] == caps["D"] == pytest.approx(PACE_SHARE * peak * (1 - extra / 3) / 4)
+    moving(2.5, {"A": 4.5, "B": 4.5, "C": 4.5, "D": 4.5})  # caught up
+    assert fair.cap(peak, 2.5, "A") == pytest.approx(fair.cap(peak, 2.5, "B")) == pytest.approx(PACE_SHARE * peak / 4)
+    moving(3.0, {"A": 0.5, "B": 4.5, "C": 4.5, "D": 4.5})  # A asks for its first shard again: still at 4.5
+    assert fair.cap(peak, 3.0, "A") == pytest.approx(fair.cap(peak, 3.0, "B"))  # type: ignore[operator]
+
+    fair, slow = FairShare(), {"A": 0.7e5}  # A behind and not using even an equal share: no more for it
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):
+        moving(t, {"A": 3.0, "B": 4.0, "C": 4.0, "D": 4.0}, slow)
+    assert {w: fair.cap(peak, 2.0, w) for w in "ABCD"} == pytest.approx(dict.fromkeys("ABCD", PACE_SHARE * peak / 4))
+
+
 def test_the_kernel_tells_a_receiver_that_reads_slowly_from_one_that_reads() -> None:
     """rwnd_limited_us on real responses: it grows for a receiver that reads nothing, not for one that reads."""
 
@@ -321,6 +357,53 @@ def test_a_paced_connection_carries_its_cap_in_the_kernel_and_each_response_sets
         return seen
 
     assert asyncio.run(main()) == [0xFFFFFFFF, 123_456, 123_456, 0xFFFFFFFF]
+
+
+def test_when_one_of_a_receivers_responses_ends_the_others_are_paced_again_at_once() -> None:
+    """Real connections: A's two responses share A's half of the link; the moment one ends the other carries A's
+    whole half in the kernel, not at its next 256 KiB write (until then part of the link stood idle), and the
+    moment B's ends A's is unpaced (alone)."""
+
+    def kernel_cap(request: web.Request) -> int:
+        sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        return int(struct.unpack("I", sock.getsockopt(socket.SOL_SOCKET, 47, 4))[0])
+
+    async def main() -> list[int]:
+        fair, held, release, seen = FairShare(lambda now: 2e5), {}, asyncio.Event(), []
+        everyone = asyncio.Event()
+
+        async def handler(request: web.Request) -> web.Response:
+            name = request.query["id"]
+            now = time.monotonic()
+            pace(request, fair.cap(2e5, now, name[0]))  # as relay._write does before each write
+            fair.update(request, True, 0, now, name[0])
+            held[name] = request
+            if len(held) == 3:
+                everyone.set()
+            await release.wait()
+            return web.Response(text="ok")
+
+        http = HttpServer(Metrics(), lambda: {}, [web.get("/r", handler)])
+        port = await http.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                url = f"http://127.0.0.1:{port}/r?id="
+                gets = [asyncio.create_task(session.get(url + i)) for i in ("A1", "A2", "B")]
+                async with asyncio.timeout(30):
+                    await everyone.wait()
+                seen.append(kernel_cap(held["A2"]))
+                fair.done(held["A1"])  # A's first shard is whole
+                seen.append(kernel_cap(held["A2"]))
+                fair.done(held["B"])
+                seen.append(kernel_cap(held["A2"]))
+                release.set()
+                for r in await asyncio.gather(*gets):
+                    r.close()
+        finally:
+            await http.close()
+        return seen
+
+    assert asyncio.run(main()) == [int(PACE_SHARE * 1e5 / 2), int(PACE_SHARE * 1e5), 0xFFFFFFFF]
 
 
 def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
+import struct
 import time
 from pathlib import Path
 
@@ -210,3 +212,37 @@ def test_a_holder_that_trickles_holds_an_endgame_shard_only_briefly(tmp_path: Pa
 
     held, cut = asyncio.run(main())
     assert held == [1] and cut >= 1
+
+
+def test_children_sent_whole_shards_share_the_upload_though_the_kernel_never_holds_their_bytes(tmp_path: Path) -> None:
+    """Two children fetch whole shards at once: each response has its bytes here, so the link (here the node's
+    upload limit) is what holds it, and both are paced at an equal share in the kernel. Counted only while the
+    kernel held unsent bytes, they were almost never: a saturated link's queue is past the socket (the tbf in
+    netns, a modem), and at the origin one to four of the four roots counted from moment to moment, each left
+    unpaced or at a half share, and a root fell up to 3 MB behind the others (netns N=16)."""
+    _checkpoint(tmp_path, 2, 8.0)  # 4.2 s for both at the upload limit
+    relay, a, b = (Identity.generate() for _ in range(3))
+
+    async def main() -> list[int]:
+        server, http, url, _ = await _server(tmp_path, relay, slots=2, stripes=1, home=0, bps=4e6)
+        caps: list[int] = []
+        try:
+            async with aiohttp.ClientSession() as sa, aiohttp.ClientSession() as sb:
+                tokens = [await _attach(s, url, w, relay.node_id, 0) for w, s in ((a, sa), (b, sb))]
+                heads = [{"X-Intellect-Node": w.node_id, "X-Intellect-Token": t}
+                         for w, t in zip((a, b), tokens, strict=True)]
+                ra = await sa.get(f"{url}/weights/1/{_shard(0)}", headers=heads[0])
+                rb = await sb.get(f"{url}/weights/1/{_shard(0)}", headers=heads[1])  # the same place: equal shares
+                reads = [asyncio.create_task(r.read()) for r in (ra, rb)]
+                await asyncio.sleep(2.0)  # the upload limit's peak is measured, both responses under way
+                for request in list(server.fair._requests.values()):
+                    sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
+                    caps.append(struct.unpack("I", sock.getsockopt(socket.SOL_SOCKET, 47, 4))[0])
+                await asyncio.gather(*reads)
+        finally:
+            await http.close()
+        return caps
+
+    caps = asyncio.run(main())
+    assert len(caps) == 2  # both counted
+    assert all(0.45 * 4e6 < c < 0.7 * 4e6 for c in caps)  # about half the upload each (1.1 of it over the two)
