@@ -119,7 +119,8 @@ def backlogged(request: web.Request) -> bool:
 
 
 PACE_SHARE = 1.1
-"""A response the link limits beside others it limits is paced at this share of an equal part of the link."""
+"""A response the link limits beside others it limits is paced at this share of its part of the link: above 1, so
+that a share not taken for a moment (a receiver's pause between two shards) is not the link's loss."""
 _SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 _UNPACED = 0xFFFFFFFF
 _PACED = web.RequestKey("paced", int)
@@ -136,15 +137,19 @@ class FairShare:
     per receiver: a fetcher takes a stripe's shards two at a time, and paced per response the origin's four
     roots, each at one or two responses from moment to moment, still ended their stripes 1.7 s apart (netns N=12).
 
-    Responses that wait for their bytes (cut-through at a stripe's pace) are not limited by the link and are not
-    counted; a single one is never paced. Nor does a receiver that moves at under ``SLOW`` of an equal share hold
-    the others to that share, if it holds itself back (its window was the limit: it reads slowly; TCP_INFO's
-    ``rwnd_limited``, where the kernel tells) or has been that slow for ``SLOW_FOR_S`` (its path is thin
-    elsewhere): what it leaves is theirs. Else a member's grudge, children or alternates that read a byte a second,
-    would pace a node's honest children down to a fraction of its link. A receiver slow for neither reason is one
-    TCP starved beside its siblings, and it is their equal: left out at once (as before, measured), it stayed
-    starved while the others took its share (one child's shard 3.4 s while its sibling's took 1.0 s from the same
-    parent; its parent's children ended 1.5-2.5 s apart at N=16). Pure bookkeeping but for ``pace``."""
+    A response counts while its bytes are here (a whole shard, or cut-through with more waiting than the chunk
+    written: relay._write); one that waits for its bytes (cut-through at a stripe's pace) is not limited by the link
+    and is not counted, and a single one is never paced. (Counted only while the kernel held its bytes unsent, the
+    origin's four roots almost never were at once: a saturated link's queue is past the socket, in the tbf or the
+    modem.) The shares are weighed by each receiver's place in its stripe (``_catch_up``). Nor does a receiver that
+    moves at under ``SLOW`` of an equal share hold the others to that share, if it holds itself back (its window was
+    the limit: it reads slowly; TCP_INFO's ``rwnd_limited``, where the kernel tells) or has been that slow for
+    ``SLOW_FOR_S`` (its path is thin elsewhere): what it leaves is theirs. Else a member's grudge, children or
+    alternates that read a byte a second, would pace a node's honest children down to a fraction of its link. A
+    receiver slow for neither reason is one TCP starved beside its siblings, and it is their equal: left out at once
+    (as before, measured), it stayed starved while the others took its share (one child's shard 3.4 s while its
+    sibling's took 1.0 s from the same parent; its parent's children ended 1.5-2.5 s apart at N=16). Pure
+    bookkeeping but for ``pace``."""
 
     SLOW = 0.5
     SLOW_FOR_S = 3.0
@@ -177,10 +182,11 @@ class FairShare:
 
     def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "",
                rwnd_us: int | None = None, place: tuple[int, float] | None = None) -> None:  # fmt: skip
-        """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: the link
-        limits it; ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None: not known, as if held back);
-        ``place``: (version, how far along its stripe the response is, in shards: ``place_in_stripe``), for a
-        child's. The furthest a receiver reached counts, so asking again for an old shard does not look behind."""
+        """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: its bytes are
+        here (the link, not their supply, limits it); ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None:
+        not known, as if held back); ``place``: (version, how far along its stripe the response is, in shards:
+        ``place_in_stripe``), for a child's. The furthest a receiver reached counts, so asking again for an old
+        shard does not look behind."""
         key = id(request)
         if place is not None and place > self._reached.get(who, (-1, 0.0)):
             self._reached[who] = place
@@ -262,8 +268,11 @@ class FairShare:
         late, and one moved 11% slower than the others for 10 s), and the subtree of the root behind, starved
         meanwhile, ended last (N=16: its nodes' uploads at 19 Mbit/s of 24 for 5-10 s, busy 1.5 s past the rest)."""
         weight = dict.fromkeys(fair, 1.0)
-        moved = {w: r * min(1.0, self.TAU_S / max(1e-9, now - at)) for w, (r, at) in self._moved.items()}
-        known = {w: self._reached[w] for w in fair if w in self._reached and moved.get(w, 0.0) >= self.KEEPS_UP * equal}
+        def moving(w: str) -> float:  # its rate, decayed over a while not told (it read nothing)
+            r, at = self._moved.get(w, (0.0, now))
+            return r * min(1.0, self.TAU_S / max(1e-9, now - at))
+
+        known = {w: self._reached[w] for w in fair if w in self._reached and moving(w) >= self.KEEPS_UP * equal}
         if len(known) < 2:
             return weight
         version = max(v for v, _ in known.values())
