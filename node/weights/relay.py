@@ -463,9 +463,9 @@ class ShardServer:
             raise ConnectionResetError("the receiver read nothing") from None
         acked, now = on_the_wire(request, len(chunk)), time.monotonic()
         self.meter.sent(acked, now, backlogged=behind)
-        version = int(request.match_info["version"])
-        place = place_in_stripe(version, self.store.index(version, request.match_info["name"]), self.stripes, *at)
-        self.fair.update(request, ready, acked, now, who, rwnd_limited_us(request), place if child else None)
+        v, name = int(request.match_info["version"]), request.match_info["name"]  # an alternate's: any stripe, no place
+        place = place_in_stripe(v, self.store.index(v, name), self.stripes, *at) if child else None
+        self.fair.update(request, ready, acked, now, who, rwnd_limited_us(request), place)
         if abs(self.meter.bps() - self._told_bps) > 0.2 * self._told_bps:
             self._told_bps = self.meter.bps()
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)
