@@ -30,10 +30,12 @@ from typing import Any, TypeVar
 
 import psutil
 from hivemind.dht import DHT
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -112,6 +114,41 @@ def die_with_parent(node_pid: int, poll_s: float = PARENT_POLL_S) -> None:
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
+def bounded_answer(answer: Any) -> Any:
+    """A peer's answer to a find, with a dictionary's own expiration bounded by its latest record's.
+
+    hivemind checks every record inside a dictionary answer (our ``RecordValidator`` bounds each record's expiration
+    by its lifetime), but takes the answer's own expiration as the peer says it. One answer under a run key with an
+    expiration at infinity, empty or holding old records, would end every search for that key (a read asks for the
+    latest value, ``sufficient_expiration_time`` infinity, and infinity reaches it), be cached by the reader for
+    ever and be handed on by it to everyone who asks: the registry frozen or empty for the rest of the run. Bounded
+    here, an answer expires when its latest record does, so no answer reaches a read's infinite bar: every read of
+    a run key asks its peers again, and merges what they hold. An answer with no record is no answer."""
+    if answer is None or not isinstance(answer.value, DictionaryDHTValue):
+        return answer  # a regular value: its expiration goes through the record validator as it is
+    with answer.value.freeze():  # expired records are kept for now: the merge and the readers judge them
+        latest = max((expiration for _, (_, expiration) in answer.value.items()), default=None)
+    if latest is None:
+        return None
+    return ValueWithExpiration(answer.value, min(answer.expiration_time, latest))
+
+
+def bound_answers() -> None:
+    """In the DHT process, before it starts: every find answer a peer sends goes through ``bounded_answer``."""
+    if getattr(DHTProtocol, "_intellect_bounded", False):
+        return
+    find = DHTProtocol.call_find
+
+    async def call_find(self: DHTProtocol, peer: PeerID, keys: Any) -> Any:
+        found = await find(self, peer, keys)
+        if found is None:
+            return None
+        return {key: (bounded_answer(answer), nearest) for key, (answer, nearest) in found.items()}
+
+    DHTProtocol.call_find = call_find  # type: ignore[method-assign]
+    DHTProtocol._intellect_bounded = True  # type: ignore[attr-defined]
+
+
 class _NodeDHT(DHT):
     """hivemind's DHT process, which dies with the node process, and whose daemon runs gossipsub.
 
@@ -135,6 +172,7 @@ class _NodeDHT(DHT):
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)  # the node that created this DHT object
+        bound_answers()  # no peer's answer may freeze a run key (bounded_answer)
         enable_pubsub()  # the run's gossip topics (node/p2p/gossip.py) ride on this daemon
         super().run()
 
