@@ -4,8 +4,11 @@ A child proves its node id on every slot request (``POST`` and ``DELETE /relay/a
 its node id, its raw Ed25519 public key (hex) and ``<unix time>:<nonce>:<signature>``, the signature over
 ``"<METHOD> <path> <server node id> <time> <nonce>"`` with kind ``relay_request`` (domain-separated, see
 protocol/identity.py). The server checks, cheapest first: a rate limit per remote address, the headers' shape,
-that the key is the node id's, the time within ``AUTH_WINDOW_S``, the nonce unseen, the signature, and last
-that the node id belongs to the run (a registered DHT record; a DHT lookup at most, bounded by the caller).
+that the key is the node id's, the time within ``AUTH_WINDOW_S``, the nonce unseen, the signature, that the node
+id belongs to the run (a registered DHT record; a DHT lookup at most, bounded by the caller), and last that the key
+has not signed more than ``NONCES_PER_KEY`` requests within the replay window. Only then is the nonce kept: a
+stranger's request, however well signed, leaves nothing behind. Nonces are kept in arrival order and dropped once
+older than twice the window, so the table costs O(1) per request and holds at most ``NONCES_PER_KEY`` per member.
 A granted slot comes with a random token that the child sends on its shard and news requests, so those need no
 signature; a request with a node id but no valid token is a stranger's.
 
@@ -19,6 +22,7 @@ import email.utils
 import re
 import secrets
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -32,6 +36,9 @@ TOKEN_HEADER = "X-Intellect-Token"
 KIND = "relay_request"
 AUTH_WINDOW_S = 30.0
 MAX_NONCES = 100_000
+"""Nonces kept at most, all keys together: past this a request is refused as busy (NONCES_PER_KEY members' worth)."""
+NONCES_PER_KEY = 64
+"""Slot requests one key may sign within twice the replay window (an honest child sends a few a minute)."""
 RATE_PER_ADDRESS = 50.0
 """Slot requests per second from one remote address (a burst of twice this)."""
 MAX_ADDRESSES = 10_000
@@ -91,7 +98,9 @@ class RequestAuth:
         broadcast benchmark); a node of a run always passes its registry."""
         self.server_id = server_id
         self.members = members
-        self._nonces: dict[str, float] = {}
+        self._nonces: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """(node id, nonce) -> when it was accepted, oldest first: the requests that may not be replayed."""
+        self._per_key: Counter[str] = Counter()
         self._buckets: dict[str, tuple[float, float]] = {}
 
     def allow(self, address: str) -> bool:
@@ -123,14 +132,32 @@ class RequestAuth:
         now = time.time()
         if abs(now - float(stamp)) > AUTH_WINDOW_S:
             raise Refused(401, "clock")
-        if nonce in self._nonces:
+        if (node_id, nonce) in self._nonces:
             raise Refused(401, "replayed")
         message = f"{request.method} {request.path_qs} {self.server_id} {stamp} {nonce}".encode()
         if not verify(key, KIND, message, bytes.fromhex(sig)):
             raise Refused(401, "bad_signature")
-        if len(self._nonces) > MAX_NONCES:
-            self._nonces = {n: t for n, t in self._nonces.items() if now - t < 2 * AUTH_WINDOW_S}
-        self._nonces[nonce] = now
         if self.members is not None and not await self.members(node_id):
             raise Refused(403, "unregistered")
+        self._keep(node_id, nonce, time.time())
         return node_id
+
+    def _keep(self, node_id: str, nonce: str, now: float) -> None:
+        """Remember an accepted request's nonce; raises Refused when it was used meanwhile (the membership check
+        awaits), or when the key, or everybody together, signed too many within the window."""
+        while self._nonces:
+            (old_id, _), at = next(iter(self._nonces.items()))
+            if now - at < 2 * AUTH_WINDOW_S:
+                break
+            self._nonces.popitem(last=False)
+            self._per_key[old_id] -= 1
+            if self._per_key[old_id] <= 0:
+                del self._per_key[old_id]
+        if (node_id, nonce) in self._nonces:
+            raise Refused(401, "replayed")
+        if self._per_key[node_id] >= NONCES_PER_KEY:
+            raise Refused(429, "rate")
+        if len(self._nonces) >= MAX_NONCES:
+            raise Refused(429, "busy")
+        self._nonces[(node_id, nonce)] = now
+        self._per_key[node_id] += 1
