@@ -35,7 +35,8 @@ HEADER_TIMEOUT_S = 10.0
 MIN_SEND_BPS = 256 * 1024
 """A frame must arrive at this rate at least (a 16 MiB batch in 64 s): a peer that trickles is cut off."""
 MAX_READING = 32
-"""Streams being read at once, over all peers: bounds memory (each up to one frame) whatever peers do."""
+"""Batch bodies being received at once, over all peers, pushed or pulled: bounds memory (each up to one frame)
+whatever peers do."""
 MAX_READING_PER_PEER = 2
 LINGER_S = 5.0
 STRIKES = 3
@@ -104,6 +105,31 @@ async def off_loop_if_large(size: int, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+class Intake:
+    """The budget of batch bodies being received at once (``MAX_READING``, ``MAX_READING_PER_PEER`` each), shared by
+    every way a body comes in: a producer's push and the trainer's pull of an announced batch."""
+
+    def __init__(self, total: int = MAX_READING, per_peer: int = MAX_READING_PER_PEER) -> None:
+        self.total, self.per_peer = total, per_peer
+        self._reading: dict[str, int] = {}
+
+    def take(self, peer: str) -> bool:
+        """One body from ``peer`` may be received now (give it back with ``give_back``); False when either the peer
+        or everybody together is at the limit."""
+        if sum(self._reading.values()) >= self.total or self._reading.get(peer, 0) >= self.per_peer:
+            return False
+        self._reading[peer] = self._reading.get(peer, 0) + 1
+        return True
+
+    def give_back(self, peer: str) -> None:
+        self._reading[peer] -= 1
+        if not self._reading[peer]:
+            del self._reading[peer]
+
+    def __len__(self) -> int:
+        return sum(self._reading.values())
+
+
 class RolloutServer:
     """Accepts rollout batches on one of the run's protocols (submit by default) and answers each with a signed
     reply."""
@@ -116,6 +142,7 @@ class RolloutServer:
         handle: BatchHandler,
         reject: RejectHandler,
         protocol: Callable[[str], str] = submit_protocol,
+        intake: Intake | None = None,
     ) -> None:
         self._p2p = p2p
         self._identity = identity
@@ -123,7 +150,7 @@ class RolloutServer:
         self._handle = handle
         self._reject = reject
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_STREAMS)
-        self._reading: dict[str, int] = {}
+        self.intake = intake or Intake()
         self._strikes: dict[str, list[float]] = {}
         self._drop_budget, self._drop_at = float(DISCONNECTS_PER_S), time.monotonic()
         self._held: dict[str, int] = {}
@@ -201,19 +228,16 @@ class RolloutServer:
                 self.refused_busy += 1
                 await self._tarpit(peer)
                 reply = self._reject(Rejected("busy", "too many malformed frames from this peer; wait a minute"), peer)
-            elif sum(self._reading.values()) >= MAX_READING or self._reading.get(peer, 0) >= MAX_READING_PER_PEER:
+            elif not self.intake.take(peer):
                 self.refused_busy += 1
                 reply = self._reject(Rejected("busy", "too many streams open; send again shortly"), peer)
             else:
-                self._reading[peer] = self._reading.get(peer, 0) + 1
                 try:
                     data = await read_frame_within(reader, Channel.ROLLOUT_BATCH.value)
                 except Rejected as e:
                     reply = self._reject(e, peer)
                 finally:
-                    self._reading[peer] -= 1
-                    if not self._reading[peer]:
-                        del self._reading[peer]
+                    self.intake.give_back(peer)
                 if reply is None:
                     async with self._slots:
                         reply = await self._handle(data, peer)

@@ -33,7 +33,7 @@ from intellect_node.p2p.http import EncodedList, HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import announced
-from intellect_node.p2p.transport import RolloutServer, off_loop_if_large
+from intellect_node.p2p.transport import Intake, RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
 from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, resolve_device, stored_in
 from intellect_node.roles.admission import Admission, mint_invite
@@ -134,6 +134,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
         self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
         self.p2p: Any = None
+        self.intake = Intake()
+        """Batch bodies on their way in, pushed or pulled: one budget for both."""
         self._rewards_seen: list[float] = []
         self.envelopes: dict[BatchKey, bytes] = {}
         """Admitted batches that may still have groups to train: what a checkpoint keeps for a resume."""
@@ -458,7 +460,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
             p2p = self.p2p = await self.membership.replicate_p2p()
-            server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject)
+            server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject, intake=self.intake)
             await server.start()
             await self.start_gossip()
             if not (

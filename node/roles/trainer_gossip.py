@@ -5,7 +5,8 @@
 - ``rollouts``: producers announce each batch (``BatchAnnounce``). The trainer takes the body from the producer's
   push; an announced batch not pushed within ``PULL_AFTER_S`` is fetched from its producer by digest
   (``node/p2p/batches.py``) and goes through the same door checks. An announcement of a batch already admitted is
-  answered with its acknowledgement again (the producer missed it).
+  answered with its acknowledgement again (the producer missed it), at most every ``ACK_REPEAT_S``, and only when
+  its producer announces it: anyone else's announcement of that digest is refused before anything is signed.
 - ``verdicts``: every admitted batch is acknowledged with a ``BatchAck`` (signed by the run key) that names the
   validators asked to judge it: one trusted validator in turn, or two for a ``verify.second_opinion`` share of
   batches when two are present. Their signed ``Verdict`` messages come back on the same topic. The batch is trained
@@ -14,7 +15,11 @@
 
 Who may publish what: a notice or an acknowledgement counts only when signed by the run key, an announcement only
 from a registered inference node (``NodeRegistry``, a bounded-cost DHT read) for its own batch, a verdict only
-from a validator named with ``--validator``. Each fetch pulls at most one batch and is made once per digest.
+from a validator named with ``--validator``. Before any pull the announcer passes the same door as a push
+(not banned, admitted by the run's policy, room for it if on probation); then at most ``PULLS_PER_NODE`` of its
+announced batches and ``MAX_PULLS`` of everybody's wait to be fetched, and each body fetched takes a place in the
+trainer's ``Intake``, the budget pushes draw on too: however many keys announce, the bodies in memory stay
+bounded. Each fetch pulls at most one batch and is made once per digest.
 
 This is a mixin of ``Trainer`` (node/roles/trainer.py).
 """
@@ -27,6 +32,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from intellect_node.aio import raise_if_cancelled
@@ -43,8 +49,23 @@ PULL_AFTER_S = 3.0
 ACK_REPEAT_S = 2.0
 """At most one repeated acknowledgement per batch in this long, however often it is announced."""
 PULLS_PER_NODE = 1
+MAX_PULLS = 16
+"""Announced batches waiting to be fetched, all producers together; more are not fetched (they announce again)."""
 KNOWN = 8192
 """Digests remembered (admitted, or being fetched): what tells a repeated announcement from a new one."""
+
+
+@dataclass
+class Known:
+    """What the trainer knows of a digest: the batch it names once admitted (None while it is being fetched), the
+    judges asked, when it was last acknowledged, whether its producer was on probation (the ack's ``full``), and
+    the node whose batch it is (its producer, or the announcer being fetched from)."""
+
+    key: tuple[str, int, int] | None
+    judges: list[str]
+    acked: float
+    full: bool
+    node_id: str
 
 
 class VerdictWait:
@@ -74,6 +95,9 @@ class TrainerGossip:
     metrics: Any
     store: Any
     registry: Any
+    admission: Any
+    banned: dict[str, str]
+    intake: Any
     p2p: Any
     envelopes: dict[Any, bytes]
     validators_present: list[str]
@@ -81,8 +105,8 @@ class TrainerGossip:
     def _init_gossip(self) -> None:
         self.gossip: Gossip | None = None
         self.batch_server: BatchServer | None = None
-        self.known: OrderedDict[str, tuple[Any, list[str], float]] = OrderedDict()
-        """Digest -> (batch key, judges, last acknowledged) of admitted batches; (None, [], 0) while fetching."""
+        self.known: OrderedDict[str, Known] = OrderedDict()
+        """Admitted batches, and announced ones being fetched, by digest."""
         self.held: OrderedDict[str, bytes] = OrderedDict()
         """Admitted batches' envelopes by digest, the newest ``KNOWN``: served to the validators that judge them."""
         self.waits: dict[str, VerdictWait] = {}
@@ -156,7 +180,7 @@ class TrainerGossip:
             "gossip_received": int(sum(m.by_label("node_gossip_received_total").values())),
         }  # fmt: skip
 
-    def _remember(self, digest: str, entry: tuple[Any, list[str], float]) -> None:
+    def _remember(self, digest: str, entry: Known) -> None:
         self.known[digest] = entry
         self.known.move_to_end(digest)
         while len(self.known) > KNOWN:
@@ -174,7 +198,8 @@ class TrainerGossip:
     def admitted(self, batch: RolloutBatch, envelope: bytes, judges: list[str], full: bool = False) -> str:
         """Record an admitted batch and acknowledge it on gossip (the push's reply already told its producer)."""
         digest = hashlib.sha256(envelope).hexdigest()
-        self._remember(digest, ((batch.node_id, batch.version, batch.batch_index), judges, time.monotonic()))
+        key = (batch.node_id, batch.version, batch.batch_index)
+        self._remember(digest, Known(key, judges, time.monotonic(), full, batch.node_id))
         self.held[digest] = envelope
         while len(self.held) > KNOWN // 8:
             self.held.popitem(last=False)
@@ -197,23 +222,33 @@ class TrainerGossip:
         self.metrics.inc("node_trainer_announcements_total", help="batch announcements heard")
         known = self.known.get(a.batch_sha256)
         if known is not None:
-            key, judges, acked = known
+            if known.node_id != a.node_id:  # someone else's batch: only its producer may ask for the ack again
+                raise Rejected("foreign_announcement", "an announcement of a digest that is another node's batch")
             self.metrics.inc("node_trainer_duplicates_total", label="announcement",
                              help="announcements and bodies of batches already held")  # fmt: skip
-            if key is not None and time.monotonic() - acked > ACK_REPEAT_S:  # the producer missed the ack
-                self._remember(a.batch_sha256, (key, judges, time.monotonic()))
-                await self._ack(self._keyed(key), a.batch_sha256, judges)
+            if known.key is not None and time.monotonic() - known.acked > ACK_REPEAT_S:  # the producer missed it
+                known.acked = time.monotonic()
+                await self._ack(self._keyed(known.key), a.batch_sha256, known.judges, known.full)
             return
         record = await self.registry.registered(a.node_id)
         if record is None or record.role != "inference":
             raise Rejected("unknown_signer", "no inference record for this key in the run's DHT")
-        if self._pulling[a.node_id] >= PULLS_PER_NODE:
+        if a.node_id in self.banned:
+            raise Rejected("banned", "an announcement from a banned node")
+        self.admission.check(record)  # the run's policy and proof of work, as for a push
+        self._check_room(a.node_id)  # type: ignore[attr-defined]  # the probation limits, as for a push
+        if self._pulling[a.node_id] >= PULLS_PER_NODE or sum(self._pulling.values()) >= MAX_PULLS:
             self.metrics.inc("node_trainer_pulls_total", label="busy")
-            return  # one of its batches is being fetched: it announces this one again later
-        self._remember(a.batch_sha256, (None, [], 0.0))
+            return  # its batch is being fetched, or many are: it announces this one again later
+        self._remember(a.batch_sha256, Known(None, [], 0.0, False, a.node_id))
         self._pulling[a.node_id] += 1
         task = asyncio.ensure_future(self._pull(a, peer))
-        task.add_done_callback(lambda _: self._pulling.subtract([a.node_id]))
+        task.add_done_callback(lambda _: self._forget_pull(a.node_id))
+
+    def _forget_pull(self, node_id: str) -> None:
+        self._pulling[node_id] -= 1
+        if self._pulling[node_id] <= 0:
+            del self._pulling[node_id]
 
     @staticmethod
     def _keyed(key: Any) -> RolloutBatch:
@@ -225,8 +260,12 @@ class TrainerGossip:
         """Fetch an announced batch that was not pushed, and put it through the door like a pushed one."""
         await asyncio.sleep(PULL_AFTER_S)
         known = self.known.get(a.batch_sha256)
-        if known is not None and known[0] is not None:
+        if known is not None and known.key is not None:
             return  # pushed meanwhile
+        if not self.intake.take(peer):  # as many bodies on their way as the trainer holds at once
+            self.known.pop(a.batch_sha256, None)
+            self.metrics.inc("node_trainer_pulls_total", label="intake_full")
+            return
         try:
             body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256, a.size)
         except (ConnectionError, TimeoutError, Rejected) as e:
@@ -235,6 +274,8 @@ class TrainerGossip:
                              help="announced batches fetched from their producer, by outcome")  # fmt: skip
             logger.debug("could not fetch announced batch %s from peer=%s: %r", a.batch_sha256[:12], peer, e)
             return
+        finally:
+            self.intake.give_back(peer)
         if body is None:
             self.known.pop(a.batch_sha256, None)
             self.metrics.inc("node_trainer_pulls_total", label="missing")
