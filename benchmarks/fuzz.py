@@ -21,7 +21,7 @@ Targets:
   forged auth headers.
 - ``submit``: the trainer's submit handler (``Trainer.on_batch``, a tiny model) on raw frames and on batches
   signed by a registered node.
-- ``invite``: invite tokens as a volunteer types them, and the admission check of a record carrying one.
+- ``invite``: invite tokens as a volunteer types them, and their redemption by the trainer's admission.
 
 Prints one row per target, then ``fuzz targets=N inputs=... crashes=0 hangs=0``.
 """
@@ -201,9 +201,7 @@ def _setup(target: str) -> tuple[Callable[[bytes], None], list[bytes]]:
             except ValueError:
                 return
             try:
-                rec = m.NodeRecord(run_id=run_id, node_id=node_id, role="inference", updated=now,
-                                   invite=envelope[: Channel.INVITE.value])  # fmt: skip
-                admission.check(rec)
+                admission.redeem(node_id, envelope[: Channel.INVITE.value])
             except Rejected:
                 pass
 

@@ -291,6 +291,8 @@ def _invite(args: argparse.Namespace) -> None:
     if not key.exists():
         sys.exit(f"intellect-node: no run key at {key}; give the trainer's --data-dir")
     run_key = Identity.from_private_bytes(key.read_bytes())
+    if args.days <= 0 or args.uses < 1:
+        sys.exit(f"intellect-node invite: --days must be > 0 (not {args.days}) and --uses at least 1 (not {args.uses})")
     token = mint_invite(run_key, args.uses, args.days)
     print(f"--run-id {run_key.node_id} --invite {token}")
 

@@ -233,6 +233,20 @@ class Invite(WireModel):
     """How many distinct node ids may join with it."""
 
 
+class Redeem(WireModel):
+    """A node's request to the trainer to admit it with an invite (``intellect-node/<run>/redeem/v1``), signed by
+    the node: the trainer binds the invite's use to the signer's node id, once, and the invite is never published
+    (a record or message anyone can read would let a stranger use it first). An empty ``invite`` asks whether this
+    node was admitted before (a restart). Answered with a ``SubmitReply`` signed by the run key."""
+
+    KIND: ClassVar[str] = "invite_redeem"
+    CHANNEL: ClassVar[Channel] = Channel.REPLY
+    run_id: NodeId
+    node_id: NodeId
+    invite: Annotated[bytes, Field(max_length=Channel.INVITE.value)] = b""
+    issued: float
+
+
 class RunSpec(WireModel):
     """Everything a joining node needs to take part in a run; signed by the run key."""
 
@@ -291,8 +305,6 @@ class NodeRecord(WireModel):
     software: Annotated[str, Field(max_length=64)] = ""
     relay: RelayInfo | None = None
     """Present when the node serves weight shards to others."""
-    invite: Annotated[bytes, Field(max_length=Channel.INVITE.value)] = b""
-    """A run-key-signed Invite envelope, for runs whose admission policy is ``invite``."""
     pow_nonce: U63 = 0
     """Proof of work on this identity, for runs that ask for one (``AdmissionSpec.pow_bits``)."""
     epoch: U63 = 0

@@ -4,6 +4,8 @@ Framing: an 8-byte big-endian length, then that many bytes; the length is checke
 before a byte of the body is read. Protocols:
 
 - ``intellect-node/<run_id>/submit/v1``: a signed RolloutBatch envelope to the trainer, a signed SubmitReply back.
+- ``intellect-node/<run_id>/redeem/v1``: a signed Redeem (an invite bound to its signer) to the trainer, a signed
+  SubmitReply back (node/roles/invites.py).
 
 Validators get their batches by digest (node/p2p/batches.py) once the trainer's gossiped acknowledgement names
 them (node/p2p/gossip.py).
@@ -143,8 +145,10 @@ class RolloutServer:
         reject: RejectHandler,
         protocol: Callable[[str], str] = submit_protocol,
         intake: Intake | None = None,
+        limit: int = Channel.ROLLOUT_BATCH.value,
     ) -> None:
         self._p2p = p2p
+        self._limit = limit
         self._identity = identity
         self._name = protocol(run_id)
         self._handle = handle
@@ -233,7 +237,7 @@ class RolloutServer:
                 reply = self._reject(Rejected("busy", "too many streams open; send again shortly"), peer)
             else:
                 try:
-                    data = await read_frame_within(reader, Channel.ROLLOUT_BATCH.value)
+                    data = await read_frame_within(reader, self._limit)
                 except Rejected as e:
                     reply = self._reject(e, peer)
                 finally:
@@ -276,9 +280,17 @@ async def request(
         writer.close()
 
 
-async def submit(p2p: P2P, peer_id: str, run_id: str, data: bytes, trainer_id: str) -> SubmitReply:
-    """Send one signed batch to ``peer_id``; the reply must be signed by ``trainer_id``'s key."""
-    raw = await request(p2p, peer_id, submit_protocol(run_id), data, Channel.REPLY.value)
+async def submit(
+    p2p: P2P,
+    peer_id: str,
+    run_id: str,
+    data: bytes,
+    trainer_id: str,
+    protocol: Callable[[str], str] = submit_protocol,
+) -> SubmitReply:
+    """Send one signed request (a batch, by default) to ``peer_id``; the reply must be signed by ``trainer_id``'s
+    key."""
+    raw = await request(p2p, peer_id, protocol(run_id), data, Channel.REPLY.value)
     signed = open_signed(raw, SubmitReply)
     if signed.signer_id != trainer_id:
         raise Rejected("foreign_reply", f"reply signed by {signed.signer_id}, not the trainer {trainer_id}")

@@ -37,6 +37,7 @@ from intellect_node.p2p.transport import Intake, RolloutServer, off_loop_if_larg
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
 from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, resolve_device, stored_in
 from intellect_node.roles.admission import Admission, mint_invite
+from intellect_node.roles.invites import InviteDoor
 from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_gossip import TrainerGossip
@@ -102,7 +103,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.membership = Membership(self.identity, self.run_id, self.metrics)
         self.registry = NodeRegistry(self.membership)
         self.origin.home_of = lambda n: announced_home(self.registry.records, n)
-        self.admission = Admission(self.spec.admission, self.run_id)
+        redemptions = node.data_dir / "admission" / f"{self.run_id}.json"  # kept across epochs and --fresh starts
+        self.admission = Admission(self.spec.admission, self.run_id, redemptions)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or partial(local_engine, device=node.device))(self.spec, self.tokenizer)
@@ -454,6 +456,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self._replay(self.resumed)
         self.resumed = None  # the engine state in it is no longer needed
         server: RolloutServer | None = None
+        invites: InviteDoor | None = None
         try:
             self.maddrs = await self._join_dht()  # first: the DHT process must not inherit a listening socket
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
@@ -462,6 +465,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             p2p = self.p2p = await self.membership.replicate_p2p()
             server = RolloutServer(p2p, self.identity, self.run_id, self.on_batch, self.reject, intake=self.intake)
             await server.start()
+            invites = InviteDoor(p2p, self.identity, self.run_id, self.admission, self.metrics)
+            await invites.start()
             await self.start_gossip()
             if not (
                 await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
@@ -490,6 +495,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 self.tracker.close()
             if server is not None:
                 await server.close()
+            if invites is not None:
+                await invites.close()
             await self.http.close()
             await self.membership.close()
             self.ckpt.close()

@@ -25,6 +25,7 @@ from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import announced, ask_dialback
 from intellect_node.p2p.transport import DELIVERY_ERRORS
+from intellect_node.roles.invites import FIXES, call_redeem
 from intellect_node.runtime import announce
 from intellect_node.weights.files import HTTP_TIMEOUT
 from intellect_node.weights.follower import WeightFollower
@@ -111,7 +112,6 @@ class Volunteer(abc.ABC):
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=self.follower.relay_info() if self.follower is not None and self.reachable else None,
-            invite=self.invite,
             pow_nonce=self.pow_nonce,
         )
 
@@ -177,12 +177,9 @@ class Volunteer(abc.ABC):
         )
 
     async def _prove_identity(self, spec: RunSpec) -> None:
-        """What the run's admission policy asks of this identity: its proof of work (computed once per run), and
-        the invite given on the command line."""
+        """What the run's admission policy asks of this identity first: its proof of work (computed once per run).
+        An invite is redeemed once the node can reach the trainer (``redeem_invite``)."""
         a = spec.admission
-        if a.policy == "invite" and not self.invite:
-            raise SystemExit("this run admits invited nodes only: ask its operator for an invite and join with "
-                             "--invite TOKEN")  # fmt: skip
         if a.pow_bits:
             started = time.monotonic()
             self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, self.identity.node_id, a.pow_bits)
@@ -291,6 +288,7 @@ class Volunteer(abc.ABC):
             if self.role in ("inference", "validator"):  # they score completions: code and math run jailed
                 require_jail(spec.task)
             self.p2p = await self.membership.replicate_p2p()
+            await self.redeem_invite(spec)
             await self.check_reachability()
             keep = self.cfg.keep_versions or spec.train.async_level + 1
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
@@ -322,6 +320,37 @@ class Volunteer(abc.ABC):
                 await self.gossip.close()
             await self.http.close()
             await self.membership.close()
+
+    async def redeem_invite(self, spec: RunSpec) -> None:
+        """In an invite-only run, have the trainer bind the invite given on the command line to this node, once
+        (node/roles/invites.py); a node admitted before needs none. Tries until ``--join-timeout`` while the
+        trainer cannot be reached or is busy; a refusal ends the node with the reason and what to do."""
+        if spec.admission.policy != "invite":
+            return
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        detail = "the trainer's record could not be read"
+        while time.monotonic() < deadline:
+            trainer = await self.membership.get_trainer()
+            if trainer is None or not trainer.p2p_maddrs:
+                await asyncio.sleep(POLL_S)
+                continue
+            try:
+                reply = await call_redeem(self.p2p, self.identity, self.run_id,
+                                          trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], self.invite)  # fmt: skip
+            except (*DELIVERY_ERRORS, Rejected) as e:
+                detail = f"the trainer did not answer: {e!r}"
+                await asyncio.sleep(1.0)
+                continue
+            if reply.ok:
+                logger.info("admitted to the invite-only run %s", self.run_id)
+                return
+            if reply.reason != "busy":
+                raise SystemExit(f"the trainer refused this node ({reply.reason}: {reply.detail}); "
+                                 f"{FIXES.get(reply.reason, 'ask the run operator')}")  # fmt: skip
+            detail = "the trainer is busy"
+            await asyncio.sleep(1.0)
+        raise SystemExit(f"could not redeem the invite within {self.cfg.join_timeout_s:.0f}s ({detail}); check that "
+                         "the trainer is running and reachable")  # fmt: skip
 
     async def check_reachability(self) -> None:
         """Ask the trainer to dial us back (node/p2p/reach.py). Unreachable: no HTTP URL and no relay slots are
