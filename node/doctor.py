@@ -47,6 +47,8 @@ def summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     if reach.get("checked"):
         rows.append(("reachable", f"p2p {'yes' if reach['p2p'] else 'NO'}, http {'yes' if reach['http'] else 'NO'} "
                                   f"(seen from {reach['observed_ip']})"))  # fmt: skip
+    elif reach.get("detail"):
+        rows.append(("reachable", f"not checked: {reach['detail']}"))
     relay = s.get("relay") or {}
     if relay.get("enabled"):
         rows.append(("relay", f"home stripe {relay.get('home_stripe', 0)}, depth {relay['depth']}, parent "
@@ -176,6 +178,8 @@ async def reach_check(peers: list[str], run_id: str, host: str, p2p_port: int, h
     from intellect_node.p2p.keys import load_or_create
     from intellect_node.p2p.metrics import Metrics
     from intellect_node.p2p.reach import ask_dialback
+    from intellect_node.p2p.transport import DELIVERY_ERRORS
+    from intellect_protocol.envelope import Rejected
 
     identity = load_or_create(data_dir / "node.key")
     membership = Membership(identity, run_id, Metrics())
@@ -194,8 +198,12 @@ async def reach_check(peers: list[str], run_id: str, host: str, p2p_port: int, h
         out = []
         if trainer.http_url:
             out.append(clock_check(trainer.http_url))
-        r = await ask_dialback(await membership.replicate_p2p(), identity, run_id,
-                               trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], maddrs, port)  # fmt: skip
+        try:
+            r = await ask_dialback(await membership.replicate_p2p(), identity, run_id,
+                                   trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], maddrs, port)  # fmt: skip
+        except (*DELIVERY_ERRORS, Rejected) as e:
+            return [*out, Check("reachability", False, f"the trainer did not check the ports: {type(e).__name__}: {e}",
+                                "run doctor again in a minute (the trainer refuses checks while busy)")]  # fmt: skip
         fix = (f"forward TCP ports {maddrs[0].split('/tcp/')[1].split('/')[0]} and {port} of your router to this "
                f"machine, then join with --host 0.0.0.0 --announce {r.observed_ip} and those --p2p-port/--http-port;"
                " without it the node still produces rollouts, but relays no weights")  # fmt: skip

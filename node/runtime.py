@@ -71,6 +71,8 @@ def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None
               flush=True)  # fmt: skip
         if reach.get("fix"):
             print(f"  {reach['fix']}", flush=True)
+    elif reach.get("fix"):
+        print(f"  reachable from outside: not checked\n  {reach['fix']}", flush=True)
     if "join" in info:
         print(f"Volunteers join this run with:\n  {info['join']}", flush=True)
     ready = {"role": role, "node_id": node_id, "run_id": run_id, **info}

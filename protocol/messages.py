@@ -501,12 +501,17 @@ class DialBack(WireModel):
 
 
 class Reachability(WireModel):
-    """What a dial-back found: whether the asker's p2p and HTTP addresses answered from outside, at which address."""
+    """What a dial-back found: whether the asker's p2p and HTTP addresses answered from outside, at which address;
+    or, with ``refused`` set, that nothing was checked."""
 
     KIND: ClassVar[str] = "reachability"
     CHANNEL: ClassVar[Channel] = Channel.REPLY
-    node_id: NodeId
+    node_id: Annotated[str, Field(pattern=r"^([0-9a-f]{32})?$")]
+    """The asker's; empty on a refusal (sent before the request is read)."""
     observed_ip: Annotated[str, Field(max_length=64)] = ""
     p2p_ok: bool = False
     http_ok: bool = False
     detail: Annotated[str, Field(max_length=512)] = ""
+    refused: Annotated[str, Field(max_length=64)] = ""
+    """Why the request was not checked (``busy``: too many checks at once; ``rate``: too many lately from the
+    asker's IP); empty when it was. A refused asker knows nothing of its reachability and may ask again later."""

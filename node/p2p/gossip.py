@@ -84,6 +84,10 @@ class TokenBuckets:
             self._state.pop(next(iter(self._state)))
         return ok
 
+    def __len__(self) -> int:
+        """Peers with a bucket (``size`` at most)."""
+        return len(self._state)
+
 
 class Gossip:
     """The run's topics on one daemon (through a replica of the node's P2P, in the node's process)."""

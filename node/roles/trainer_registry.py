@@ -90,7 +90,7 @@ class NodeRegistry:
         if time.monotonic() - self._validators_at > VALIDATOR_REFRESH_S:
             self._validators_at = time.monotonic()
             await self.refresh()
-        found = [r for r in self.records.values() if r.node_id in trusted and r.role == "validator" and r.p2p_maddrs]
+        found = [r for r in self.records.values() if r.node_id in trusted and r.role == "validator"]
         self._turn += 1
         return found[self._turn % len(found) :] + found[: self._turn % len(found)] if found else []
 

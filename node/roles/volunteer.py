@@ -46,6 +46,9 @@ TRAINER_REFRESH_S = 10.0
 REBOOTSTRAP_S = 20.0
 """Without a trainer record signed in the last this many seconds (it republishes every 8), a volunteer re-joins
 the DHT through the trainer's last known address and --peers."""
+RECHECK_S = 120.0
+"""A node whose reachability could not be checked (the trainer refused, was silent or could not be found) asks
+again this often, announcing no address meanwhile."""
 
 
 class Volunteer(abc.ABC):
@@ -65,9 +68,14 @@ class Volunteer(abc.ABC):
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self._publish_soon = asyncio.Event()
         self.server = (
-            ShardServer(self.store, self.metrics, node.relay_slots or DEFAULT_STRIPES, limit,
-                        on_change=self._publish_soon.set,
-                        node_id=self.identity.node_id)  # fmt: skip
+            ShardServer(
+                self.store,
+                self.metrics,
+                node.relay_slots or DEFAULT_STRIPES,
+                limit,
+                on_change=self._publish_soon.set,
+                node_id=self.identity.node_id,
+            )
             if node.relay
             else None
         )
@@ -85,8 +93,11 @@ class Volunteer(abc.ABC):
         self._trainer_maddrs: list[str] = []
         self._rebootstrapped = -math.inf
         self.p2p: Any = None
-        self.reachable = True
-        """False once the trainer's dial-back found this node unreachable from outside (node/p2p/reach.py)."""
+        self.reachable = False
+        """True once the trainer's dial-back reached both the p2p and the HTTP port (node/p2p/reach.py): only then
+        are the HTTP URL and relay slots announced."""
+        self.p2p_reached = False
+        """True once the trainer's dial-back reached the p2p port: only then are the p2p addresses announced."""
         self.reachability: dict[str, Any] = {"checked": False}
         self.gossip: Gossip | None = None
         self.notice: VersionNotice | None = None
@@ -105,7 +116,7 @@ class Volunteer(abc.ABC):
             run_id=self.run_id,
             node_id=self.identity.node_id,
             role=self.role,
-            p2p_maddrs=self.maddrs[:8],
+            p2p_maddrs=self.maddrs[:8] if self.p2p_reached else [],
             http_url=self.status_url if self.reachable else None,
             weight_version=self.version,
             epoch=self.store.epoch or 0,
@@ -310,6 +321,8 @@ class Volunteer(abc.ABC):
                 self.follower.start(session)
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self.membership.republish_forever(self.record))
+                    if not self.reachability["checked"]:
+                        tasks.create_task(self.recheck_reachability())
                     tasks.create_task(self.publish_on_change())
                     tasks.create_task(self.follower.keep_attached(session))
                     if self.role == "relay":  # the others act on the trainer's record (see inference.py)
@@ -353,30 +366,39 @@ class Volunteer(abc.ABC):
                          "the trainer is running and reachable")  # fmt: skip
 
     async def check_reachability(self) -> None:
-        """Ask the trainer to dial us back (node/p2p/reach.py). Unreachable: no HTTP URL and no relay slots are
-        announced, so nobody picks this node as a weight parent; it still produces rollouts."""
+        """Ask the trainer to dial us back (node/p2p/reach.py). Only what it reached is announced: the p2p
+        addresses once it reached the p2p port, the HTTP URL and relay slots once it reached both (so nobody picks
+        an unreachable node as a weight parent). Unreachable, refused or unanswered, the node still produces
+        rollouts."""
         trainer = None
         for _ in range(20):
-            trainer = await self.membership.get_trainer()
+            try:
+                trainer = await self.membership.get_trainer()
+            except Exception as e:  # a DHT that times out, fails or hands us something we cannot use: look again
+                logger.debug("could not read the trainer's record: %r", e)
             if trainer is not None and trainer.p2p_maddrs:
                 break
             await asyncio.sleep(POLL_S)
-        if trainer is None or not trainer.p2p_maddrs:
-            self.reachability = {"checked": False, "detail": "the trainer's record could not be read"}
-            return
+        p2p_port = self.maddrs[0].split("/tcp/")[1].split("/")[0] if self.maddrs and "/tcp/" in self.maddrs[0] else "?"
         http_port = int(self.status_url.rsplit(":", 1)[-1])
+        if trainer is None or not trainer.p2p_maddrs:
+            self._unchecked("the trainer's record could not be read", p2p_port, http_port)
+            return
         try:
             r = await ask_dialback(self.p2p, self.identity, self.run_id, trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1],
                                    self.maddrs, http_port)  # fmt: skip
-        except (*DELIVERY_ERRORS, Rejected) as e:
-            self.reachability = {"checked": False, "detail": f"the trainer did not answer a dial-back: {e!r}"}
-            logger.warning("could not check reachability (%r): announcing this node's addresses as they are", e)
+        except Rejected as e:
+            self._unchecked(f"the trainer did not check ({e})", p2p_port, http_port)
             return
+        except DELIVERY_ERRORS as e:
+            self._unchecked(f"the trainer did not answer a dial-back ({e!r})", p2p_port, http_port)
+            return
+        self.p2p_reached = r.p2p_ok
         self.reachable = r.p2p_ok and r.http_ok
         self.reachability = {"checked": True, "observed_ip": r.observed_ip, "p2p": r.p2p_ok, "http": r.http_ok}
         self.metrics.set("node_reachable", float(self.reachable), help="1 when the trainer could dial this node back")
+        self._publish_soon.set()
         if not self.reachable:
-            p2p_port = self.maddrs[0].split("/tcp/")[1].split("/")[0] if self.maddrs else "?"
             self.reachability["fix"] = (
                 f"peers cannot reach this node at {r.observed_ip} (p2p {'ok' if r.p2p_ok else 'unreachable'}, "
                 f"http {'ok' if r.http_ok else 'unreachable'}): it produces rollouts but relays no weights. To "
@@ -384,7 +406,26 @@ class Volunteer(abc.ABC):
                 f"--p2p-port and --http-port to keep them fixed), --host 0.0.0.0 and --announce {r.observed_ip}"
             )
             logger.warning("reachability: %s", self.reachability["fix"])
-            self._publish_soon.set()
+
+    def _unchecked(self, why: str, p2p_port: str, http_port: int) -> None:
+        """No dial-back answer: nothing is announced as reachable, and the volunteer is told what to check."""
+        self.reachable = self.p2p_reached = False
+        fix = (
+            f"{why}: until a dial-back confirms them this node announces no addresses, relays no weights (it still "
+            f"produces rollouts) and asks again every {RECHECK_S:.0f} s. Make sure TCP ports {p2p_port} and "
+            f"{http_port} reach this machine from outside (forward them on your router; start with --p2p-port and "
+            "--http-port to keep them fixed, --host 0.0.0.0 and --announce <your public IP>); `intellect-node doctor "
+            f"--peers <the join line's multiaddr> --run-id {self.run_id}` checks them"
+        )
+        self.reachability = {"checked": False, "detail": why, "fix": fix}
+        self.metrics.set("node_reachable", 0.0, help="1 when the trainer could dial this node back")
+        logger.warning("reachability not checked: %s", fix)
+
+    async def recheck_reachability(self) -> None:
+        """Ask again every RECHECK_S while no dial-back has answered (a trainer busy or silent at join)."""
+        while not self.reachability["checked"]:
+            await asyncio.sleep(RECHECK_S)
+            await self.check_reachability()
 
     async def ready(self, spec: RunSpec) -> None:
         self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
