@@ -3,14 +3,25 @@
 ``intellect-node join --role validator --peers ... --run-id ...`` follows the run's weights like any node (and
 relays them) and keeps the last ``async_level + 1`` versions. It listens on the run's gossip topics: producers'
 announcements tell it who holds each batch, and the trainer's acknowledgement of an admitted batch (signed by the
-run key) names the validators asked to judge it. A named validator fetches the body by digest (from the
-producer, else from the trainer; node/p2p/batches.py), checks it on the exact version it claims
-(node/judging/validator.py) and publishes a signed Verdict on the ``verdicts`` topic. The trainer counts verdicts
-only from validators it was started with (``intellect-node bootstrap --validator <node id>``) and judges a batch
-itself when the named ones do not answer within ``verify.verdict_wait_s``.
+run key) names the batch's producer and the validators asked to judge it. A named validator fetches the body by
+digest (node/p2p/batches.py), checks it on the exact version it claims (node/judging/validator.py) and publishes a
+signed Verdict on the ``verdicts`` topic. The trainer counts verdicts only from validators it was started with
+(``intellect-node bootstrap --validator <node id>``) and judges a batch itself when the named ones do not answer
+within ``verify.verdict_wait_s``.
+
+Who holds a batch (``Holders``): anyone may announce any digest, so an announcement is only a claim, kept per
+signing key. The holder of a batch is the peer of its producer's own claim, the producer being the key the run key's
+acknowledgement names (the trainer admits batches only from registered inference keys, so the acknowledgement is
+the validator's registry check); a claim by any other key never names a holder, and once the producer is known
+such claims are refused. A key's first peer is kept: a replay of the producer's announcement from another peer
+does not move it.
+
+Where a body comes from: the holder and the trainer (which holds every batch it admitted), asked at once, each for
+at most ``FETCH_SHARE`` of ``verify.verdict_wait_s``; the first body whose SHA-256 is the acknowledged digest wins
+and the other request is cancelled. A source that stalls costs at most that share, never the verdict wait.
 
 Work it takes on: only batches the run key acknowledged and named it for, ``JOBS`` queued at most (the oldest
-dropped: the trainer judges those itself).
+dropped: the trainer judges those itself). Bookkeeping is bounded: ``HOLDERS`` digests, ``CLAIMANTS`` keys each.
 """
 
 from __future__ import annotations
@@ -24,9 +35,9 @@ from typing import Any
 import aiohttp
 import torch
 
-from intellect_node.aio import raise_if_cancelled
+from intellect_node.aio import raise_if_cancelled, within
 from intellect_node.judging.validator import Validator
-from intellect_node.p2p.batches import fetch_batch
+from intellect_node.p2p.batches import FETCH_TIMEOUT_S, fetch_batch
 from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.transport import off_loop_if_large
 from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, load_weights, resolve_device, stored_in
@@ -41,6 +52,61 @@ logger = logging.getLogger(__name__)
 WATCH_S = 0.5
 JOBS = 256
 HOLDERS = 4096
+"""Batch digests whose claims (and producers) are remembered, the newest."""
+CLAIMANTS = 4
+"""Keys remembered as announcing one digest: an honest batch has one (its producer); the rest are echoes."""
+FETCH_SHARE = 0.25
+"""Each source of a body gets this share of ``verify.verdict_wait_s`` (15 s of the default 60, at most
+FETCH_TIMEOUT_S): the sources are asked at once, so a stalling one costs at most this, and at least three quarters
+of the wait is left for the version to arrive and the model to judge before the trainer judges the batch itself.
+The largest batch (16 MiB) fits in 15 s at about 1 MB/s; a typical one is a few hundred KB."""
+
+
+class Holders:
+    """Who claims to hold each batch, by digest and signing key; the holder is the producer's claim (module doc)."""
+
+    def __init__(self) -> None:
+        self.claims: OrderedDict[str, dict[str, str]] = OrderedDict()
+        """Digest -> {announcing key: its first peer}, at most CLAIMANTS keys, the newest HOLDERS digests."""
+        self.producers: OrderedDict[str, str] = OrderedDict()
+        """Digest -> its producer, as the run key's acknowledgement names it; the newest HOLDERS."""
+
+    def claim(self, digest: str, node_id: str, peer: str) -> str:
+        """Record ``node_id``'s announcement of ``digest`` from ``peer``; returns what it was ('producer': the
+        holder; 'claim': the producer is not known yet; 'repeat': the key's first peer is kept). Raises Rejected
+        'not_producer' once another key is known to be the producer, 'claimants_full' past CLAIMANTS keys."""
+        producer = self.producers.get(digest)
+        if producer is not None and node_id != producer:
+            raise Rejected("not_producer", f"batch {digest[:12]} is {producer}'s")
+        claims = self.claims.get(digest)
+        if claims is None:
+            claims = self.claims[digest] = {}
+            while len(self.claims) > HOLDERS:
+                self.claims.popitem(last=False)
+        if node_id in claims:
+            return "repeat"
+        if len(claims) >= CLAIMANTS:
+            raise Rejected("claimants_full", f"{CLAIMANTS} keys already announced batch {digest[:12]}")
+        claims[node_id] = peer
+        return "producer" if producer is not None else "claim"
+
+    def produced_by(self, digest: str, node_id: str) -> list[tuple[str, str]]:
+        """The run key named ``node_id`` the producer of ``digest``: the other keys' claims are dropped and
+        returned (key, peer), and refused from now on."""
+        self.producers[digest] = node_id
+        self.producers.move_to_end(digest)
+        while len(self.producers) > HOLDERS:
+            self.producers.popitem(last=False)
+        claims = self.claims.get(digest, {})
+        dropped = [(k, p) for k, p in claims.items() if k != node_id]
+        for k, _ in dropped:
+            del claims[k]
+        return dropped
+
+    def holder(self, digest: str) -> str | None:
+        """The peer of the producer's own announcement of ``digest``, once the producer is known and announced it."""
+        producer = self.producers.get(digest)
+        return self.claims.get(digest, {}).get(producer) if producer is not None else None
 
 
 class ValidatorNode(Volunteer):
@@ -53,8 +119,7 @@ class ValidatorNode(Volunteer):
         self._lock = asyncio.Lock()
         self.judged = 0
         self.refused = 0
-        self.holders: OrderedDict[str, str] = OrderedDict()
-        """Batch digest -> the peer that announced it (its producer), the newest HOLDERS."""
+        self.holders = Holders()
         self.seen: OrderedDict[str, bool] = OrderedDict()
         self.jobs: asyncio.Queue[tuple[BatchAck, str]] = asyncio.Queue(JOBS)
 
@@ -81,13 +146,18 @@ class ValidatorNode(Volunteer):
             trim_freed()
 
     async def _on_announce(self, data: bytes, peer: str) -> None:
-        """Who holds which batch: the producer's peer, to fetch the body from when we are asked to judge it."""
-        signed = open_signed(data, BatchAnnounce)
-        if signed.signer_id != signed.message.node_id or signed.message.run_id != self.run_id:
-            raise Rejected("signer_mismatch", "an announcement of another node's batch")
-        self.holders[signed.message.batch_sha256] = peer
-        while len(self.holders) > HOLDERS:
-            self.holders.popitem(last=False)
+        """A claim to hold a batch: it names the holder only when its key is the batch's producer (``Holders``)."""
+        try:
+            signed = open_signed(data, BatchAnnounce)
+            a = signed.message
+            if signed.signer_id != a.node_id or a.run_id != self.run_id:
+                raise Rejected("signer_mismatch", "an announcement of another node's batch")
+            outcome = self.holders.claim(a.batch_sha256, a.node_id, peer)
+        except Rejected as e:  # the gossip layer logs it at debug with the peer
+            self.metrics.inc("node_validator_announcements_total", label=e.reason)
+            raise
+        described = "batch announcements heard, by outcome: producer, claim, repeat, or why refused"
+        self.metrics.inc("node_validator_announcements_total", label=outcome, help=described)
 
     async def _on_ack(self, data: bytes, peer: str) -> None:
         if kind_of(data, LIMITS["verdicts"]) != BatchAck.KIND:
@@ -96,6 +166,10 @@ class ValidatorNode(Volunteer):
         ack = signed.message
         if signed.signer_id != self.run_id or ack.run_id != self.run_id:
             raise Rejected("foreign_ack", f"an acknowledgement signed by {signed.signer_id}")
+        for node_id, by in self.holders.produced_by(ack.batch_sha256, ack.node_id):
+            self.metrics.inc("node_validator_announcements_total", label="not_producer")
+            logger.debug("refused an announcement peer=%s node=%s batch=%s reason=not_producer producer=%s",
+                         by, node_id, ack.batch_sha256[:12], ack.node_id)  # fmt: skip
         if self.identity.node_id not in ack.judges or ack.batch_sha256 in self.seen:
             return
         self.seen[ack.batch_sha256] = True
@@ -106,18 +180,58 @@ class ValidatorNode(Volunteer):
             self.metrics.inc("node_validator_jobs_dropped_total", help="judging requests dropped: too many queued")
         self.jobs.put_nowait((ack, peer))
 
+    def _sources(self, ack: BatchAck, trainer_peer: str) -> dict[str, str]:
+        """Peers to ask for an acknowledged batch, with what they are: its producer's holder, and the trainer: the
+        peer in the trainer's signed DHT record, or before that is read the acknowledgement's sender (anyone may
+        re-publish a signed acknowledgement; a wrong sender costs one request of at most the fetch deadline)."""
+        sources = {peer: "trainer" for peer in (self._trainer_peers() or [trainer_peer])}
+        holder = self.holders.holder(ack.batch_sha256)
+        if holder is not None:
+            sources.setdefault(holder, "producer")
+        return sources
+
+    def _trainer_peers(self) -> list[str]:
+        return [m.rsplit("/p2p/", 1)[-1] for m in self._trainer_maddrs[:1] if "/p2p/" in m]
+
+    def fetch_deadline(self) -> float:
+        """How long one source may take to deliver a body (FETCH_SHARE)."""
+        assert self.spec is not None
+        return min(FETCH_TIMEOUT_S, FETCH_SHARE * self.spec.verify.verdict_wait_s)
+
     async def _fetch(self, ack: BatchAck, trainer_peer: str) -> bytes:
+        """The acknowledged batch's body from whichever source serves it first (module doc); fetch_batch checks
+        that its SHA-256 is the digest. Rejected 'unavailable' when no source served it in time."""
         assert self.p2p is not None
-        for peer in dict.fromkeys(p for p in (self.holders.get(ack.batch_sha256), trainer_peer) if p):
-            try:
-                body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, ack.batch_sha256)
-            except (ConnectionError, TimeoutError, Rejected) as e:
-                self.metrics.inc("node_validator_fetch_failures_total", label=getattr(e, "reason", "unreachable"))
-                logger.debug("could not fetch batch %s from %s: %r", ack.batch_sha256[:12], peer, e)
-                continue
-            if body is not None:
-                return body
-        raise Rejected("unavailable", f"nobody served batch {ack.batch_sha256[:12]}")
+        digest, deadline = ack.batch_sha256, self.fetch_deadline()
+        asks = {
+            asyncio.ensure_future(within(fetch_batch(self.p2p, self.identity, self.run_id, peer, digest), deadline)):
+            (peer, source)
+            for peer, source in self._sources(ack, trainer_peer).items()
+        }  # fmt: skip
+        pending = set(asks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for ask in done:
+                    peer, source = asks[ask]
+                    try:
+                        body = ask.result()
+                    except (ConnectionError, TimeoutError, Rejected) as e:
+                        reason = getattr(e, "reason", "timeout" if isinstance(e, TimeoutError) else "unreachable")
+                        self.metrics.inc("node_validator_fetch_failures_total", label=reason)
+                        logger.debug("could not fetch batch=%s peer=%s source=%s: %r", digest[:12], peer, source, e)
+                        continue
+                    if body is None:
+                        self.metrics.inc("node_validator_fetch_failures_total", label="missing")
+                        continue
+                    self.metrics.inc("node_validator_fetches_total", label=source,
+                                     help="batch bodies fetched, by the source that served first")  # fmt: skip
+                    return body
+        finally:
+            for ask in asks:
+                ask.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+        raise Rejected("unavailable", f"nobody served batch {digest[:12]} within {deadline:.0f}s")
 
     async def judge(self, data: bytes, full: bool = False) -> Verdict:
         """A signed verdict about exactly ``data``, a producer's batch; Rejected when it cannot be judged here."""
