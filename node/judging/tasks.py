@@ -122,7 +122,7 @@ def require_jail(spec: TaskSpec) -> None:
         if not status.works:
             raise SystemExit(
                 f"this run's tasks ({spec.source}) are scored by running untrusted programs and parsers, which "
-                f"happens only in a jail, and the jail does not work here ({status.error}): {jail.INSTALL_HINT}"
+                f"happens only in a jail, and the jail does not work here ({status.error}): {status.hint}"
             )
 
 

@@ -1,11 +1,11 @@
 """Checkers for untrusted completions: math answers (math-verify) and Python programs, both in the jail.
 
 Both run the untrusted part in a jailed process (node/judging/jail.py: bubblewrap namespaces, no network, no
-environment, a read-only view of the system and the Python installation, a private empty /tmp, uid 65534, CPU,
-memory, process and output limits), so that a completion cannot read the node's key, touch its files, reach the
-network, hang, fork or fill the memory of the node scoring it. Both are safe to call from any thread
-(math-verify's own ``signal.alarm`` timeouts only work in a main thread: here they run in the main thread of the
-helper process).
+environment, a read-only view of the system and the Python installation, a private empty /tmp and /dev/shm of
+fixed sizes, uid 65534, CPU, memory (a cgroup per run), process and output limits), so that a completion cannot
+read the node's key, touch its files, reach the network, hang, fork or fill the memory of the node scoring it.
+Both are safe to call from any thread (math-verify's own ``signal.alarm`` timeouts only work in a main thread:
+here they run in the main thread of the helper process).
 
 - ``verify_math(ground_truth, text)``: one long-lived jailed helper process per node (``python -c`` with
   math-verify), one request at a time under a lock. A check that takes longer than ``MATH_DEADLINE_S`` kills the
@@ -15,11 +15,13 @@ helper process).
   Wall clock ``timeout_s`` (the whole process group is killed), CPU time ``ceil(timeout_s)``, memory
   ``memory_mb``, 32 processes.
 
-Where the jail cannot run, both raise RuntimeError saying how to install it: nothing untrusted runs outside it.
+Where the jail cannot run (no bubblewrap, or no memory cgroup), both raise RuntimeError naming the fix: nothing
+untrusted runs outside it.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -143,6 +145,7 @@ class _MathHelper:
 
 
 _math = _MathHelper()
+atexit.register(_math.close)  # the helper outlives no process, and its cgroup goes with it
 
 
 def verify_math(ground_truth: str, text: str) -> bool:
@@ -156,11 +159,12 @@ def verify_math(ground_truth: str, text: str) -> bool:
 
 # -- code -----------------------------------------------------------------------------------------------------
 
+
 def sandbox() -> jail.Status:
-    """The jail's state on this machine; raises ``RuntimeError`` saying what to install when it does not work."""
+    """The jail's state on this machine; raises ``RuntimeError`` naming the fix when it does not work."""
     status = jail.probe()
     if not status.works:
-        raise RuntimeError(f"code and math rewards need the jail ({status.error}): {jail.INSTALL_HINT}")
+        raise RuntimeError(f"code and math rewards need the jail ({status.error}): {status.hint}")
     return status
 
 
