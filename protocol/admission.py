@@ -11,8 +11,10 @@ import hashlib
 POW_DOMAIN = "intellect-node/pow"
 
 
-def pow_digest(run_id: str, node_id: str, nonce: int) -> bytes:
-    return hashlib.sha256(f"{POW_DOMAIN}/{run_id}/{node_id}/{nonce}".encode()).digest()
+def pow_digest(run_id: str, epoch: int, node_id: str, nonce: int) -> bytes:
+    """What a proof of work hashes: the run, its epoch (a proof made for one start of the run is worth nothing in
+    the next), the node id and the nonce."""
+    return hashlib.sha256(f"{POW_DOMAIN}/{run_id}/{epoch}/{node_id}/{nonce}".encode()).digest()
 
 
 def leading_zero_bits(digest: bytes) -> int:
@@ -20,15 +22,15 @@ def leading_zero_bits(digest: bytes) -> int:
     return len(digest) * 8 - value.bit_length()
 
 
-def pow_ok(run_id: str, node_id: str, nonce: int, bits: int) -> bool:
-    """Whether ``nonce`` proves ``bits`` bits of work on ``node_id`` for this run (free when ``bits`` is 0)."""
-    return bits <= 0 or leading_zero_bits(pow_digest(run_id, node_id, nonce)) >= bits
+def pow_ok(run_id: str, epoch: int, node_id: str, nonce: int, bits: int) -> bool:
+    """Whether ``nonce`` proves ``bits`` bits of work on ``node_id`` for this run's epoch (free when ``bits`` is 0)."""
+    return bits <= 0 or leading_zero_bits(pow_digest(run_id, epoch, node_id, nonce)) >= bits
 
 
-def solve_pow(run_id: str, node_id: str, bits: int) -> int:
+def solve_pow(run_id: str, epoch: int, node_id: str, bits: int) -> int:
     """The first nonce that proves ``bits`` bits of work (about 2**bits hashes)."""
     nonce = 0
-    while not pow_ok(run_id, node_id, nonce, bits):
+    while not pow_ok(run_id, epoch, node_id, nonce, bits):
         nonce += 1
     return nonce
 

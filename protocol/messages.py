@@ -209,7 +209,8 @@ class AdmissionSpec(BaseModel):
     until ``probation_batches`` of its batches passed; ``allowlist`` admits the node ids listed; ``invite`` admits
     nodes whose record carries an invite signed by the run key (``intellect-node invite``), valid until it
     expires and for at most its number of distinct nodes. ``pow_bits`` > 0 asks every new identity for a
-    proof of work: SHA-256 of ``"<run id>/<node id>/<nonce>"`` with that many leading zero bits."""
+    proof of work: SHA-256 of ``"<run id>/<epoch>/<node id>/<nonce>"`` with that many leading zero bits, made again
+    for each epoch of the run."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     policy: Literal["open", "allowlist", "invite"] = "open"

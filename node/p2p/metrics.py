@@ -13,7 +13,7 @@ validator node), ``node_weights_fetch_seconds`` (a version received and loaded) 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
@@ -83,3 +83,23 @@ class Metrics(Collector):
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry).decode()
+
+
+class BoundedCounter(Counter[str]):
+    """Counts per node id that peers cannot grow without bound: a count that falls to zero is dropped and, with
+    ``limit``, past that many node ids the smallest count is folded into ``others`` (what a status page shows per
+    node stays readable, and a flood of new keys costs a bounded dict)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.others = 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        if value <= 0:
+            self.pop(key, None)
+            return
+        if self.limit is not None and key not in self and len(self) >= self.limit:
+            smallest = min(self, key=self.__getitem__)
+            self.others += self.pop(smallest)
+        super().__setitem__(key, value)

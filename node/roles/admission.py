@@ -61,9 +61,11 @@ class Redemptions:
 
 
 class Admission:
-    def __init__(self, spec: AdmissionSpec, run_id: str, redemptions: Path | None = None) -> None:
+    def __init__(self, spec: AdmissionSpec, run_id: str, redemptions: Path | None = None, epoch: int = 0) -> None:
         self.spec = spec
         self.run_id = run_id
+        self.epoch = epoch
+        """The run epoch proofs of work must be made for."""
         self.passed: Counter[str] = Counter()
         """Batches of each node that passed validation."""
         self.redemptions = Redemptions(redemptions)
@@ -78,7 +80,7 @@ class Admission:
             raise Rejected("not_admitted", "this run admits listed node ids only; ask its operator to list yours")
         if policy == "invite" and node_id not in self.redemptions.by_node:
             raise Rejected("not_admitted", "this run admits invited nodes only: join with --invite TOKEN")
-        if not pow_ok(self.run_id, node_id, record.pow_nonce, self.spec.pow_bits):
+        if not pow_ok(self.run_id, self.epoch, node_id, record.pow_nonce, self.spec.pow_bits):
             raise Rejected("pow", f"this run asks every new identity for {self.spec.pow_bits} bits of proof of work")
 
     def redeem(self, node_id: str, envelope: bytes) -> None:

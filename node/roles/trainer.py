@@ -31,7 +31,7 @@ from intellect_node.judging.validator import Gate, Validator
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import EncodedList, HttpServer
 from intellect_node.p2p.keys import load_or_create
-from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.metrics import BoundedCounter, Metrics
 from intellect_node.p2p.reach import announced
 from intellect_node.p2p.transport import Intake, RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
@@ -59,8 +59,10 @@ more: what the trainer can use before they go stale."""
 MAX_PENDING_BATCHES = 64
 """Admitted batches waiting for a verdict, all nodes together; past this the trainer answers busy (producers
 resend). Keys on probation share ``admission.probation_share`` of it."""
+STATUS_NODES = 1024
+"""Node ids /status shows counts for (batches received, accepted, refused); the rest are summed as others."""
 REWARD_WORKERS = 2
-"""A node may have at most this many training steps' worth of rollout groups queued."""
+"""Threads that score completions (code tests and math checks run jailed programs)."""
 
 
 class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
@@ -104,7 +106,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.registry = NodeRegistry(self.membership)
         self.origin.home_of = lambda n: announced_home(self.registry.records, n)
         redemptions = node.data_dir / "admission" / f"{self.run_id}.json"  # kept across epochs and --fresh starts
-        self.admission = Admission(self.spec.admission, self.run_id, redemptions)
+        self.admission = Admission(self.spec.admission, self.run_id, redemptions, self.spec.epoch)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or partial(local_engine, device=node.device))(self.spec, self.tokenizer)
@@ -116,9 +118,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.queue_changed = asyncio.Event()
         self.gate = Gate(self.spec.train.async_level)
         self.queued_by_node: Counter[str] = Counter()
-        self.accepted_by_node: Counter[str] = Counter()
-        self.rejected_by_node: Counter[str] = Counter()
-        self.received_by_node: Counter[str] = Counter()
+        self.accepted_by_node = BoundedCounter(STATUS_NODES)
+        self.rejected_by_node = BoundedCounter(STATUS_NODES)
+        self.received_by_node = BoundedCounter(STATUS_NODES)
         self.history: list[dict[str, Any]] = EncodedList()
         self.idle_s = 0.0
         self.maddrs: list[str] = []
@@ -131,7 +133,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.validator_version = -1
         self.pending = PendingBatches()
         """Admitted batches waiting for their verdict, with the slots still due."""
-        self.pending_by_node: Counter[str] = Counter()
+        self.pending_by_node = BoundedCounter()  # counts that fall to zero leave
         self.banned: dict[str, str] = {}
         """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
         self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
@@ -427,6 +429,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             "received_batches_by_node": dict(self.received_by_node),
             "accepted_groups_by_node": dict(self.accepted_by_node),
             "rejected_batches_by_node": dict(self.rejected_by_node),
+            "by_node_others": {"received": self.received_by_node.others, "accepted": self.accepted_by_node.others,
+                               "rejected": self.rejected_by_node.others},
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
             "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
             "banned": self.banned,

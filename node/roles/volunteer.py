@@ -188,12 +188,13 @@ class Volunteer(abc.ABC):
         )
 
     async def _prove_identity(self, spec: RunSpec) -> None:
-        """What the run's admission policy asks of this identity first: its proof of work (computed once per run).
+        """What the run's admission policy asks of this identity first: its proof of work (once per run epoch).
         An invite is redeemed once the node can reach the trainer (``redeem_invite``)."""
         a = spec.admission
         if a.pow_bits:
             started = time.monotonic()
-            self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, self.identity.node_id, a.pow_bits)
+            self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, spec.epoch, self.identity.node_id,
+                                                    a.pow_bits)
             logger.info("proof of work bits=%d seconds=%.2f", a.pow_bits, time.monotonic() - started)
 
     async def _on_version(self, data: bytes, peer: str) -> None:
@@ -276,6 +277,8 @@ class Volunteer(abc.ABC):
         self.metrics.inc("node_epochs_followed_total", help="times the run was started over and this node followed")
         self.spec = spec
         self.store.set_epoch(spec.epoch)
+        await self._prove_identity(spec)  # a proof of work is made for one epoch
+        self._publish_soon.set()
         if self.follower is not None:
             self.follower.announced = -1
         self._publish_soon.set()

@@ -82,12 +82,16 @@ def test_an_invite_that_is_already_expired_is_not_minted() -> None:
 def test_a_new_identity_pays_its_proof_of_work_and_earns_trust() -> None:
     admission = Admission(AdmissionSpec(pow_bits=12, probation_batches=2), RUN)
     node = Identity.generate()
-    unpaid = next(n for n in range(10_000) if not pow_ok(RUN, node.node_id, n, 12))
+    unpaid = next(n for n in range(10_000) if not pow_ok(RUN, 0, node.node_id, n, 12))
     assert _refusal(admission, _record(node, pow_nonce=unpaid)) == "pow"
-    nonce = solve_pow(RUN, node.node_id, 12)
+    nonce = solve_pow(RUN, 0, node.node_id, 12)
     assert _refusal(admission, _record(node, pow_nonce=nonce)) == ""
-    other = next(k for k in (Identity.generate() for _ in range(100)) if not pow_ok(RUN, k.node_id, nonce, 12))
+    other = next(k for k in (Identity.generate() for _ in range(100)) if not pow_ok(RUN, 0, k.node_id, nonce, 12))
     assert _refusal(admission, _record(other, pow_nonce=nonce)) == "pow"  # a proof is for one identity only
+    next_epoch = Admission(AdmissionSpec(pow_bits=12, probation_batches=2), RUN, epoch=1)
+    if not pow_ok(RUN, 1, node.node_id, nonce, 12):  # (a nonce may happen to prove both: 1 in 4096)
+        assert _refusal(next_epoch, _record(node, pow_nonce=nonce)) == "pow"  # nor for another start of the run
+    assert _refusal(next_epoch, _record(node, pow_nonce=solve_pow(RUN, 1, node.node_id, 12))) == ""
     assert admission.on_probation(node.node_id)
     admission.batch_passed(node.node_id)
     admission.batch_passed(node.node_id)

@@ -81,6 +81,7 @@ class Attacker:
     def __init__(self, ready: dict[str, Any]) -> None:
         self.ready = ready
         self.run_id = str(ready["run_id"])
+        self.epoch = int(_status(ready["status_url"])["epoch"])
         self.me = Identity.generate()
         self.membership = Membership(self.me, self.run_id, Metrics())
         self.gossip: Gossip | None = None
@@ -106,7 +107,7 @@ class Attacker:
         await self.membership.close()
 
     def register(self, key: Identity, pow_bits: int) -> None:
-        nonce = solve_pow(self.run_id, key.node_id, pow_bits) if pow_bits else 0
+        nonce = solve_pow(self.run_id, self.epoch, key.node_id, pow_bits) if pow_bits else 0
         record = NodeRecord(run_id=self.run_id, node_id=key.node_id, role="inference", updated=time.time(),
                             pow_nonce=nonce)  # fmt: skip
         assert self.membership.dht is not None
