@@ -2,16 +2,21 @@
 
     python benchmarks/adversary.py [--window 30] [--attacks sybil_flood,submission_flood]
 
-The swarm: a trainer (tiny model, async level 8 so that cheaters' batches reach the validator rather than going
-stale, no online filter so that the attack-free rate stays stationary), two honest inference nodes and a relay,
-as separate processes. Its training rate (trainer steps per second)
+The swarm: a trainer (tiny model, async level 16 so that cheaters' batches reach the validator rather than going
+stale, no online filter so that the attack-free rate stays stationary), a validator it trusts, two honest inference
+nodes and a relay, as separate processes. Its training rate (trainer steps per second)
 is measured in a window without attack, then during each attack, each followed by another attack-free window (an
 attack's share is against the mean of the attack-free windows on either side of it: on two shared cores the
 attack-free rate drifts by a fifth over a run); the attacker is this process, with real keys,
 a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the project's review found, the
-cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission flood. For each: whether the
-attack achieved its aim (key read, bad data accepted, duplicate trained, node crashed, swarm frozen), and the
-honest training rate during it as a share of the attack-free rate. A table, then one line:
+cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission flood, and the classes of the
+second review (docs/threat-model.md): DHT answers that never expire, invite redemption floods, squatted origin
+slots, a jailed program filling /dev/shm, announcement floods, digest echoes, strangers' signed slot requests,
+acknowledgements on demand and dial-backs to silent ports. For each: whether the attack achieved its aim (key read,
+bad data accepted, duplicate trained, node crashed, swarm frozen, ...), the honest training rate during it as a
+share of the attack-free rate, and what it cost: the CPU seconds the swarm's processes spent over the attack-free
+windows around it, per CPU second of the attacker's own processes (on this machine both share two cores: work the
+attack diverts shows partly as a lower honest rate). A table, then one line:
 
     adversary attacks=N held=N bad_accepted=0 crashes=0 honest_rate_min=0.xx
 """
@@ -23,6 +28,8 @@ import asyncio
 import copy
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,25 +41,47 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import torch
 from aiohttp import web
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, PeerID
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
 from intellect_kernels.toploc import proof_bytes
 from intellect_node.config import load_run_config
 from intellect_node.judging.validator import expected_proofs
 from intellect_node.judging.verifiers import run_code_tests
 from intellect_node.launch import NodeProcess
-from intellect_node.p2p.transport import DELIVERY_ERRORS, submit, submit_protocol
+from intellect_node.p2p.batches import batch_protocol
+from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.gossip import Gossip
+from intellect_node.p2p.metrics import Metrics
+from intellect_node.p2p.reach import ask_dialback
+from intellect_node.p2p.transport import DELIVERY_ERRORS, MAX_READING, submit, submit_protocol
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
 from intellect_node.roles.inference import generate_batch
+from intellect_node.roles.invites import call_redeem
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.files import load_checkpoint, verify_manifest
-from intellect_protocol.envelope import seal
+from intellect_node.weights.stripes import DEFAULT_STRIPES
+from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import NodeRecord, RelayInfo, RolloutBatch, RolloutGroup, RunSpec, SubmitReply
+from intellect_protocol.messages import (
+    BatchAck,
+    BatchAnnounce,
+    Invite,
+    NodeRecord,
+    RelayInfo,
+    RolloutBatch,
+    RolloutGroup,
+    RunSpec,
+    SubmitReply,
+)
 from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
 
@@ -72,6 +101,17 @@ class Outcome:
     rate: float = 0.0
     control: float = 0.0
     """The attack-free rate around it (steps/s): the mean of the windows just before and just after."""
+    swarm_cpu: float = 0.0
+    """CPU seconds the swarm's processes (nodes, their DHT processes and daemons) used during the attack."""
+    attacker_cpu: float = 0.0
+    """CPU seconds the attacker (this process and the peers, daemons and servers it started) used."""
+    extra_cpu: float = 0.0
+    """The swarm's CPU seconds over what it used in the attack-free windows around it (0 when less)."""
+
+    @property
+    def cost_ratio(self) -> float:
+        """Work the attack cost us per unit of the attacker's own (extra CPU-s per attacker CPU-s)."""
+        return self.extra_cpu / max(self.attacker_cpu, 0.05)
 
 
 class Swarm:
@@ -92,8 +132,20 @@ class Swarm:
 
     def join(self, name: str, role: str) -> dict[str, Any]:
         t = self.ready["trainer"]
-        return self.start(name, ["join", "--role", role, "--peers", t["p2p_maddrs"][0], "--run-id", t["run_id"],
-                                 "--data-dir", str(self.root / name)])  # fmt: skip
+        return self.start(
+            name,
+            [
+                "join",
+                "--role",
+                role,
+                "--peers",
+                t["p2p_maddrs"][0],
+                "--run-id",
+                t["run_id"],
+                "--data-dir",
+                str(self.root / name),
+            ],
+        )
 
     @property
     def run_id(self) -> str:
@@ -119,14 +171,45 @@ class Swarm:
             data: dict[str, Any] = json.load(resp)
             return data
 
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds used so far by the swarm's processes (each node with its DHT process and daemons) and by
+        the attacker (this process and everything else it started). Processes that ended are not counted."""
+
+        def tree(root: psutil.Process) -> list[psutil.Process]:
+            try:
+                return [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return []
+
+        def used(procs: list[psutil.Process]) -> float:
+            total = 0.0
+            for proc in procs:
+                try:
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            return total
+
+        swarm_procs: dict[int, psutil.Process] = {}
+        for node in self.nodes.values():
+            try:
+                for proc in tree(psutil.Process(node.proc.pid)):
+                    swarm_procs[proc.pid] = proc
+            except psutil.Error:
+                pass
+        attacker = [p for p in tree(psutil.Process()) if p.pid not in swarm_procs]
+        return used(list(swarm_procs.values())), used(attacker)
+
     def crashed(self) -> list[str]:
         return [name for name, node in self.nodes.items() if node.proc.poll() is not None]
 
     def register(self, identity: Identity, role: str = "inference", **fields: Any) -> None:
         assert self.client is not None
         record = NodeRecord(run_id=self.run_id, node_id=identity.node_id, role=role, updated=time.time(), **fields)
-        self.client.store(nodes_key(self.run_id), seal(identity, record), get_dht_time() + NODE_TTL_S,
-                          subkey=identity.node_id)  # fmt: skip
+        self.client.store(
+            nodes_key(self.run_id), seal(identity, record), get_dht_time() + NODE_TTL_S, subkey=identity.node_id
+        )
 
     def fake_batch(self, identity: Identity, version: int, index: int) -> RolloutBatch:
         """Well-formed, the node's assigned tasks with the right answers, made-up proofs: passes the door."""
@@ -136,13 +219,23 @@ class Swarm:
             task = assigned_task(run.seed, identity.node_id, version, index, slot, run.task.max_operand)
             answer = list(self.tok.encode(task.answer, add_special_tokens=False)) + [eos]
             proofs = [bytes(proof_bytes(run.verify.topk))] * expected_proofs(len(answer), run.verify.decode_batch)
-            groups.append(RolloutGroup(slot=slot, prompt_ids=encode_prompt(self.tok, task.prompt),
-                                       completions=[answer] * run.sampling.group_size,
-                                       logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
-                                       proofs=[proofs] * run.sampling.group_size))  # fmt: skip
-        return RolloutBatch(run_id=self.run_id, node_id=identity.node_id, version=version, batch_index=index,
-                            epoch=self.epoch,
-                            groups=groups)  # fmt: skip
+            groups.append(
+                RolloutGroup(
+                    slot=slot,
+                    prompt_ids=encode_prompt(self.tok, task.prompt),
+                    completions=[answer] * run.sampling.group_size,
+                    logprobs=[[-0.1] * len(answer)] * run.sampling.group_size,
+                    proofs=[proofs] * run.sampling.group_size,
+                )
+            )
+        return RolloutBatch(
+            run_id=self.run_id,
+            node_id=identity.node_id,
+            version=version,
+            batch_index=index,
+            epoch=self.epoch,
+            groups=groups,
+        )
 
     def close(self) -> None:
         if self.client is not None:
@@ -160,18 +253,26 @@ def published(swarm: Swarm) -> int:
     return int(swarm.status()["weight_version"])
 
 
-async def measure(swarm: Swarm, window: float, attack: Callable[[float], Awaitable[Outcome]],
-                  prepare: Callable[[], Awaitable[None]] | None = None) -> Outcome:  # fmt: skip
+async def measure(
+    swarm: Swarm,
+    window: float,
+    attack: Callable[[float], Awaitable[Outcome]],
+    prepare: Callable[[], Awaitable[None]] | None = None,
+) -> Outcome:
     """Run ``attack`` for ``window`` seconds while counting the trainer's steps (after ``prepare``, not counted:
     making keys and registering them is the attacker's own time)."""
     if prepare is not None:
         await prepare()
     before = await asyncio.to_thread(steps, swarm)
+    cpu_before = swarm.cpu()
     started = time.monotonic()
     outcome = await attack(started + window)
     left = started + window - time.monotonic()
     if left > 0:
         await asyncio.sleep(left)
+    cpu_after = swarm.cpu()
+    outcome.swarm_cpu = cpu_after[0] - cpu_before[0]
+    outcome.attacker_cpu = max(0.0, cpu_after[1] - cpu_before[1])
     outcome.rate = (await asyncio.to_thread(steps, swarm) - before) / (time.monotonic() - started)
     return outcome
 
@@ -195,8 +296,12 @@ async def key_theft(swarm: Swarm, until: float) -> Outcome:
         async with session.get(f"{swarm.trainer_url}/weights/{version}/node.key") as r1:
             served = r1.status == 200
     achieved = copied or target.exists() or served
-    return Outcome("code reward steals the run key", "key read", achieved,
-                   f"copy {'ran' if copied else 'failed in the jail'}, GET key {'200' if served else 'refused'}")
+    return Outcome(
+        "code reward steals the run key",
+        "key read",
+        achieved,
+        f"copy {'ran' if copied else 'failed in the jail'}, GET key {'200' if served else 'refused'}",
+    )
 
 
 async def dht_poison(swarm: Swarm, until: float) -> Outcome:
@@ -206,14 +311,19 @@ async def dht_poison(swarm: Swarm, until: float) -> Outcome:
     edge = now - NODE_TTL_S - CLOCK_SKEW_S + 2.0
     record = NodeRecord(run_id=swarm.run_id, node_id=attacker.node_id, role="inference", updated=edge)
     assert swarm.client is not None
-    stored = swarm.client.store(nodes_key(swarm.run_id), seal(attacker, record), now + NODE_TTL_S + CLOCK_SKEW_S,
-                                subkey=attacker.node_id)  # fmt: skip
+    stored = swarm.client.store(
+        nodes_key(swarm.run_id), seal(attacker, record), now + NODE_TTL_S + CLOCK_SKEW_S, subkey=attacker.node_id
+    )
     before = {n: swarm.status(n)["rejections"].get("unknown_signer", 0) for n in ("honest-0", "honest-1")}
     await asyncio.sleep(max(0.0, until - time.monotonic()))
     after = {n: swarm.status(n)["rejections"].get("unknown_signer", 0) for n in ("honest-0", "honest-1")}
     refused = sum(after.values()) - sum(before.values())
-    return Outcome("one DHT record poisons the nodes key", "swarm frozen", bool(stored) or refused > 0,
-                   f"store {'accepted' if stored else 'refused'}; honest batches refused as unknown: {refused}")
+    return Outcome(
+        "one DHT record poisons the nodes key",
+        "swarm frozen",
+        bool(stored) or refused > 0,
+        f"store {'accepted' if stored else 'refused'}; honest batches refused as unknown: {refused}",
+    )
 
 
 async def relay_squat(swarm: Swarm, until: float) -> Outcome:
@@ -227,17 +337,23 @@ async def relay_squat(swarm: Swarm, until: float) -> Outcome:
                 ("POST", {"X-Intellect-Node": stranger.node_id}),
                 ("POST", signed_headers(stranger, "POST", "/relay/attach", swarm.run_id)),
                 ("DELETE", {"X-Intellect-Node": relay_id}),
-                ("DELETE", {**signed_headers(stranger, "DELETE", "/relay/attach", swarm.run_id),
-                            "X-Intellect-Node": relay_id}),
-            ):  # fmt: skip
+                (
+                    "DELETE",
+                    {**signed_headers(stranger, "DELETE", "/relay/attach", swarm.run_id), "X-Intellect-Node": relay_id},
+                ),
+            ):
                 async with session.request(method, f"{swarm.trainer_url}/relay/attach", headers=headers) as r:
                     body = await r.text()
                     sent += 1
                     granted += r.status in (200, 204) and method == "POST"
                     leaked += relay_id in body
             await asyncio.sleep(0.02)
-    return Outcome("relay slots taken by made-up ids", "swarm frozen", granted > 0 or leaked > 0,
-                   f"{sent} requests: {granted} slots granted, {leaked} answers naming a child")
+    return Outcome(
+        "relay slots taken by made-up ids",
+        "swarm frozen",
+        granted > 0 or leaked > 0,
+        f"{sent} requests: {granted} slots granted, {leaked} answers naming a child",
+    )
 
 
 async def fresh_peer(swarm: Swarm) -> P2P:
@@ -270,33 +386,46 @@ DUPLICATE_SENDER = Identity.generate()
 async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
     """One signed batch on 16 streams at once, from 8 libp2p peers."""
     sender = DUPLICATE_SENDER
-    peers = [await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
-                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(8)]  # fmt: skip
+    peers = [
+        await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(8)
+    ]
     data = seal(sender, swarm.fake_batch(sender, published(swarm), 0))  # the newest version, once the peers are up
     try:
-        answers = await asyncio.gather(*(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id)
-                                         for p in peers for _ in range(2)), return_exceptions=True)  # fmt: skip
+        answers = await asyncio.gather(
+            *(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id) for p in peers for _ in range(2)),
+            return_exceptions=True,
+        )
     finally:
         for p in peers:
             await p.shutdown()
     oks = sum(isinstance(a, SubmitReply) and a.ok for a in answers)
     reasons = sorted({a.reason for a in answers if isinstance(a, SubmitReply) and not a.ok})
-    return Outcome("one batch on 16 streams at once", "duplicate trained", oks > 1,
-                   f"{oks} of 16 copies admitted; the others: {reasons}")
+    return Outcome(
+        "one batch on 16 streams at once",
+        "duplicate trained",
+        oks > 1,
+        f"{oks} of 16 copies admitted; the others: {reasons}",
+    )
 
 
 async def stalled_streams(swarm: Swarm, until: float) -> Outcome:
     """Submit streams held open without a byte, reopened as the trainer cuts them, from 4 peers."""
-    peers = [await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
-                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]  # fmt: skip
+    peers = [
+        await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(4)
+    ]
     opened = 0
     held: list[Any] = []
     try:
         while time.monotonic() < until:
             for p in peers:
                 try:
-                    held.append(await p.call_binary_stream_handler(PeerID.from_base58(swarm.trainer_peer),
-                                                                   submit_protocol(swarm.run_id)))  # fmt: skip
+                    held.append(
+                        await p.call_binary_stream_handler(
+                            PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)
+                        )
+                    )
                     opened += 1
                 except Exception:
                     pass
@@ -326,8 +455,12 @@ async def envelope_bomb(swarm: Swarm, until: float) -> Outcome:
     finally:
         await p2p.shutdown()
     rss = _rss_mb(swarm.nodes["trainer"].proc.pid)
-    return Outcome("nested-map envelope bombs", "node crashed", "trainer" in swarm.crashed(),
-                   f"{sent} frames of 4 MiB; trainer RSS {rss:.0f} MB after")
+    return Outcome(
+        "nested-map envelope bombs",
+        "node crashed",
+        "trainer" in swarm.crashed(),
+        f"{sent} frames of 4 MiB; trainer RSS {rss:.0f} MB after",
+    )
 
 
 SYBILS = [Identity.generate() for _ in range(200)]
@@ -345,10 +478,16 @@ async def sybil_flood(swarm: Swarm, until: float, keys: int = 200) -> Outcome:
     p2p = await fresh_peer(swarm)
     replies: list[str] = []
     try:
+
         async def one(s: Identity) -> None:
             try:
-                reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
-                                     seal(s, swarm.fake_batch(s, published(swarm), 0)), swarm.run_id)  # fmt: skip
+                reply = await submit(
+                    p2p,
+                    swarm.trainer_peer,
+                    swarm.run_id,
+                    seal(s, swarm.fake_batch(s, published(swarm), 0)),
+                    swarm.run_id,
+                )
                 replies.append("ok" if reply.ok else reply.reason)
             except DELIVERY_ERRORS:
                 replies.append("network")
@@ -379,8 +518,13 @@ async def submission_flood(swarm: Swarm, until: float) -> Outcome:
     try:
         while time.monotonic() < until:
             try:
-                reply = await submit(p2p, swarm.trainer_peer, swarm.run_id,
-                                     seal(flooder, swarm.fake_batch(flooder, published(swarm), index)), swarm.run_id)
+                reply = await submit(
+                    p2p,
+                    swarm.trainer_peer,
+                    swarm.run_id,
+                    seal(flooder, swarm.fake_batch(flooder, published(swarm), index)),
+                    swarm.run_id,
+                )
             except DELIVERY_ERRORS:
                 continue
             sent += 1
@@ -445,16 +589,22 @@ async def cheaters(swarm: Swarm, until: float) -> Outcome:
     status = swarm.status()
     bad = sum(status["accepted_groups_by_node"].get(k.node_id, 0) for k in sent)
     banned = sum(k.node_id in status["banned"] for k in sent)
-    return Outcome(f"cheating producers ({len(sent)} kinds sent)", "bad data accepted", bad > 0,
-                   f"{banned}/{len(sent)} banned; at the door {replies}", bad)
+    return Outcome(
+        f"cheating producers ({len(sent)} kinds sent)",
+        "bad data accepted",
+        bad > 0,
+        f"{banned}/{len(sent)} banned; at the door {replies}",
+        bad,
+    )
 
 
 def _edited(batch: RolloutBatch) -> RolloutBatch:
     g = batch.groups[0]
     c = list(g.completions[0])
     c[len(c) // 2] = (c[len(c) // 2] + 1) % 10 + 3
-    return batch.model_copy(update={"groups": [g.model_copy(update={"completions": [c, *g.completions[1:]]}),
-                                               *batch.groups[1:]]})  # fmt: skip
+    return batch.model_copy(
+        update={"groups": [g.model_copy(update={"completions": [c, *g.completions[1:]]}), *batch.groups[1:]]}
+    )
 
 
 async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
@@ -481,6 +631,7 @@ async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
 
     app = web.Application()
     app.router.add_post("/relay/attach", attach)
+
     async def no_news(request: web.Request) -> web.Response:
         return web.Response(status=204)
 
@@ -506,12 +657,424 @@ async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
         await runner.cleanup()
     crashed = name in swarm.crashed()
     aim = "node crashed" if mode == "path" else "swarm frozen"
-    return Outcome(f"hostile parent ({'5,000-node path' if mode == 'path' else 'trickles shards'})", aim,
-                   crashed or got < 0, f"the new relay {'crashed' if crashed else f'holds version {got}'}")
+    return Outcome(
+        f"hostile parent ({'5,000-node path' if mode == 'path' else 'trickles shards'})",
+        aim,
+        crashed or got < 0,
+        f"the new relay {'crashed' if crashed else f'holds version {got}'}",
+    )
 
 
-ATTACKS = ("key_theft", "dht_poison", "relay_squat", "duplicate_streams", "stalled_streams", "envelope_bomb",
-           "sybil_flood", "submission_flood", "cheaters", "hostile_parent_trickle", "hostile_parent_path")  # fmt: skip
+# ---- round two: the classes of the second review (issue 34) -------------------------------------------------
+
+
+class _LiarDHT(DHT):
+    """A DHT peer whose every find answer is an empty dictionary that never expires (routing answers kept)."""
+
+    def run(self) -> None:
+        honest = DHTProtocol.rpc_find
+
+        async def rpc_find(
+            protocol: DHTProtocol, request: dht_pb2.FindRequest, context: P2PContext
+        ) -> dht_pb2.FindResponse:
+            response = await honest(protocol, request, context)
+            for item in response.results:
+                item.type = dht_pb2.FOUND_DICTIONARY
+                item.value = MSGPackSerializer.dumps(DictionaryDHTValue())
+                item.expiration_time = float("inf")
+            return response
+
+        DHTProtocol.rpc_find = rpc_find  # type: ignore[method-assign]
+        super().run()
+
+
+async def dht_liar(swarm: Swarm, until: float) -> Outcome:
+    """A DHT peer answers every read of the run's keys with an empty answer that never expires; a key registered
+    after it joined must still be found by the trainer."""
+    liar = await asyncio.to_thread(
+        _LiarDHT,
+        initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    )
+    late = Identity.generate()
+    p2p = await fresh_peer(swarm)
+    replies: list[str] = []
+    try:
+        await asyncio.sleep(min(5.0, max(0.0, until - time.monotonic() - 15)))  # readers meet the liar first
+        swarm.register(late)
+        while time.monotonic() < until:
+            early = seal(late, swarm.fake_batch(late, published(swarm), 9))
+            reply = await submit(p2p, swarm.trainer_peer, swarm.run_id, early, swarm.run_id)
+            replies.append(reply.reason or "ok")
+            if reply.reason != "unknown_signer":
+                break
+            await asyncio.sleep(1.0)
+    finally:
+        await p2p.shutdown()
+        await asyncio.to_thread(liar.shutdown)
+    found = bool(replies) and replies[-1] != "unknown_signer"
+    return Outcome(
+        "DHT answers that never expire",
+        "swarm frozen",
+        not found,
+        f"a key registered during it: {'found' if found else 'never found'} by the trainer "
+        f"after {len(replies)} batch(es) ({replies[-1] if replies else 'none sent'})",
+    )
+
+
+async def gossip_peer(swarm: Swarm, key: Identity) -> tuple[Membership, P2P, Gossip]:
+    """A DHT peer of ours with gossip (the attacker's; any key can run one)."""
+    membership = Membership(key, swarm.run_id, Metrics())
+    await membership.start("127.0.0.1", 0, swarm.ready["trainer"]["p2p_maddrs"][:1])
+    p2p = await membership.replicate_p2p()
+    return membership, p2p, Gossip(p2p, swarm.run_id, Metrics())
+
+
+async def _announce(gossip: Gossip, swarm: Swarm, key: Identity, digest: str, size: int) -> None:
+    a = BatchAnnounce(
+        run_id=swarm.run_id,
+        epoch=swarm.epoch,
+        node_id=key.node_id,
+        version=0,
+        batch_index=0,
+        batch_sha256=digest,
+        size=size,
+        issued=time.time(),
+    )
+    try:
+        await gossip.publish("rollouts", seal(key, a))
+    except (OSError, TimeoutError):
+        pass
+
+
+async def redeem_flood(swarm: Swarm, until: float) -> Outcome:
+    """Fresh keys from 4 peers redeem forged and garbage invites as fast as the trainer answers."""
+    peers = [await fresh_peer(swarm) for _ in range(4)]
+    counts: dict[str, int] = {}
+
+    async def one(p2p: P2P) -> None:
+        while time.monotonic() < until:
+            key = Identity.generate()
+            forged = seal(key, Invite(run_id=swarm.run_id, token_id="0" * 16, expires=time.time() + 60, uses=9))
+            try:
+                reply = await call_redeem(p2p, key, swarm.run_id, swarm.trainer_peer, forged)
+                counts[reply.reason or "ok"] = counts.get(reply.reason or "ok", 0) + 1
+            except DELIVERY_ERRORS:
+                counts["network"] = counts.get("network", 0) + 1
+                await asyncio.sleep(0.1)
+
+    try:
+        await asyncio.gather(*(one(p) for p in peers))
+    finally:
+        for p in peers:
+            await p.shutdown()
+    return Outcome("invite redemption flood", "node crashed", "trainer" in swarm.crashed(), f"replies {counts}")
+
+
+async def origin_squat(swarm: Swarm, until: float, keys: int = 8) -> Outcome:
+    """Registered keys that never produce attach to the origin in every stripe and keep their slots with
+    keep-alives; a relay that joins meanwhile must still get every version."""
+    squatters = [Identity.generate() for _ in range(keys)]
+    for key in squatters:
+        await asyncio.to_thread(swarm.register, key, "relay")
+    stripes = DEFAULT_STRIPES  # the origin's, unless --stripes says otherwise (the benchmark's trainer: default)
+    granted = refused = 0
+    name = "newcomer-squat"
+    got = -1
+    async with aiohttp.ClientSession() as session:
+
+        async def hold() -> None:
+            nonlocal granted, refused
+            while time.monotonic() < until:
+                for key in squatters:
+                    for stripe in range(stripes):
+                        path = f"/relay/attach?stripe={stripe}"
+                        headers = signed_headers(key, "POST", path, swarm.run_id)
+                        try:
+                            async with session.post(swarm.trainer_url + path, headers=headers) as r:
+                                await r.read()
+                                granted += r.status == 200
+                                refused += r.status != 200
+                        except aiohttp.ClientError:
+                            pass
+                await asyncio.sleep(2.0)
+
+        holder = asyncio.ensure_future(hold())
+        try:
+            await asyncio.sleep(min(3.0, max(0.0, until - time.monotonic())))
+            await asyncio.to_thread(swarm.join, name, "relay")
+            while time.monotonic() < until:
+                got = swarm.status(name)["weight_version"]
+                if got >= 0:
+                    break
+                await asyncio.sleep(0.5)
+        finally:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+    return Outcome(
+        f"origin slots squatted ({keys} registered keys)",
+        "newcomer shut out",
+        got < 0,
+        f"{granted} attaches granted, {refused} refused; the new relay holds version {got}",
+    )
+
+
+async def jail_shm(swarm: Swarm, until: float) -> Outcome:
+    """A code reward's program fills /dev/shm (and /dev, /tmp): memory the jail's limits did not count."""
+    program = (
+        "import os\n"
+        "total = 0\n"
+        "for d in ('/dev/shm', '/dev', '/tmp', '/'):\n"
+        "    try:\n"
+        "        with open(os.path.join(d, 'fill'), 'wb') as f:\n"
+        "            for _ in range(512):\n"
+        "                f.write(b'x' * (1 << 20)); f.flush(); total += 1 << 20\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('filled' if total > 256 * (1 << 20) else 'bounded')\n"
+    )
+    try:
+        filled = await asyncio.to_thread(run_code_tests, program, (("", "filled"),), 30.0, 256) > 0
+        detail = "over 256 MiB written outside the memory limit" if filled else "every writable mount was bounded"
+    except Exception as e:  # the jail refused to run without a memory limit that counts tmpfs
+        filled, detail = False, f"refused: {str(e)[:80]}"
+    return Outcome("code reward fills /dev/shm", "memory exhausted", filled, detail)
+
+
+class _Staller:
+    """The attacker's batch server: takes every fetch and never answers; counts them."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.open_now = 0
+        self.peak = 0
+        self.release = asyncio.Event()
+
+    async def __call__(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.asked += 1
+        self.open_now += 1
+        self.peak = max(self.peak, self.open_now)
+        try:
+            await self.release.wait()
+        finally:
+            self.open_now -= 1
+            writer.close()
+
+
+async def announce_flood(swarm: Swarm, until: float) -> Outcome:
+    """200 registered keys each announce a 16 MiB batch they never serve: one pull (and buffer) per key?"""
+    attacker = Identity.generate()
+    membership, p2p, gossip = await gossip_peer(swarm, attacker)
+    staller = _Staller()
+    await p2p.add_binary_stream_handler(batch_protocol(swarm.run_id), staller)
+    rss_before = _rss_mb(swarm.nodes["trainer"].proc.pid)
+    rss_peak = rss_before
+    try:
+        rounds = 0
+        while time.monotonic() < until:
+            for i, key in enumerate(SYBILS):
+                await _announce(gossip, swarm, key, f"{rounds:032x}{i:032x}", 16 << 20)
+                await asyncio.sleep(0.06)  # within gossip's rate per peer
+                rss_peak = max(rss_peak, _rss_mb(swarm.nodes["trainer"].proc.pid)) if i % 20 == 0 else rss_peak
+                if time.monotonic() > until:
+                    break
+            rounds += 1
+    finally:
+        staller.release.set()
+        await gossip.close()
+        await membership.close()
+    return Outcome(
+        "announcements for 200 keys, never served",
+        "memory exhausted",
+        staller.peak > MAX_READING,
+        f"{staller.asked} fetches, at most {staller.peak} at once; trainer RSS {rss_before:.0f} -> {rss_peak:.0f} MB",
+    )
+
+
+async def digest_echo(swarm: Swarm, until: float) -> Outcome:
+    """A registered key re-announces every digest it hears as its own and serves none: validators that fetch
+    from it stall past the verdict wait, and the trainer judges the batches itself."""
+    echo = Identity.generate()
+    swarm.register(echo)
+    membership, p2p, gossip = await gossip_peer(swarm, echo)
+    staller = _Staller()
+    await p2p.add_binary_stream_handler(batch_protocol(swarm.run_id), staller)
+    echoed = 0
+
+    async def heard(data: bytes, peer: str) -> None:
+        nonlocal echoed
+        try:
+            a = open_signed(data, BatchAnnounce).message
+        except Exception:
+            return
+        if a.node_id != echo.node_id:
+            echoed += 1
+            await _announce(gossip, swarm, echo, a.batch_sha256, a.size)
+
+    before = _metric(swarm.trainer_url, "node_trainer_validation_fallbacks_total")
+    try:
+        gossip.subscribe("rollouts", heard)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+    finally:
+        staller.release.set()
+        await gossip.close()
+        await membership.close()
+    fallbacks = _metric(swarm.trainer_url, "node_trainer_validation_fallbacks_total") - before
+    return Outcome(
+        "a key echoes every digest",
+        "validators bypassed",
+        fallbacks > 2,
+        f"{echoed} digests echoed, {staller.asked} fetches reached it; trainer fallbacks {fallbacks:.0f}",
+    )
+
+
+async def nonce_flood(swarm: Swarm, until: float) -> Outcome:
+    """Strangers' correctly signed slot requests as fast as the origin answers: every nonce was kept before the
+    membership check, and past 100,000 of them each request copied the table on the loop that serves shards."""
+    sent = 0
+    statuses: dict[int, int] = {}
+    first: list[float] = []
+    last: list[float] = []
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < until:
+            key = Identity.generate()
+            headers = signed_headers(key, "POST", "/relay/attach?stripe=0", swarm.run_id)
+            t0 = time.monotonic()
+            try:
+                async with session.post(swarm.trainer_url + "/relay/attach?stripe=0", headers=headers) as r:
+                    await r.read()
+                    statuses[r.status] = statuses.get(r.status, 0) + 1
+            except aiohttp.ClientError:
+                continue
+            sent += 1
+            took = time.monotonic() - t0
+            (first if t0 - started < 5 else last).append(took)
+    p50 = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    slower = p50(last) / max(p50(first), 1e-6)
+    return Outcome(
+        "strangers' signed slot requests",
+        "swarm frozen",
+        slower > 10,
+        f"{sent} sent {statuses}; answers {slower:.1f}x as slow at the end",
+    )
+
+
+async def reack(swarm: Swarm, until: float) -> Outcome:
+    """A registered key announces the digests of other nodes' admitted batches: the trainer signed and broadcast
+    a new acknowledgement for each, for anyone who asked."""
+    key = Identity.generate()
+    swarm.register(key)
+    membership, _, gossip = await gossip_peer(swarm, key)
+    asked: dict[str, float] = {}
+    repeats = 0
+    acks = 0
+
+    async def heard(data: bytes, peer: str) -> None:
+        nonlocal repeats, acks
+        try:
+            ack = open_signed(data, BatchAck).message
+        except Exception:
+            return
+        acks += 1
+        if ack.batch_sha256 in asked:
+            repeats += 1
+        elif ack.node_id != key.node_id:
+            asked[ack.batch_sha256] = time.monotonic()
+
+    try:
+        gossip.subscribe("verdicts", heard)
+        while time.monotonic() < until:
+            for digest, at in list(asked.items())[-16:]:
+                if time.monotonic() - at > 2.5:
+                    await _announce(gossip, swarm, key, digest, 1024)
+            await asyncio.sleep(1.0)
+    finally:
+        await gossip.close()
+        await membership.close()
+    return Outcome(
+        "acknowledgements on demand",
+        "trainer signs for strangers",
+        repeats > 0,
+        f"{len(asked)} digests re-announced, {repeats} acknowledged again ({acks} acks heard)",
+    )
+
+
+async def dialback_flood(swarm: Swarm, until: float) -> Outcome:
+    """Fresh peer ids ask the trainer to dial back silent ports, as many at once as it lets them."""
+    silent = [socket.socket() for _ in range(4)]
+    for sock in silent:  # accepts connections in the kernel's backlog, never answers a byte
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+    ports = [sock.getsockname()[1] for sock in silent]
+    counts: dict[str, int] = {}
+    slowest = 0.0
+
+    async def one() -> None:
+        nonlocal slowest
+        p2p = await fresh_peer(swarm)
+        key = Identity.generate()
+        maddrs = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{p2p.peer_id.to_base58()}" for port in ports]
+        t0 = time.monotonic()
+        try:
+            await ask_dialback(p2p, key, swarm.run_id, swarm.trainer_peer, maddrs, ports[0])
+            outcome = "answered"
+        except Rejected as e:
+            outcome = e.reason
+        except DELIVERY_ERRORS:
+            outcome = "network"
+        finally:
+            await p2p.shutdown()
+        slowest = max(slowest, time.monotonic() - t0)
+        counts[outcome] = counts.get(outcome, 0) + 1
+
+    try:
+        while time.monotonic() < until - 5:  # a round takes at most the trainer's deadline per request
+            await asyncio.gather(*(one() for _ in range(8)))
+    finally:
+        for sock in silent:
+            sock.close()
+    return Outcome(
+        "dial-backs to silent ports",
+        "swarm frozen",
+        slowest > 30,
+        f"{sum(counts.values())} asked: {counts}; slowest answer {slowest:.1f} s",
+    )
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+ATTACKS = (
+    "key_theft",
+    "dht_poison",
+    "relay_squat",
+    "duplicate_streams",
+    "stalled_streams",
+    "envelope_bomb",
+    "sybil_flood",
+    "submission_flood",
+    "cheaters",
+    "hostile_parent_trickle",
+    "hostile_parent_path",
+    "dht_liar",
+    "redeem_flood",
+    "origin_squat",
+    "jail_shm",
+    "announce_flood",
+    "digest_echo",
+    "nonce_flood",
+    "reack",
+    "dialback_flood",
+)
 
 
 def _rss_mb(pid: int) -> float:
@@ -527,7 +1090,17 @@ def _rss_mb(pid: int) -> float:
 async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
     swarm = Swarm(root)
     try:
-        swarm.start("trainer", ["bootstrap", "--data-dir", str(root / "trainer"), *SETTINGS])
+        validator_id = subprocess.run(
+            [sys.executable, "-m", "intellect_node.cli", "id", "--data-dir", str(root / "validator")],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        swarm.start(
+            "trainer", ["bootstrap", "--data-dir", str(root / "trainer"), "--validator", validator_id, *SETTINGS]
+        )
+        swarm.join("validator", "validator")
         for i in range(2):
             swarm.join(f"honest-{i}", "inference")
         swarm.join("relay", "relay")
@@ -536,8 +1109,9 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         # The attacker gets what CPU the swarm leaves (on a real deployment it is another machine): this process,
         # and what it starts from now on (its DHT peer and libp2p daemons), at the lowest priority.
         os.nice(19)
-        swarm.client = DHT(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], start=True,
-                           host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+        swarm.client = DHT(
+            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+        )
         control = await measure(swarm, args.window, lambda until: idle(swarm, until))
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         Attack = Callable[[float], Awaitable[Outcome]]
@@ -554,10 +1128,20 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "cheaters": (lambda: register_all(swarm, list(CHEATERS.values())), lambda u: cheaters(swarm, u)),
             "hostile_parent_trickle": (None, lambda u: hostile_parent(swarm, u, "trickle")),
             "hostile_parent_path": (None, lambda u: hostile_parent(swarm, u, "path")),
+            "dht_liar": (None, lambda u: dht_liar(swarm, u)),
+            "redeem_flood": (None, lambda u: redeem_flood(swarm, u)),
+            "origin_squat": (None, lambda u: origin_squat(swarm, u)),
+            "jail_shm": (None, lambda u: jail_shm(swarm, u)),
+            "announce_flood": (lambda: register_all(swarm, SYBILS), lambda u: announce_flood(swarm, u)),
+            "digest_echo": (None, lambda u: digest_echo(swarm, u)),
+            "nonce_flood": (None, lambda u: nonce_flood(swarm, u)),
+            "reack": (None, lambda u: reack(swarm, u)),
+            "dialback_flood": (None, lambda u: dialback_flood(swarm, u)),
         }
         assert set(attacks) == set(ATTACKS)
         outcomes = []
         controls = [control.rate]
+        controls_cpu = [control.swarm_cpu]
         for name in args.attacks or list(attacks):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
@@ -566,11 +1150,18 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             # of it (on two shared cores the attack-free rate drifts by a fifth over a run)
             after = await measure(swarm, args.window, lambda until: idle(swarm, until))
             controls.append(after.rate)
+            controls_cpu.append(after.swarm_cpu)
             baseline = (controls[-2] + controls[-1]) / 2
             outcome.control = baseline
             outcome.rate /= max(baseline, 1e-9)
-            print(f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
-                  f"(attack-free around it {baseline:.2f} steps/s) {outcome.detail}", flush=True)  # fmt: skip
+            outcome.extra_cpu = max(0.0, outcome.swarm_cpu - (controls_cpu[-2] + controls_cpu[-1]) / 2)
+            print(
+                f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
+                f"(attack-free around it {baseline:.2f} steps/s) cost={outcome.cost_ratio:.2f} "
+                f"({outcome.extra_cpu:.1f} of our CPU-s, {outcome.attacker_cpu:.1f} of the attacker's) "
+                f"{outcome.detail}",
+                flush=True,
+            )
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
         if crashes:
             outcomes.append(Outcome("any attack", "node crashed", True, f"crashed: {crashes}"))
@@ -583,26 +1174,36 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=float, default=30.0, help="seconds each attack (and each control) lasts")
     p.add_argument("--workdir", type=Path, help="keep the swarm's files and logs here")
-    p.add_argument("--attacks", type=lambda v: [a for a in v.split(",") if a], default=[],
-                   help="only these attacks, comma-separated (default: all); e.g. sybil_flood,submission_flood")
+    p.add_argument(
+        "--attacks",
+        type=lambda v: [a for a in v.split(",") if a],
+        default=[],
+        help="only these attacks, comma-separated (default: all); e.g. sybil_flood,submission_flood",
+    )
     args = p.parse_args()
     unknown = set(args.attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
     outcomes = asyncio.run(main_async(args, root))
-    print("\n| attack | its aim | achieved | honest rate | attack-free around it, steps/s | what happened |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "\n| attack | its aim | achieved | honest rate | attack-free around it, steps/s | our extra CPU-s | "
+        "attacker CPU-s | cost to us per attacker CPU-s | what happened |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for o in outcomes:
-        print(f"| {o.name} | {o.aim} | {'YES' if o.achieved else 'no'} | {o.rate:.2f} | {o.control:.2f} | "
-              f"{o.detail} |")
+        print(
+            f"| {o.name} | {o.aim} | {'YES' if o.achieved else 'no'} | {o.rate:.2f} | {o.control:.2f} | "
+            f"{o.extra_cpu:.1f} | {o.attacker_cpu:.1f} | {o.cost_ratio:.2f} | {o.detail} |"
+        )
     held = sum(not o.achieved for o in outcomes)
     bad = sum(o.bad_accepted for o in outcomes)
     crashes = sum(o.aim == "node crashed" and o.achieved for o in outcomes)
     rate_min = min((o.rate for o in outcomes if o.name != "any attack"), default=0.0)
     print(f"logs: {root / 'logs'}")
-    print(f"adversary attacks={len(outcomes)} held={held} bad_accepted={bad} crashes={crashes} "
-          f"honest_rate_min={rate_min:.2f}")
+    print(
+        f"adversary attacks={len(outcomes)} held={held} bad_accepted={bad} crashes={crashes} "
+        f"honest_rate_min={rate_min:.2f}"
+    )
     return 0 if held == len(outcomes) else 1
 
 

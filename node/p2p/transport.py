@@ -48,8 +48,9 @@ DISCONNECT_AFTER_S = 2.0
 TARPIT_S = 10.0
 TARPIT_PER_PEER = 2
 TARPIT_MAX = 64
-PENALIZED = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema", "banned"})
-"""Replies that say a frame was unusable, or came from a banned key: they count against the peer that sent it
+PENALIZED = frozenset({"malformed", "oversized", "bad_signature", "version", "kind", "schema", "banned", "rate"})
+"""Replies that say a frame was unusable, came from a banned key, or came faster than one peer may send (a
+protocol's own rate per peer, far above what an honest node asks): they count against the peer that sent it
 (never a refusal honest work can get)."""
 LARGE_FRAME = 256 * 1024
 """Frames past this size are opened (signature, decoding) in a thread, off the event loop."""

@@ -5,9 +5,10 @@ the joining node, carrying the invite its operator gave it; the answer is a ``Su
 (ok, or the reason: ``not_admitted``, ``bad_invite``, ``invite_expired``, ``invite_used_up``).
 
 Who may call it: anyone (a newcomer has no standing yet). How often and with how much: frames of at most
-``Channel.REPLY`` bytes, one read at a time per peer and ``MAX_READING`` in all, ``RATE_PER_PEER`` requests a
-second per libp2p peer and ``RATE_ALL`` from everybody together (more are refused as busy before anything is
-verified). What a call costs us: two Ed25519 verifications (the request, then the invite), and, for a redemption
+``Channel.REPLY`` bytes, one read at a time per peer and 8 in all, ``RATE_PER_PEER`` requests a second per libp2p
+peer (past that, refused as ``rate``, which counts as a strike: three and the peer's streams are held unread, then
+its connection dropped, as for unusable frames) and ``RATE_ALL`` from everybody together (refused as busy), both
+before anything is verified. What a call costs us: two Ed25519 verifications (the request, then the invite), and, for a redemption
 that takes a use, one small fsynced file write; redemptions are serialized, so an invite's uses cannot be
 over-counted by racing requests.
 """
@@ -84,7 +85,9 @@ class InviteDoor:
 
     async def on_redeem(self, data: bytes, peer: str) -> SubmitReply:
         try:
-            if not (self._per_peer.take(peer) and self._all.take("all")):
+            if not self._per_peer.take(peer):  # a joiner asks once: a peer past this is penalized (tarpit, then cut)
+                raise Rejected("rate", "too many invite redemptions from this peer; wait a minute")
+            if not self._all.take("all"):
                 raise Rejected("busy", "too many invite redemptions; try again in a few seconds")
             signed = open_signed(data, Redeem)
             r = signed.message

@@ -208,3 +208,31 @@ def test_only_a_batchs_producer_can_make_the_trainer_acknowledge_it_again(swarm:
             return _metric(url, "node_gossip_rejected_total", "foreign_announcement") - before
 
     assert asyncio.run(scenario()) >= 1
+
+
+def test_a_peer_that_floods_invite_redemptions_is_held_and_cut_off(swarm: Any) -> None:
+    """Each redemption costs the trainer a stream and two signature checks: past its rate a peer's requests count
+    as strikes, and a peer with three is held unread and disconnected, as for unusable frames."""
+    from hivemind.p2p import P2P
+
+    from intellect_node.roles.invites import BURST, call_redeem
+
+    async def scenario() -> list[str]:
+        p2p = await P2P.create(initial_peers=swarm["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        trainer_peer = swarm["p2p_maddrs"][0].rsplit("/p2p/", 1)[1]
+        answers: list[str] = []
+        try:
+            for _ in range(int(BURST) + 8):
+                key = Identity.generate()
+                reply = await call_redeem(p2p, key, swarm["run_id"], trainer_peer, b"")
+                answers.append(reply.reason or "ok")
+                if "malformed frames" in reply.detail:  # held unread first, then refused: the penalty
+                    answers.append("penalized")
+                    break
+        finally:
+            await p2p.shutdown()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert answers[-1] == "penalized", answers
+    assert answers.count("ok") <= BURST + 1 and "rate" in answers
