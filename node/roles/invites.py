@@ -8,9 +8,9 @@ Who may call it: anyone (a newcomer has no standing yet). How often and with how
 ``Channel.REPLY`` bytes, one read at a time per peer and 8 in all, ``RATE_PER_PEER`` requests a second per libp2p
 peer (past that, refused as ``rate``, which counts as a strike: three and the peer's streams are held unread, then
 its connection dropped, as for unusable frames) and ``RATE_ALL`` from everybody together (refused as busy), both
-before anything is verified. What a call costs us: two Ed25519 verifications (the request, then the invite), and, for a redemption
-that takes a use, one small fsynced file write; redemptions are serialized, so an invite's uses cannot be
-over-counted by racing requests.
+before anything is verified. What a call costs us: two Ed25519 verifications (the request, then the invite), and,
+for a redemption that takes a use, one small fsynced file write; redemptions are serialized, so an invite's uses
+cannot be over-counted by racing requests.
 """
 
 from __future__ import annotations
