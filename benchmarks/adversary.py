@@ -85,6 +85,15 @@ from intellect_protocol.messages import (
 from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
 
+ATTACKER_IP = "127.0.0.2"
+"""The attacker's own address: every connection it makes comes from here, as from another machine (limits that
+count the remote address meet the attacker, not the honest nodes on 127.0.0.1)."""
+
+
+def attacker_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(ATTACKER_IP, 0)))
+
+
 SETTINGS = ["--set", "train.async_level=16", "--set", "train.online_filter=false"]
 """Async level 16: cheaters' batches reach the validator instead of going stale on the way. No online filter: with
 it the tiny run starves itself after ~150 steps (its groups turn all-equal), and the attack-free rate is not
@@ -292,7 +301,7 @@ async def key_theft(swarm: Swarm, until: float) -> Outcome:
     target = data / "weights" / swarm.run_id / str(version) / "k"
     program = f"import shutil\nshutil.copy({str(data / 'node.key')!r}, {str(target)!r})\nprint('copied')\n"
     copied = await asyncio.to_thread(run_code_tests, program, (("", "copied"),), 10.0, 256) > 0
-    async with aiohttp.ClientSession() as session:
+    async with attacker_session() as session:
         async with session.get(f"{swarm.trainer_url}/weights/{version}/node.key") as r1:
             served = r1.status == 200
     achieved = copied or target.exists() or served
@@ -330,7 +339,7 @@ async def relay_squat(swarm: Swarm, until: float) -> Outcome:
     """Made-up node ids fill the origin's slots, strangers' DELETEs evict the real child, 503s leak children."""
     relay_id = swarm.ready["relay"]["node_id"]
     granted = leaked = sent = 0
-    async with aiohttp.ClientSession() as session:
+    async with attacker_session() as session:
         while time.monotonic() < until:
             stranger = Identity.generate()
             for method, headers in (
@@ -360,7 +369,7 @@ async def fresh_peer(swarm: Swarm) -> P2P:
     """A libp2p peer of the attacker's own for one attack (peer ids cost it nothing; a penalty earned by one
     attack must not hide the next)."""
     maddrs = swarm.ready["trainer"]["p2p_maddrs"][:1]
-    return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return await P2P.create(initial_peers=maddrs, host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"])
 
 
 async def warm_up(swarm: Swarm, key: Identity) -> None:
@@ -387,7 +396,9 @@ async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
     """One signed batch on 16 streams at once, from 8 libp2p peers."""
     sender = DUPLICATE_SENDER
     peers = [
-        await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        await P2P.create(
+            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"]
+        )
         for _ in range(8)
     ]
     data = seal(sender, swarm.fake_batch(sender, published(swarm), 0))  # the newest version, once the peers are up
@@ -412,7 +423,9 @@ async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
 async def stalled_streams(swarm: Swarm, until: float) -> Outcome:
     """Submit streams held open without a byte, reopened as the trainer cuts them, from 4 peers."""
     peers = [
-        await P2P.create(initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        await P2P.create(
+            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"]
+        )
         for _ in range(4)
     ]
     opened = 0
@@ -695,7 +708,7 @@ async def dht_liar(swarm: Swarm, until: float) -> Outcome:
         _LiarDHT,
         initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
         start=True,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"],
     )
     late = Identity.generate()
     p2p = await fresh_peer(swarm)
@@ -726,7 +739,7 @@ async def dht_liar(swarm: Swarm, until: float) -> Outcome:
 async def gossip_peer(swarm: Swarm, key: Identity) -> tuple[Membership, P2P, Gossip]:
     """A DHT peer of ours with gossip (the attacker's; any key can run one)."""
     membership = Membership(key, swarm.run_id, Metrics())
-    await membership.start("127.0.0.1", 0, swarm.ready["trainer"]["p2p_maddrs"][:1])
+    await membership.start(ATTACKER_IP, 0, swarm.ready["trainer"]["p2p_maddrs"][:1])
     p2p = await membership.replicate_p2p()
     return membership, p2p, Gossip(p2p, swarm.run_id, Metrics())
 
@@ -782,7 +795,7 @@ async def origin_squat(swarm: Swarm, until: float, keys: int = 8) -> Outcome:
     granted = refused = 0
     name = "newcomer-squat"
     got = -1
-    async with aiohttp.ClientSession() as session:
+    async with attacker_session() as session:
 
         async def hold() -> None:
             nonlocal granted, refused
@@ -937,7 +950,7 @@ async def nonce_flood(swarm: Swarm, until: float) -> Outcome:
     first: list[float] = []
     last: list[float] = []
     started = time.monotonic()
-    async with aiohttp.ClientSession() as session:
+    async with attacker_session() as session:
         while time.monotonic() < until:
             key = Identity.generate()
             headers = signed_headers(key, "POST", "/relay/attach?stripe=0", swarm.run_id)
@@ -1005,7 +1018,7 @@ async def dialback_flood(swarm: Swarm, until: float) -> Outcome:
     """Fresh peer ids ask the trainer to dial back silent ports, as many at once as it lets them."""
     silent = [socket.socket() for _ in range(4)]
     for sock in silent:  # accepts connections in the kernel's backlog, never answers a byte
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((ATTACKER_IP, 0))
         sock.listen(1024)
     ports = [sock.getsockname()[1] for sock in silent]
     counts: dict[str, int] = {}
@@ -1015,7 +1028,7 @@ async def dialback_flood(swarm: Swarm, until: float) -> Outcome:
         nonlocal slowest
         p2p = await fresh_peer(swarm)
         key = Identity.generate()
-        maddrs = [f"/ip4/127.0.0.1/tcp/{port}/p2p/{p2p.peer_id.to_base58()}" for port in ports]
+        maddrs = [f"/ip4/{ATTACKER_IP}/tcp/{port}/p2p/{p2p.peer_id.to_base58()}" for port in ports]
         t0 = time.monotonic()
         try:
             await ask_dialback(p2p, key, swarm.run_id, swarm.trainer_peer, maddrs, ports[0])
@@ -1110,7 +1123,9 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         # and what it starts from now on (its DHT peer and libp2p daemons), at the lowest priority.
         os.nice(19)
         swarm.client = DHT(
-            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1],
+            start=True,
+            host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"],
         )
         control = await measure(swarm, args.window, lambda until: idle(swarm, until))
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
