@@ -74,8 +74,15 @@ def _wait_settled(logs: list[Path], quiet_s: float, timeout: float) -> float:
 
 
 def run_ours(
-    n: int, size_mb: int, mbit: float, slots: int | None, shard_mb: int, work: Path, log_level: str = "INFO",
-    stripes: int = 4, warmup: int = 1,
+    n: int,
+    size_mb: int,
+    mbit: float,
+    slots: int | None,
+    shard_mb: int,
+    work: Path,
+    log_level: str = "INFO",
+    stripes: int = 4,
+    warmup: int = 1,
 ) -> dict[str, object]:
     fanout = ["--slots", str(slots)] if slots else []
     nodes: list[NodeProcess] = []
@@ -84,18 +91,45 @@ def run_ours(
             origin_host, hosts = topo.hosts[0], topo.hosts[1:]
             origin = NodeProcess(
                 "origin",
-                ["--host", origin_host.ip, "--data-dir", str(work / "origin"), *fanout, "--stripes", str(stripes),
-                 "--size-mb", str(size_mb), "--shard-mb", str(shard_mb)],
-                work / "logs", command=[sys.executable, str(HERE / "broadcast_origin.py")],
-                prefix=origin_host.prefix, stdin=subprocess.PIPE,
-            )  # fmt: skip
+                [
+                    "--host",
+                    origin_host.ip,
+                    "--data-dir",
+                    str(work / "origin"),
+                    *fanout,
+                    "--stripes",
+                    str(stripes),
+                    "--size-mb",
+                    str(size_mb),
+                    "--shard-mb",
+                    str(shard_mb),
+                ],
+                work / "logs",
+                command=[sys.executable, str(HERE / "broadcast_origin.py")],
+                prefix=origin_host.prefix,
+                stdin=subprocess.PIPE,
+            )
             nodes.append(origin)
             ready = origin.wait_ready(timeout=120)
             for i, h in enumerate(hosts):
-                argv = ["join", "--role", "relay", "--host", h.ip, "--peers", ready["p2p_maddrs"][0],
-                        "--run-id", ready["run_id"], "--data-dir", str(work / f"r{i}"),
-                        *(["--relay-slots", str(slots)] if slots else []),
-                        "--join-timeout", "300", "--log-level", log_level]  # fmt: skip
+                argv = [
+                    "join",
+                    "--role",
+                    "relay",
+                    "--host",
+                    h.ip,
+                    "--peers",
+                    ready["p2p_maddrs"][0],
+                    "--run-id",
+                    ready["run_id"],
+                    "--data-dir",
+                    str(work / f"r{i}"),
+                    *(["--relay-slots", str(slots)] if slots else []),
+                    "--join-timeout",
+                    "300",
+                    "--log-level",
+                    log_level,
+                ]
                 nodes.append(NodeProcess(f"r{i}", argv, work / "logs", prefix=h.prefix))
             for node in nodes[1:]:
                 node.wait_ready(timeout=600)
@@ -117,8 +151,9 @@ def run_ours(
                 done = [_stamp(node.wait_for_line(f"HOLDING {version} ", timeout=600)) for node in nodes[1:]]
                 times.append(max(done) - t0)
             manifest = (work / "origin" / run_id / str(version) / MANIFEST_NAME).read_bytes()
-            verified = all(_verify(work / f"r{i}" / "weights" / run_id / str(version), manifest, run_id, version)
-                           for i in range(n))  # fmt: skip
+            verified = all(
+                _verify(work / f"r{i}" / "weights" / run_id / str(version), manifest, run_id, version) for i in range(n)
+            )
             depths = []
             for i in range(n):
                 lines = [x for x in logs[i].read_text().splitlines() if f"holding version={version}" in x]
@@ -147,11 +182,24 @@ def run_shardcast(n: int, m: int, size_mb: int, mbit: float, work: Path, delay: 
                 {"ip": h.ip, "port": 8100, "prefix": h.prefix, "upstream": ["origin"]} for h in hosts[1 : 1 + m]
             ],
             "clients": [{"prefix": h.prefix, "servers": [f"m{i % m}"]} for i, h in enumerate(hosts[1 + m :])],
-        }  # fmt: skip
+        }
         (work / "topology.json").write_text(json.dumps(topology))
-        cmd = [sys.executable, str(HERE / "shardcast_baseline.py"), "--topology", str(work / "topology.json"),
-               "--size-mb", str(size_mb), "--publish-delay", str(delay), "--timeout", "900",
-               "--workdir", str(work / "run"), "--log-level", "WARNING"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "shardcast_baseline.py"),
+            "--topology",
+            str(work / "topology.json"),
+            "--size-mb",
+            str(size_mb),
+            "--publish-delay",
+            str(delay),
+            "--timeout",
+            "900",
+            "--workdir",
+            str(work / "run"),
+            "--log-level",
+            "WARNING",
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
         lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
         if not lines:
@@ -167,8 +215,12 @@ def main() -> int:
     p.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--size-mb", type=int, default=64)
     p.add_argument("--mbit", type=float, default=25.0, help="each host's upload (tc tbf); see above for why 25")
-    p.add_argument("--slots", nargs="+", default=["auto"],
-                   help="our relay fan-out settings to measure: auto (the default, from measured upload) or N")
+    p.add_argument(
+        "--slots",
+        nargs="+",
+        default=["auto"],
+        help="our relay fan-out settings to measure: auto (the default, from measured upload) or N",
+    )
     p.add_argument("--stripes", type=int, default=4, help="stripes per version (1: a single tree)")
     p.add_argument("--shard-mb", type=int, default=1)
     p.add_argument("--middles", type=int, nargs="+", default=[1, 2])
@@ -178,8 +230,12 @@ def main() -> int:
         default=15.0,
         help="publish this long after the middles' first poll (stock interval 30 s: average phase)",
     )
-    p.add_argument("--warmup", type=int, default=1,
-                   help="full-size versions published (and waited for) before the timed one; 0: time the first")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="full-size versions published (and waited for) before the timed one; 0: time the first",
+    )
     p.add_argument("--skip-shardcast", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep each run's folder (logs) under /tmp")
     p.add_argument("--node-log-level", default="INFO")
@@ -197,8 +253,17 @@ def main() -> int:
             work = Path(tempfile.mkdtemp(prefix=f"bcast-ours-{n}-{slots}-"))
             try:
                 fixed = None if slots == "auto" else int(slots)
-                r = run_ours(n, args.size_mb, args.mbit, fixed, args.shard_mb, work, args.node_log_level, args.stripes,
-                             args.warmup)
+                r = run_ours(
+                    n,
+                    args.size_mb,
+                    args.mbit,
+                    fixed,
+                    args.shard_mb,
+                    work,
+                    args.node_log_level,
+                    args.stripes,
+                    args.warmup,
+                )
             finally:
                 if not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
@@ -225,14 +290,18 @@ def main() -> int:
             f"speedup_vs_shardcast={best_sc / best_ours:.2f}"
         )
     print()
-    print(f"checkpoint {args.size_mb} MiB; every host's upload shaped to {args.mbit:g} Mbit/s with tc in network "
-          f"namespaces; ours: {args.shard_mb} MiB shards")  # fmt: skip
+    print(
+        f"checkpoint {args.size_mb} MiB; every host's upload shaped to {args.mbit:g} Mbit/s with tc in network "
+        f"namespaces; ours: {args.shard_mb} MiB shards"
+    )
     print(f"{'system':<32}{'N':>4}{'seconds':>10}{'vs bound':>10}  verified  depth  first version s  origin write s")
     for r in rows:
         bound = args.size_mb * 2**20 * 8 / (args.mbit * 1e6)
         secs = float(r["seconds"])  # type: ignore[arg-type]
-        print(f"{r['system']:<32}{r['N']:>4}{secs:>10.2f}{secs / bound:>10.2f}  {r['verified']!s:<8}  "
-              f"{r.get('max_depth', '')!s:<5}  {r.get('first_s', '')!s:<15}  {r.get('write_s', '')}")  # fmt: skip
+        print(
+            f"{r['system']:<32}{r['N']:>4}{secs:>10.2f}{secs / bound:>10.2f}  {r['verified']!s:<8}  "
+            f"{r.get('max_depth', '')!s:<5}  {r.get('first_s', '')!s:<15}  {r.get('write_s', '')}"
+        )
     print()
     for line in summaries:
         print(line)

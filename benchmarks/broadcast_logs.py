@@ -63,8 +63,10 @@ def main() -> int:
     print(f"{'node':<6}{'first request':>14}{'first shard':>12}{'done':>8}")
     for node, rows in sorted(shards.items(), key=lambda x: max((r[3] for r in x[1]), default=0.0)):
         if rows:
-            print(f"{node:<6}{min(r[2] for r in rows):>14.2f}{min(r[3] for r in rows):>12.2f}"
-                  f"{max(r[3] for r in rows):>8.2f}")  # fmt: skip
+            print(
+                f"{node:<6}{min(r[2] for r in rows):>14.2f}{min(r[3] for r in rows):>12.2f}"
+                f"{max(r[3] for r in rows):>8.2f}"
+            )
     print()
     for s in range(k):
         roots = [n for n, rows in shards.items() if any(r[1] == origin and r[0] % k == s for r in rows)]

@@ -54,9 +54,17 @@ async def main(args: argparse.Namespace) -> None:
 
     def record() -> NodeRecord:
         relay = origin.origin_info({}, store.complete_versions(), args.slots)
-        return NodeRecord(run_id=run_id, node_id=run_id, role="trainer", p2p_maddrs=maddrs, http_url=url,
-                          weight_version=version, updated=time.time(), software=f"intellect-node/{__version__}",
-                          relay=relay)  # fmt: skip
+        return NodeRecord(
+            run_id=run_id,
+            node_id=run_id,
+            role="trainer",
+            p2p_maddrs=maddrs,
+            http_url=url,
+            weight_version=version,
+            updated=time.time(),
+            software=f"intellect-node/{__version__}",
+            relay=relay,
+        )
 
     await membership.publish_spec(spec)
     await membership.publish_record(record())

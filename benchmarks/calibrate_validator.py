@@ -141,8 +141,12 @@ def grpo_step(engine: PolicyEngine, batches: list[Any], pad: int) -> None:
     """One trainer step (the run's train settings) on the first ``train.batch_groups`` groups of ``batches`` (with
     ``train.online_filter``, of those whose rewards differ)."""
     t = engine.spec.train
-    groups = [Group(b.node_id, b.version, g.prompt_ids, g.completions, g.logprobs, g.rewards) for b in batches
-              for g in b.groups if len(set(g.rewards)) > 1 or not t.online_filter][: t.batch_groups]  # fmt: skip
+    groups = [
+        Group(b.node_id, b.version, g.prompt_ids, g.completions, g.logprobs, g.rewards)
+        for b in batches
+        for g in b.groups
+        if len(set(g.rewards)) > 1 or not t.online_filter
+    ][: t.batch_groups]
     if not groups:
         return
     ids, attn, mask, logp_old = pack_sequences(groups, pad)
@@ -151,14 +155,29 @@ def grpo_step(engine: PolicyEngine, batches: list[Any], pad: int) -> None:
 
 
 def swarm_setting(
-    model: Any, tok: Any, verify: VerifySpec, versions: int, batches: int, dishonest_batches: int, noise: float,
-    layer: int, node: str,
+    model: Any,
+    tok: Any,
+    verify: VerifySpec,
+    versions: int,
+    batches: int,
+    dishonest_batches: int,
+    noise: float,
+    layer: int,
+    node: str,
 ) -> list[tuple[str, dict[str, list[float]], float, float]]:
     """The tiny swarm's rollouts (see the module's docstring): table rows for versions 0..``versions``-1, honest,
     then the perturbed layer on the last version."""
     run = RunConfig()
-    spec = RunSpec(run_id="c" * 32, created=0.0, seed=1_000_003, model=run.model, task=run.task,
-                   sampling=run.sampling, train=run.train, verify=verify)  # fmt: skip
+    spec = RunSpec(
+        run_id="c" * 32,
+        created=0.0,
+        seed=1_000_003,
+        model=run.model,
+        task=run.task,
+        sampling=run.sampling,
+        train=run.train,
+        verify=verify,
+    )
     engine = PolicyEngine(spec, copy.deepcopy(model))
     policy = copy.deepcopy(model)  # producer and validator: each version in turn
     validator = Validator(spec, tok, policy)
@@ -169,12 +188,12 @@ def swarm_setting(
             grpo_step(engine, made, int(tok.pad_token_id))
         load_weights(policy, engine.export_state())
         made = []
-        f, g, v = rollouts(spec, policy, tok, validator, batches, None, node, version=version, newcomer=True,
-                           made=made)  # fmt: skip
+        f, g, v = rollouts(spec, policy, tok, validator, batches, None, node, version=version, newcomer=True, made=made)
         rows.append((f"honest, run's setting, version {version}", stats(f), g, v))
     bad = perturb_layer(policy, noise, layer, weights=checkpoint_dtype("tiny"))
-    f, g, v = rollouts(spec, bad, tok, validator, dishonest_batches, None, node, first_index=7000,
-                       version=versions - 1, newcomer=True)  # fmt: skip
+    f, g, v = rollouts(
+        spec, bad, tok, validator, dishonest_batches, None, node, first_index=7000, version=versions - 1, newcomer=True
+    )
     rows.append((f"layer {layer} x (1 + {noise:g} N(0,1)), run's v{versions - 1}", stats(f), g, v))
     return rows
 
@@ -220,12 +239,20 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=2, help="batches (4 tasks x 8 samples) per configuration")
     p.add_argument("--rel-noise", type=float, default=0.01, help="relative weight noise of the perturbed layer")
     p.add_argument("--layer", type=int, help="which decoder layer to perturb (default: the middle one)")
-    p.add_argument("--compute", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="compute in fp32 on the bf16 weights (default), in bf16, or in fp16")  # fmt: skip
+    p.add_argument(
+        "--compute",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="compute in fp32 on the bf16 weights (default), in bf16, or in fp16",
+    )
     p.add_argument("--headroom", type=float, default=1.5)
     p.add_argument("--topk", type=int, help="values per proof (default: the run's, tiny.toml's or SmolLM2's 128)")
-    p.add_argument("--versions", type=int, default=7,
-                   help="tiny: weight versions in the swarm's setting (0 and one GRPO step after another)")
+    p.add_argument(
+        "--versions",
+        type=int,
+        default=7,
+        help="tiny: weight versions in the swarm's setting (0 and one GRPO step after another)",
+    )
     p.add_argument("--run-batches", type=int, default=4, help="tiny: batches per version in the swarm's setting")
     p.add_argument("--out", type=Path, help="write the [verify] section here")
     args = p.parse_args()
@@ -259,17 +286,22 @@ def main() -> int:
         findings, g, v = rollouts(spec, producer, tok, validator, args.batches, 32, node, first_index=7000, **sampling)
         rows.append((name, stats(findings), g, v))
     if args.model == "tiny" and args.versions > 0:
-        for row in swarm_setting(model, tok, measure, args.versions, args.run_batches, args.batches, args.rel_noise,
-                                 args.layer, node):  # fmt: skip
+        for row in swarm_setting(
+            model, tok, measure, args.versions, args.run_batches, args.batches, args.rel_noise, args.layer, node
+        ):
             rows.append(row)
             if row[0].startswith("honest"):
                 for k, vals in row[1].items():
                     honest.setdefault(k, []).extend(vals)
     chosen = choose(honest, args.headroom, measure.topk)
-    print(f"calibration on {args.model} ({args.compute} compute): {len(honest['exp'])} honest rollouts; "
-          f"thresholds {chosen.model_dump()}")  # fmt: skip
-    print(f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "
-          f"{'gap max':>8} {'logp err':>9} {'rejected':>9}  gen s  val s")  # fmt: skip
+    print(
+        f"calibration on {args.model} ({args.compute} compute): {len(honest['exp'])} honest rollouts; "
+        f"thresholds {chosen.model_dump()}"
+    )
+    print(
+        f"{'rollouts':38} {'n':>4} {'exp max':>8} {'mean max':>9} {'med max':>8} {'rederived min':>14} "
+        f"{'gap max':>8} {'logp err':>9} {'rejected':>9}  gen s  val s"
+    )
     for name, s, g, v in rows:
         print(
             f"{name:38} {len(s['exp']):4d} {max(s['exp']):8.0f} {max(s['mean']):9.3f} {max(s['median']):8.1f} "
@@ -287,8 +319,10 @@ def main() -> int:
     honest_rejected = sum(rejects(s, chosen) for name, s, _, _ in rows if name.startswith("honest"))
     dishonest_n = sum(len(s["exp"]) for name, s, _, _ in rows if not name.startswith("honest"))
     caught = sum(rejects(s, chosen) for name, s, _, _ in rows if not name.startswith("honest"))
-    print(f"calibrate model={args.model} honest_rejected={honest_rejected}/{len(honest['exp'])} "
-          f"dishonest_rejected={caught}/{dishonest_n}")  # fmt: skip
+    print(
+        f"calibrate model={args.model} honest_rejected={honest_rejected}/{len(honest['exp'])} "
+        f"dishonest_rejected={caught}/{dishonest_n}"
+    )
     return 0
 
 

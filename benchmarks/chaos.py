@@ -124,19 +124,48 @@ class Swarm:
         self.lives[name].append(node)
         return node.wait_ready(timeout=180) if wait else {}
 
-    def start_trainer(self, data_dir: Path | None = None, prefix: list[str] | None = None,
-                      extra: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    def start_trainer(
+        self, data_dir: Path | None = None, prefix: list[str] | None = None, extra: list[str] | None = None
+    ) -> dict[str, Any]:
         self.trainer_dir = data_dir or self.trainer_dir
-        argv = ["bootstrap", "--data-dir", str(self.trainer_dir), "--host", self.host, "--http-port",
-                str(self.http_port), *SETTINGS, *(extra or [])]  # fmt: skip
+        argv = [
+            "bootstrap",
+            "--data-dir",
+            str(self.trainer_dir),
+            "--host",
+            self.host,
+            "--http-port",
+            str(self.http_port),
+            *SETTINGS,
+            *(extra or []),
+        ]
         self.trainer_ready = self.start("trainer", argv, prefix)
         return self.trainer_ready
 
-    def join(self, name: str, role: str, host: str | None = None, prefix: list[str] | None = None,
-             extra: list[str] | None = None, data_dir: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    def join(
+        self,
+        name: str,
+        role: str,
+        host: str | None = None,
+        prefix: list[str] | None = None,
+        extra: list[str] | None = None,
+        data_dir: Path | None = None,
+    ) -> dict[str, Any]:
         t = self.trainer_ready
-        argv = ["join", "--role", role, "--peers", t["p2p_maddrs"][0], "--run-id", t["run_id"], "--host",
-                host or self.host, "--data-dir", str(data_dir or self.root / name), *(extra or [])]  # fmt: skip
+        argv = [
+            "join",
+            "--role",
+            role,
+            "--peers",
+            t["p2p_maddrs"][0],
+            "--run-id",
+            t["run_id"],
+            "--host",
+            host or self.host,
+            "--data-dir",
+            str(data_dir or self.root / name),
+            *(extra or []),
+        ]
         return self.start(name, argv, prefix)
 
     def kill(self, name: str) -> None:
@@ -163,9 +192,18 @@ class Swarm:
         ns = self.ns_of.get(name)
         try:
             if ns:
-                out = subprocess.run([*ns, sys.executable, "-c", "import sys,urllib.request;"
-                                      f"sys.stdout.write(urllib.request.urlopen('{url}/status',timeout=10).read().decode())"],
-                                     capture_output=True, text=True, timeout=20)  # fmt: skip
+                out = subprocess.run(
+                    [
+                        *ns,
+                        sys.executable,
+                        "-c",
+                        "import sys,urllib.request;"
+                        f"sys.stdout.write(urllib.request.urlopen('{url}/status',timeout=10).read().decode())",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
                 return dict(json.loads(out.stdout)) if out.returncode == 0 else None
             with urllib.request.urlopen(url + "/status", timeout=10) as resp:
                 return dict(json.load(resp))
@@ -212,8 +250,12 @@ class Swarm:
             return 0.0
 
     def crashed(self) -> list[str]:
-        return [n.name for lives in self.lives.values() for n in lives
-                if n.proc.poll() is not None and n.proc.pid not in self.killed]  # fmt: skip
+        return [
+            n.name
+            for lives in self.lives.values()
+            for n in lives
+            if n.proc.poll() is not None and n.proc.pid not in self.killed
+        ]
 
     def close(self) -> None:
         for lives in self.lives.values():
@@ -295,8 +337,7 @@ def observe(swarm: Swarm, seconds: float, tick: float = 1.0, each: Any = None) -
         time.sleep(tick)
 
 
-def finish(swarm: Swarm, name: str, t0: float, t1: float, rss0: float, producers: list[str],
-           note: str = "") -> Result:  # fmt: skip
+def finish(swarm: Swarm, name: str, t0: float, t1: float, rss0: float, producers: list[str], note: str = "") -> Result:
     rss1 = swarm.rss_mb()
     history = (swarm.status() or {}).get("history", [])
     steps, stall = steps_in(history, t0, t1)
@@ -304,8 +345,16 @@ def finish(swarm: Swarm, name: str, t0: float, t1: float, rss0: float, producers
     outstanding = settle(swarm, producers)
     swarm.check_versions(swarm.node_roots())
     lost, detail = lost_accepted([n.log_path for n in swarm.lives["trainer"]], outstanding)
-    return Result(name, steps=steps, max_stall_s=stall, lost=lost, reused=len(swarm.reused), crashes=crashes,
-                  memory_growth_mb=rss1 - rss0, note=f"{note}; {detail}".strip("; "))  # fmt: skip
+    return Result(
+        name,
+        steps=steps,
+        max_stall_s=stall,
+        lost=lost,
+        reused=len(swarm.reused),
+        crashes=crashes,
+        memory_growth_mb=rss1 - rss0,
+        note=f"{note}; {detail}".strip("; "),
+    )
 
 
 # ---- the scenarios ------------------------------------------------------------------------------------
@@ -363,8 +412,15 @@ def churn(root: Path, seconds: float) -> Result:
         t0, rss0 = time.time(), swarm.rss_mb()
         observe(swarm, seconds, each=each)
         t1 = time.time()
-        return finish(swarm, "(a) churn: half of 4 inference nodes SIGKILLed every minute", t0, t1, rss0, names,
-                      note=f"{kills} kills and restarts")  # fmt: skip
+        return finish(
+            swarm,
+            "(a) churn: half of 4 inference nodes SIGKILLed every minute",
+            t0,
+            t1,
+            rss0,
+            names,
+            note=f"{kills} kills and restarts",
+        )
     finally:
         swarm.close()
 
@@ -389,9 +445,15 @@ def trainer_kills(root: Path, seconds: float, kills: int = 5) -> Result:
         t0, rss0 = time.time(), swarm.rss_mb()
         observe(swarm, seconds, tick=0.25, each=each)
         t1 = time.time()
-        return finish(swarm, f"(b) trainer SIGKILLed {kills}x at random moments", t0, t1, rss0,
-                      [f"inf{i}" for i in range(4)],
-                      note=f"restart to READY {max(restarts, default=0):.1f}s at most")  # fmt: skip
+        return finish(
+            swarm,
+            f"(b) trainer SIGKILLed {kills}x at random moments",
+            t0,
+            t1,
+            rss0,
+            [f"inf{i}" for i in range(4)],
+            note=f"restart to READY {max(restarts, default=0):.1f}s at most",
+        )
     finally:
         swarm.close()
 
@@ -439,8 +501,13 @@ def partition(root: Path, seconds: float, control: bool = False) -> Result:
     with netns.Topology(prefix, hosts=3, mbit=1000, net=78) as topo:
         h0, h1, h2 = topo.hosts
         swarm = Swarm(root, host=h0.ip)
-        swarm.ns_of = {"trainer": h0.prefix, "relay": h1.prefix, "inf0": h1.prefix, "inf1": h1.prefix,
-                       "inf2": h2.prefix}  # fmt: skip
+        swarm.ns_of = {
+            "trainer": h0.prefix,
+            "relay": h1.prefix,
+            "inf0": h1.prefix,
+            "inf1": h1.prefix,
+            "inf2": h2.prefix,
+        }
         try:
             swarm.start_trainer(prefix=h0.prefix)
             swarm.join("relay", "relay", host=h1.ip, prefix=h1.prefix)
@@ -520,8 +587,15 @@ def full_disks(root: Path, seconds: float, size_mb: int = 96) -> Result:
             t0, rss0 = time.time(), swarm.rss_mb()
             observe(swarm, seconds, each=each)
             t1 = time.time()
-            return finish(swarm, "(e) the trainer's and a relay's disks full for 60 s", t0, t1, rss0,
-                          [f"inf{i}" for i in range(4)], note=f"tmpfs {size_mb} MB each")  # fmt: skip
+            return finish(
+                swarm,
+                "(e) the trainer's and a relay's disks full for 60 s",
+                t0,
+                t1,
+                rss0,
+                [f"inf{i}" for i in range(4)],
+                note=f"tmpfs {size_mb} MB each",
+            )
         finally:
             swarm.close()
     finally:
@@ -533,22 +607,28 @@ def full_disks(root: Path, seconds: float, size_mb: int = 96) -> Result:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| scenario | steps (control) | steps ratio | longest stall s (control) | lost accepted | "
-             "versions reused | crashes | trainer memory growth MB | notes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "| scenario | steps (control) | steps ratio | longest stall s (control) | lost accepted | "
+        "versions reused | crashes | trainer memory growth MB | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         stall = f"{r.max_stall_s:.1f} ({r.control_stall_s:.1f})"
-        lines.append(f"| {r.scenario} | {r.steps} ({r.control_steps}) | {r.ratio:.2f} | {stall} | "
-                     f"{r.lost} | {r.reused} | {len(r.crashes)}{' ' + ','.join(r.crashes) if r.crashes else ''} | "
-                     f"{r.memory_growth_mb:+.0f} | {r.note} |")  # fmt: skip
+        lines.append(
+            f"| {r.scenario} | {r.steps} ({r.control_steps}) | {r.ratio:.2f} | {stall} | "
+            f"{r.lost} | {r.reused} | {len(r.crashes)}{' ' + ','.join(r.crashes) if r.crashes else ''} | "
+            f"{r.memory_growth_mb:+.0f} | {r.note} |"
+        )
     return "\n".join(lines)
 
 
 def summary(results: list[Result]) -> str:
-    return (f"chaos scenarios={len(results)} steps_ratio_min={min(r.ratio for r in results):.2f} "
-            f"max_stall_s={max(r.max_stall_s for r in results):.1f} lost_accepted={sum(r.lost for r in results)} "
-            f"versions_reused={sum(r.reused for r in results)} "
-            f"crashes={sum(len(r.crashes) for r in results)}")  # fmt: skip
+    return (
+        f"chaos scenarios={len(results)} steps_ratio_min={min(r.ratio for r in results):.2f} "
+        f"max_stall_s={max(r.max_stall_s for r in results):.1f} lost_accepted={sum(r.lost for r in results)} "
+        f"versions_reused={sum(r.reused for r in results)} "
+        f"crashes={sum(len(r.crashes) for r in results)}"
+    )
 
 
 def write_doc(path: Path, text: str, marker: str) -> None:
@@ -588,8 +668,12 @@ def main() -> int:
 
             traceback.print_exc()
             r = Result(label, crashes=[f"harness: {type(e).__name__}"], note=str(e).splitlines()[0][:200])
-        print(f"  {label}: steps={r.steps} stall={r.max_stall_s:.1f}s lost={r.lost} reused={r.reused} "
-              f"crashes={r.crashes} ({time.monotonic() - started:.0f}s) {r.note}", file=sys.stderr, flush=True)
+        print(
+            f"  {label}: steps={r.steps} stall={r.max_stall_s:.1f}s lost={r.lost} reused={r.reused} "
+            f"crashes={r.crashes} ({time.monotonic() - started:.0f}s) {r.note}",
+            file=sys.stderr,
+            flush=True,
+        )
         return r
 
     if "a" in chosen:
@@ -608,8 +692,7 @@ def main() -> int:
             r.control_steps, r.control_stall_s = control.steps, control.max_stall_s
             results.append(r)
         if "f" in chosen:
-            r = run("f", run_plain, w, "(f) nodes with clocks 60 s ahead try to join",
-                    ["faketime", "-m", "-f", "+60s"])
+            r = run("f", run_plain, w, "(f) nodes with clocks 60 s ahead try to join", ["faketime", "-m", "-f", "+60s"])
             r.control_steps, r.control_stall_s = control.steps, control.max_stall_s
             results.append(r)
     if "c" in chosen:

@@ -82,8 +82,10 @@ def main() -> None:
         print(f"| {label} | {plain_ms:.2f} | {synced_ms:.2f} | {p99:.2f} |")
     spool = [r for r in rows if r[0].startswith("spool append, 40")][0]
     overhead = rows[-1][2] - rows[-1][1]
-    print(f"durability spool_fsync_ms_p50={spool[2]:.2f} spool_fsync_ms_p99={spool[3]:.2f} "
-          f"publish_fsync_overhead_ms={overhead:.1f}")  # fmt: skip
+    print(
+        f"durability spool_fsync_ms_p50={spool[2]:.2f} spool_fsync_ms_p99={spool[3]:.2f} "
+        f"publish_fsync_overhead_ms={overhead:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,32 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-SCHEMAS = ("RunSpec", "NodeRecord", "Manifest", "RolloutBatch", "SubmitReply", "Verdict", "Invite", "VersionNotice",
-           "BatchAnnounce", "BatchAck", "BatchRequest", "DialBack", "Reachability")
-TARGETS = ("codec", "envelope", *(f"schema.{s}" for s in SCHEMAS), "manifest", "dht_record", "frame", "http",
-           "submit", "invite")  # fmt: skip
+SCHEMAS = (
+    "RunSpec",
+    "NodeRecord",
+    "Manifest",
+    "RolloutBatch",
+    "SubmitReply",
+    "Verdict",
+    "Invite",
+    "VersionNotice",
+    "BatchAnnounce",
+    "BatchAck",
+    "BatchRequest",
+    "DialBack",
+    "Reachability",
+)
+TARGETS = (
+    "codec",
+    "envelope",
+    *(f"schema.{s}" for s in SCHEMAS),
+    "manifest",
+    "dht_record",
+    "frame",
+    "http",
+    "submit",
+    "invite",
+)
 
 
 # ---- the targets (each runs in its own process, under atheris) --------------------------------------------
@@ -63,35 +85,59 @@ def _setup(target: str) -> tuple[Callable[[bytes], None], list[bytes]]:
     now = time.time()
 
     def signed(kind: str, body: bytes, key: Identity = node_key) -> bytes:
-        return pack({"v": PROTOCOL_VERSION, "kind": kind, "signer": key.public_key, "body": body,
-                     "sig": key.sign(kind, body)})  # fmt: skip
+        return pack(
+            {"v": PROTOCOL_VERSION, "kind": kind, "signer": key.public_key, "body": body, "sig": key.sign(kind, body)}
+        )
 
     spec = m.RunSpec(run_id=run_id, created=now, seed=1, model=m.ModelSpec())
-    record = m.NodeRecord(run_id=run_id, node_id=node_id, role="inference", updated=now,
-                          relay=m.RelayInfo(depth=1, slots_total=4, slots_free=2, versions=[0, 1]))  # fmt: skip
+    record = m.NodeRecord(
+        run_id=run_id,
+        node_id=node_id,
+        role="inference",
+        updated=now,
+        relay=m.RelayInfo(depth=1, slots_total=4, slots_free=2, versions=[0, 1]),
+    )
     manifest = m.Manifest(
-        run_id=run_id, version=3, created=now, total_size=10,
+        run_id=run_id,
+        version=3,
+        created=now,
+        total_size=10,
         shards=[m.ShardEntry(name="shard-00000.safetensors", size=10, sha256="ab" * 32)],
         checkpoint_sha256="00" * 32,
-    )  # fmt: skip
-    group = m.RolloutGroup(slot=0, prompt_ids=[1, 2, 3], completions=[[4, 5], [6]], logprobs=[[-0.1, -0.2], [-1.0]],
-                           proofs=[[b"\x00\x01"], [b"\x00\x02"]])  # fmt: skip
+    )
+    group = m.RolloutGroup(
+        slot=0,
+        prompt_ids=[1, 2, 3],
+        completions=[[4, 5], [6]],
+        logprobs=[[-0.1, -0.2], [-1.0]],
+        proofs=[[b"\x00\x01"], [b"\x00\x02"]],
+    )
     batch = m.RolloutBatch(run_id=run_id, node_id=node_id, version=0, batch_index=0, groups=[group])
     examples: dict[str, m.WireModel] = {
-        "RunSpec": spec, "NodeRecord": record, "Manifest": manifest, "RolloutBatch": batch,
+        "RunSpec": spec,
+        "NodeRecord": record,
+        "Manifest": manifest,
+        "RolloutBatch": batch,
         "SubmitReply": m.SubmitReply(ok=False, reason="busy", next_index=3),
-        "Verdict": m.Verdict(run_id=run_id, node_id=node_id, version=0, batch_index=0, batch_sha256="00" * 32,
-                             ok=True),
+        "Verdict": m.Verdict(run_id=run_id, node_id=node_id, version=0, batch_index=0, batch_sha256="00" * 32, ok=True),
         "Invite": m.Invite(run_id=run_id, token_id="ab" * 8, expires=now + 3600, uses=3),
         "VersionNotice": m.VersionNotice(run_id=run_id, version=3, checkpoint_sha256="ab" * 32, issued=now),
-        "BatchAnnounce": m.BatchAnnounce(run_id=run_id, node_id=node_id, version=0, batch_index=1,
-                                         batch_sha256="cd" * 32, size=1000, issued=now),
-        "BatchAck": m.BatchAck(run_id=run_id, node_id=node_id, version=0, batch_index=1, batch_sha256="cd" * 32,
-                               judges=[node_id], issued=now),
+        "BatchAnnounce": m.BatchAnnounce(
+            run_id=run_id, node_id=node_id, version=0, batch_index=1, batch_sha256="cd" * 32, size=1000, issued=now
+        ),
+        "BatchAck": m.BatchAck(
+            run_id=run_id,
+            node_id=node_id,
+            version=0,
+            batch_index=1,
+            batch_sha256="cd" * 32,
+            judges=[node_id],
+            issued=now,
+        ),
         "BatchRequest": m.BatchRequest(run_id=run_id, batch_sha256="cd" * 32),
         "DialBack": m.DialBack(run_id=run_id, node_id=node_id, p2p_maddrs=["/ip4/10.0.0.1/tcp/4001"], http_port=80),
         "Reachability": m.Reachability(node_id=node_id, observed_ip="10.0.0.1", p2p_ok=True),
-    }  # fmt: skip
+    }
     bodies = {k: pack(v.model_dump(mode="python")) for k, v in examples.items()}
 
     if target == "codec":
@@ -154,9 +200,13 @@ def _setup(target: str) -> tuple[Callable[[bytes], None], list[bytes]]:
             kind = "run_spec" if data[0] % 3 == 2 else "node_record"
             value = signed(kind, data[1:], run_key if data[0] % 2 else node_key)
             subkey = node_id if data[0] % 5 else run_id
-            rec = DHTRecord(key=keys[data[0] % 3], subkey=MSGPackSerializer.dumps(subkey),
-                            value=MSGPackSerializer.dumps(value), expiration_time=get_dht_time() + (data[0] % 7) * 60)
-            if not isinstance(validator.validate(rec), bool):  # fmt: skip
+            rec = DHTRecord(
+                key=keys[data[0] % 3],
+                subkey=MSGPackSerializer.dumps(subkey),
+                value=MSGPackSerializer.dumps(value),
+                expiration_time=get_dht_time() + (data[0] % 7) * 60,
+            )
+            if not isinstance(validator.validate(rec), bool):
                 raise AssertionError("the DHT validator must answer True or False")
             try:
                 check_node_record(value, subkey, run_id)
@@ -250,8 +300,18 @@ def _http_target(run_key: object, node_key: object, run_id: str) -> tuple[Callab
         return client
 
     client = loop.run_until_complete(build())
-    paths = ["/weights/0/manifest.msgpack", "/weights/0/shard-00000.safetensors", "/weights/0/stray.key",
-             "/relay/attach", "/relay/next", "/health", "/status", "/metrics", "/weights/", "/"]  # fmt: skip
+    paths = [
+        "/weights/0/manifest.msgpack",
+        "/weights/0/shard-00000.safetensors",
+        "/weights/0/stray.key",
+        "/relay/attach",
+        "/relay/next",
+        "/health",
+        "/status",
+        "/metrics",
+        "/weights/",
+        "/",
+    ]
     methods = ["GET", "POST", "DELETE", "HEAD", "PUT"]
 
     async def request(data: bytes) -> None:
@@ -288,9 +348,9 @@ def _http_target(run_key: object, node_key: object, run_id: str) -> tuple[Callab
     return (lambda data: loop.run_until_complete(request(data))), [bytes(range(64)), b"\x00" * 64, b"\xff" * 64]
 
 
-def _submit_target(node_key: object, signed: Callable[..., bytes], bodies: dict[str, bytes]) -> tuple[
-    Callable[[bytes], None], list[bytes]
-]:
+def _submit_target(
+    node_key: object, signed: Callable[..., bytes], bodies: dict[str, bytes]
+) -> tuple[Callable[[bytes], None], list[bytes]]:
     import asyncio
 
     from intellect_node.config import NodeConfig, load_run_config
@@ -308,21 +368,30 @@ def _submit_target(node_key: object, signed: Callable[..., bytes], bodies: dict[
     run = load_run_config(Path(__file__).resolve().parent.parent / "node" / "configs" / "tiny.toml")
     trainer = Trainer(NodeConfig(data_dir=data_dir, checkpoint_every=0), run)
     node_id = node_key.node_id
-    trainer.registry.records[node_id] = m.NodeRecord(run_id=trainer.run_id, node_id=node_id, role="inference",
-                                                     updated=time.time() + 10**6)  # fmt: skip
+    trainer.registry.records[node_id] = m.NodeRecord(
+        run_id=trainer.run_id, node_id=node_id, role="inference", updated=time.time() + 10**6
+    )
     trainer.published = 0
     # a well-formed batch of the tasks assigned to this node (it passes the header and content checks)
     first = m.RolloutGroup(slot=0, prompt_ids=[1], completions=[[2]], logprobs=[[-1.0]], proofs=[[b"\x00\x01"]])
-    probe = m.RolloutBatch(run_id=trainer.run_id, node_id=node_id, version=0, epoch=trainer.spec.epoch,
-                           batch_index=0, groups=[first])  # fmt: skip
+    probe = m.RolloutBatch(
+        run_id=trainer.run_id, node_id=node_id, version=0, epoch=trainer.spec.epoch, batch_index=0, groups=[first]
+    )
     from intellect_node.policy.model import encode_prompt
 
     groups = []
     for slot in range(trainer.spec.task.tasks_per_batch):
         prompt = encode_prompt(trainer.tokenizer, trainer.validator.task(probe, slot).prompt)
         n = trainer.spec.sampling.group_size
-        groups.append(m.RolloutGroup(slot=slot, prompt_ids=prompt, completions=[[5, 6, 7]] * n,
-                                     logprobs=[[-1.0, -1.0, -1.0]] * n, proofs=[[b"\x00" * 2]] * n))  # fmt: skip
+        groups.append(
+            m.RolloutGroup(
+                slot=slot,
+                prompt_ids=prompt,
+                completions=[[5, 6, 7]] * n,
+                logprobs=[[-1.0, -1.0, -1.0]] * n,
+                proofs=[[b"\x00" * 2]] * n,
+            )
+        )
     good = probe.model_copy(update={"groups": groups})
     good_body = pack(good.model_dump(mode="python"))
 
@@ -352,8 +421,16 @@ def run_target(target: str, runs: int, timeout: int, workdir: Path) -> None:
     corpus.mkdir(parents=True, exist_ok=True)
     for i, seed in enumerate(seeds):
         (corpus / f"seed-{i}").write_bytes(seed)
-    argv = [sys.argv[0], f"-runs={runs}", f"-timeout={timeout}", "-rss_limit_mb=6144", "-max_len=65536",
-            f"-artifact_prefix={workdir}/", "-print_final_stats=1", str(corpus)]  # fmt: skip
+    argv = [
+        sys.argv[0],
+        f"-runs={runs}",
+        f"-timeout={timeout}",
+        "-rss_limit_mb=6144",
+        "-max_len=65536",
+        f"-artifact_prefix={workdir}/",
+        "-print_final_stats=1",
+        str(corpus),
+    ]
     atheris.Setup(argv, one)
     atheris.Fuzz()
 
@@ -368,11 +445,23 @@ def fuzz(targets: list[str], runs: int, timeout: int, out: Path) -> list[dict[st
         workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", target, "--runs", str(runs), "--timeout", str(timeout),
-             "--out", str(workdir)],
-            capture_output=True, text=True, env={**os.environ, "HIVEMIND_LOGLEVEL": "ERROR"},
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                target,
+                "--runs",
+                str(runs),
+                "--timeout",
+                str(timeout),
+                "--out",
+                str(workdir),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HIVEMIND_LOGLEVEL": "ERROR"},
             timeout=max(600, runs // 20 + 600),
-        )  # fmt: skip
+        )
         log = proc.stdout + proc.stderr
         (workdir / "log.txt").write_text(log)
         done = re.search(r"Done (\d+) runs in", log)
@@ -380,10 +469,22 @@ def fuzz(targets: list[str], runs: int, timeout: int, out: Path) -> list[dict[st
         inputs = int(done.group(1)) if done else int(execs.group(1)) if execs else 0
         hang = "ALARM: working on the last Unit" in log or "libFuzzer: timeout" in log
         crash = not hang and (proc.returncode != 0 or "Uncaught Python exception" in log)
-        rows.append({"target": target, "inputs": inputs, "seconds": time.monotonic() - started,
-                     "crashes": int(crash), "hangs": int(hang), "log": str(workdir / "log.txt")})  # fmt: skip
-        print(f"  {target:<20} inputs={inputs:>7} seconds={rows[-1]['seconds']:>6.1f} crashes={int(crash)} "
-              f"hangs={int(hang)}", file=sys.stderr, flush=True)  # fmt: skip
+        rows.append(
+            {
+                "target": target,
+                "inputs": inputs,
+                "seconds": time.monotonic() - started,
+                "crashes": int(crash),
+                "hangs": int(hang),
+                "log": str(workdir / "log.txt"),
+            }
+        )
+        print(
+            f"  {target:<20} inputs={inputs:>7} seconds={rows[-1]['seconds']:>6.1f} crashes={int(crash)} "
+            f"hangs={int(hang)}",
+            file=sys.stderr,
+            flush=True,
+        )
         if crash or hang:
             tail = "\n".join(log.splitlines()[-25:])
             print(f"--- {target}: {workdir / 'log.txt'}\n{tail}", file=sys.stderr, flush=True)

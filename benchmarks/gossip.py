@@ -86,8 +86,23 @@ class Net:
                 run("ip", "-n", ns, "link", "set", "lo", "up")
                 run("ip", "-n", ns, "route", "add", "default", "via", f"10.80.{k}.1")
                 run("ip", "netns", "exec", gw, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-                run("ip", "netns", "exec", gw, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"10.80.{k}.0/24",
-                    "-o", inner, "-j", "MASQUERADE")  # fmt: skip
+                run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    gw,
+                    "iptables",
+                    "-t",
+                    "nat",
+                    "-A",
+                    "POSTROUTING",
+                    "-s",
+                    f"10.80.{k}.0/24",
+                    "-o",
+                    inner,
+                    "-j",
+                    "MASQUERADE",
+                )
                 self.ip[name], self.ext[name] = f"10.80.{k}.2", host_if
             for name, ns in self.ns.items():
                 ipt = ["ip", "netns", "exec", ns, "iptables"]
@@ -96,12 +111,56 @@ class Net:
                     run(*ipt, "-A", "OUTPUT", "-o", ext, "-p", "tcp", flag, str(P2P_PORT))
                 if name in lossy:  # the kernel here has no netem: loss by iptables, delay by a proxy
                     for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
-                        run(*ipt, "-A", chain, side, ext, "-m", "statistic", "--mode", "random", "--probability",
-                            f"{loss / 100:g}", "-j", "DROP")  # fmt: skip
-                    run(*ipt, "-t", "nat", "-A", "OUTPUT", "-o", ext, "-p", "tcp", "-m", "mark", "!", "--mark",
-                        str(MARK), "-j", "REDIRECT", "--to-ports", str(PROXY_PORT))  # fmt: skip
-                    run(*ipt, "-t", "nat", "-A", "PREROUTING", "-i", ext, "-p", "tcp", "-j", "REDIRECT",
-                        "--to-ports", str(PROXY_PORT))  # fmt: skip
+                        run(
+                            *ipt,
+                            "-A",
+                            chain,
+                            side,
+                            ext,
+                            "-m",
+                            "statistic",
+                            "--mode",
+                            "random",
+                            "--probability",
+                            f"{loss / 100:g}",
+                            "-j",
+                            "DROP",
+                        )
+                    run(
+                        *ipt,
+                        "-t",
+                        "nat",
+                        "-A",
+                        "OUTPUT",
+                        "-o",
+                        ext,
+                        "-p",
+                        "tcp",
+                        "-m",
+                        "mark",
+                        "!",
+                        "--mark",
+                        str(MARK),
+                        "-j",
+                        "REDIRECT",
+                        "--to-ports",
+                        str(PROXY_PORT),
+                    )
+                    run(
+                        *ipt,
+                        "-t",
+                        "nat",
+                        "-A",
+                        "PREROUTING",
+                        "-i",
+                        ext,
+                        "-p",
+                        "tcp",
+                        "-j",
+                        "REDIRECT",
+                        "--to-ports",
+                        str(PROXY_PORT),
+                    )
         except BaseException:
             self.close()
             raise
@@ -127,8 +186,12 @@ class Net:
         """Bytes each host sent on libp2p connections so far."""
         sent = {}
         for name, ns in self.ns.items():
-            out = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-L", "OUTPUT", "-v", "-x", "-n"],
-                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns, "iptables", "-L", "OUTPUT", "-v", "-x", "-n"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             sent[name] = sum(int(line.split()[1]) for line in out.splitlines() if f"pt:{P2P_PORT}" in line)
         return sent
 
@@ -142,8 +205,9 @@ class Net:
 
 
 def status(net: Net, name: str, url: str) -> dict[str, Any]:
-    code = ("import sys,urllib.request;"
-            f"sys.stdout.write(urllib.request.urlopen('{url}/status',timeout=20).read().decode())")
+    code = (
+        f"import sys,urllib.request;sys.stdout.write(urllib.request.urlopen('{url}/status',timeout=20).read().decode())"
+    )
     out = subprocess.run([*net.prefix(name), sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise RuntimeError(f"could not read {name}'s status: {out.stderr[-300:]}")
@@ -152,8 +216,10 @@ def status(net: Net, name: str, url: str) -> dict[str, Any]:
 
 def counters(net: Net, name: str, url: str) -> dict[str, float]:
     """A node's /metrics, each counter summed over its labels."""
-    code = ("import sys,urllib.request;"
-            f"sys.stdout.write(urllib.request.urlopen('{url}/metrics',timeout=20).read().decode())")
+    code = (
+        "import sys,urllib.request;"
+        f"sys.stdout.write(urllib.request.urlopen('{url}/metrics',timeout=20).read().decode())"
+    )
     out = subprocess.run([*net.prefix(name), sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     sums: dict[str, float] = defaultdict(float)
     for line in out.stdout.splitlines():
@@ -189,13 +255,24 @@ def main() -> None:
     try:
         for name in producers:  # every TCP connection of a producer, in and out, gains the delay each way
             nodes[f"proxy-{name}"] = proxy = NodeProcess(
-                f"proxy-{name}", ["--port", str(PROXY_PORT), "--delay-ms", f"{args.delay_ms:g}", "--mark", str(MARK)],
-                logs, command=[sys.executable, str(HERE / "delay_proxy.py")], prefix=net.prefix(name))  # fmt: skip
+                f"proxy-{name}",
+                ["--port", str(PROXY_PORT), "--delay-ms", f"{args.delay_ms:g}", "--mark", str(MARK)],
+                logs,
+                command=[sys.executable, str(HERE / "delay_proxy.py")],
+                prefix=net.prefix(name),
+            )
             proxy.wait_ready(timeout=60)
         ports = ["--p2p-port", str(P2P_PORT), "--http-port", str(HTTP_PORT)]
         vids = [load_or_create(work / v / "node.key").node_id for v in ("v0", "v1")]
-        boot = ["bootstrap", "--host", net.ip["t"], *ports, "--data-dir", str(work / "t"),
-                *[a for v in vids for a in ("--validator", v)]]  # fmt: skip
+        boot = [
+            "bootstrap",
+            "--host",
+            net.ip["t"],
+            *ports,
+            "--data-dir",
+            str(work / "t"),
+            *[a for v in vids for a in ("--validator", v)],
+        ]
         nodes["t"] = NodeProcess("trainer", boot, logs, prefix=net.prefix("t"))
         ready["t"] = t = nodes["t"].wait_ready(timeout=180)
         for name in ("v0", "v1", *producers):
@@ -220,8 +297,10 @@ def main() -> None:
             time.sleep(2)
         others = {name: status(net, name, ready[name]["status_url"]) for name in ("v0", "v1")}
         count.update({name: counters(net, name, ready[name]["status_url"]) for name in ("t", "v0", "v1")})
-        total = {k: sum(c.get(k, 0.0) for c in count.values()) for k in
-                 ("node_gossip_received_bytes_total", "node_batches_served_bytes_total", "node_dht_stores_total")}
+        total = {
+            k: sum(c.get(k, 0.0) for c in count.values())
+            for k in ("node_gossip_received_bytes_total", "node_batches_served_bytes_total", "node_dht_stores_total")
+        }
         acked: dict[tuple[str, ...], int] = {}
         accounted: dict[tuple[str, ...], int] = defaultdict(int)
         trained: set[tuple[str, ...]] = set()
@@ -253,29 +332,38 @@ def main() -> None:
             ("trainer steps", st["step"]),
             ("delivery p50 / p99 ms (made -> acked)", f"{pct(latencies, 0.5):.0f} / {pct(latencies, 0.99):.0f}"),
             ("duplicates received (announcements, bodies)", f"{dup['announcement']}, {dup['body']}"),
-            ("verdicts from validators / judged by trainer",
-             f"{st['verdicts_remote']} / {st['verdicts_self']}"),  # fmt: skip
+            ("verdicts from validators / judged by trainer", f"{st['verdicts_remote']} / {st['verdicts_self']}"),
             ("p2p bytes on the wire per acked batch", f"{wire / max(1, len(acked)) / 1e3:.1f} kB"),
             ("batch size (a direct push's bytes)", f"{batch_bytes / 1e3:.1f} kB"),
-            ("p2p MB sent: trainer / validators / producers", f"{by_host['t'] / 1e6:.1f} / "
-             f"{(by_host['v0'] + by_host['v1']) / 1e6:.1f} / {sum(by_host[n] for n in producers) / 1e6:.1f}"),
+            (
+                "p2p MB sent: trainer / validators / producers",
+                f"{by_host['t'] / 1e6:.1f} / "
+                f"{(by_host['v0'] + by_host['v1']) / 1e6:.1f} / {sum(by_host[n] for n in producers) / 1e6:.1f}",
+            ),
             ("gossip messages handled per node per second", f"{st['gossip_received'] / seconds:.1f} (trainer)"),
-            ("per acked batch, app level: push / fetched by digest / gossip delivered",
-             f"{batch_bytes / 1e3:.1f} / {total['node_batches_served_bytes_total'] / max(1, len(acked)) / 1e3:.1f} / "
-             f"{total['node_gossip_received_bytes_total'] / max(1, len(acked)) / 1e3:.1f} kB"),
+            (
+                "per acked batch, app level: push / fetched by digest / gossip delivered",
+                f"{batch_bytes / 1e3:.1f} / "
+                f"{total['node_batches_served_bytes_total'] / max(1, len(acked)) / 1e3:.1f} / "
+                f"{total['node_gossip_received_bytes_total'] / max(1, len(acked)) / 1e3:.1f} kB",
+            ),
             ("DHT record stores by all nodes, whole run", int(total["node_dht_stores_total"])),
             ("acknowledged groups lost", lost),
             ("NATed producers' batches accepted", sum(end[n]["batches_accepted"] for n in natted)),
-            ("NATed reachability (p2p, http)", [(end[n]["reachability"].get("p2p"), end[n]["reachability"].get("http"))
-                                                for n in natted]),  # fmt: skip
+            (
+                "NATed reachability (p2p, http)",
+                [(end[n]["reachability"].get("p2p"), end[n]["reachability"].get("http")) for n in natted],
+            ),
             ("nodes whose weight parent is NATed", natted_parents),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
             print(f"{k:<{width}}  {v}")
         natted_accepted = sum(end[n]["batches_accepted"] for n in natted)
-        print(f"gossip producers={len(producers)} natted={len(natted)} acked={len(acked)} lost_after_ack={lost} "
-              f"p99_ms={pct(latencies, 0.99):.0f} natted_accepted={natted_accepted} natted_parents={natted_parents}")
+        print(
+            f"gossip producers={len(producers)} natted={len(natted)} acked={len(acked)} lost_after_ack={lost} "
+            f"p99_ms={pct(latencies, 0.99):.0f} natted_accepted={natted_accepted} natted_parents={natted_parents}"
+        )
     finally:
         for node in reversed(list(nodes.values())):  # the proxies last: they carry the producers' connections
             node.terminate()

@@ -34,12 +34,23 @@ from typing import Any
 
 NEW_TOKENS = 64
 TOPICS = [
-    "why the sky is blue", "how a bicycle stays upright", "what a compiler does", "how bread rises",
-    "why leaves change colour in autumn", "how a refrigerator keeps food cold", "what causes ocean tides",
-    "how vaccines train the immune system", "why ice floats on water", "how a rainbow forms",
-    "what a black hole is", "how bees make honey", "why the moon has phases", "how a battery stores energy",
-    "what photosynthesis does", "how an airplane wing lifts",
-]  # fmt: skip
+    "why the sky is blue",
+    "how a bicycle stays upright",
+    "what a compiler does",
+    "how bread rises",
+    "why leaves change colour in autumn",
+    "how a refrigerator keeps food cold",
+    "what causes ocean tides",
+    "how vaccines train the immune system",
+    "why ice floats on water",
+    "how a rainbow forms",
+    "what a black hole is",
+    "how bees make honey",
+    "why the moon has phases",
+    "how a battery stores energy",
+    "what photosynthesis does",
+    "how an airplane wing lifts",
+]
 
 
 def prompts(tokenizer: Any, rows: int) -> list[list[int]]:
@@ -64,8 +75,13 @@ def measure(backend: str, dtype: str, batches: list[int], repeats: int) -> list[
     settings = ProofSettings(topk=128, decode_batch=32)
 
     def request(proofs: bool) -> SamplingRequest:
-        return SamplingRequest(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=-1,
-                               pad_id=int(tok.pad_token_id), proofs=settings if proofs else None)  # fmt: skip
+        return SamplingRequest(
+            max_new_tokens=NEW_TOKENS,
+            temperature=1.0,
+            eos_id=-1,
+            pad_id=int(tok.pad_token_id),
+            proofs=settings if proofs else None,
+        )
 
     if backend == "transformers":
         engine: Any = TransformersBackend(model)
@@ -74,8 +90,11 @@ def measure(backend: str, dtype: str, batches: list[int], repeats: int) -> list[
         from intellect_node.policy.vllm_backend import VLLMBackend
 
         engine = VLLMBackend(model, dtype=torch_dtype, threads=2)
-        modes = {"proofs": (engine.generate, request(True)), "no_proofs": (engine.generate, request(False)),
-                 "plain": (partial(plain_vllm, engine.llm), request(False))}  # fmt: skip
+        modes = {
+            "proofs": (engine.generate, request(True)),
+            "no_proofs": (engine.generate, request(False)),
+            "plain": (partial(plain_vllm, engine.llm), request(False)),
+        }
     out = []
     for batch in batches:
         rows = prompts(tok, max(batch, 8))
@@ -94,8 +113,17 @@ def measure(backend: str, dtype: str, batches: list[int], repeats: int) -> list[
                 if attempt:  # the first round warms up
                     best[mode] = min(best[mode], time.perf_counter() - t)
         for mode, seconds in best.items():
-            out.append(dict(backend=backend, dtype=dtype, batch=batch, mode=mode, rows=len(rows),
-                            seconds=seconds, tok_s=len(rows) * NEW_TOKENS / seconds))  # fmt: skip
+            out.append(
+                dict(
+                    backend=backend,
+                    dtype=dtype,
+                    batch=batch,
+                    mode=mode,
+                    rows=len(rows),
+                    seconds=seconds,
+                    tok_s=len(rows) * NEW_TOKENS / seconds,
+                )
+            )
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
@@ -108,21 +136,34 @@ def plain_vllm(llm: Any, rows: list[list[int]], seeds: list[int], request: Any) 
 
     from intellect_node.policy.generate import Completion
 
-    params = SamplingParams(n=1, temperature=request.temperature, max_tokens=request.max_new_tokens,
-                            ignore_eos=True, logprobs=0, detokenize=False)  # fmt: skip
+    params = SamplingParams(
+        n=1,
+        temperature=request.temperature,
+        max_tokens=request.max_new_tokens,
+        ignore_eos=True,
+        logprobs=0,
+        detokenize=False,
+    )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rows], params, use_tqdm=False)
     return [Completion(list(o.outputs[0].token_ids), [], False) for o in outs]
 
 
-FIGURES = [("transformers", "proofs"), ("transformers", "no_proofs"), ("vllm", "proofs"), ("vllm", "no_proofs"),
-           ("vllm", "plain")]  # fmt: skip
+FIGURES = [
+    ("transformers", "proofs"),
+    ("transformers", "no_proofs"),
+    ("vllm", "proofs"),
+    ("vllm", "no_proofs"),
+    ("vllm", "plain"),
+]
 
 
 def table(results: list[dict[str, Any]]) -> dict[tuple[str, str, int, str], float]:
     by = {(r["backend"], r["dtype"], r["batch"], r["mode"]): r["tok_s"] for r in results}
     print(f"\nSmolLM2-135M-Instruct, {NEW_TOKENS} new tokens per row, 2 cores; tokens per second (best of the repeats)")
-    print(f"{'dtype':6} {'batch':>5} {'transformers':>13} {'(no proofs)':>12} {'vllm':>8} {'(no proofs)':>12} "
-          f"{'vllm plain':>11} {'speedup':>8} {'vllm proof overhead':>20}")  # fmt: skip
+    print(
+        f"{'dtype':6} {'batch':>5} {'transformers':>13} {'(no proofs)':>12} {'vllm':>8} {'(no proofs)':>12} "
+        f"{'vllm plain':>11} {'speedup':>8} {'vllm proof overhead':>20}"
+    )
     for dtype in sorted({r["dtype"] for r in results}, reverse=True):
         for batch in sorted({r["batch"] for r in results}):
             t, tn, v, vn, plain = (by.get((b, dtype, batch, m)) for b, m in FIGURES)
@@ -148,8 +189,17 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for dtype in args.dtypes:
         for backend in args.backends:
-            cmd = [sys.executable, __file__, "--one", backend, dtype, "--repeats", str(args.repeats),
-                   "--batches", *map(str, args.batches)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                backend,
+                dtype,
+                "--repeats",
+                str(args.repeats),
+                "--batches",
+                *map(str, args.batches),
+            ]
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
             results += json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
     by = table(results)
@@ -159,8 +209,10 @@ def main() -> int:
     fmt = lambda x: f"{x:.0f}" if x else "-"  # noqa: E731
     speedup = f"{v / t:.2f}" if v and t else "-"
     overhead = f"{(plain / v - 1) * 100:.1f}" if v and plain else "-"
-    print(f"inference model=smollm2 dtype=fp32 batch={big} transformers_tok_s={fmt(t)} vllm_tok_s={fmt(v)} "
-          f"speedup={speedup} proof_overhead_pct={overhead}")  # fmt: skip
+    print(
+        f"inference model=smollm2 dtype=fp32 batch={big} transformers_tok_s={fmt(t)} vllm_tok_s={fmt(v)} "
+        f"speedup={speedup} proof_overhead_pct={overhead}"
+    )
     return 0
 
 

@@ -100,14 +100,23 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
         load_weights(sampler, engine.export_state())
         tasks = [source.assigned(spec.seed, COLOCATED_NODE, step, 0, slot) for slot in range(t.batch_groups)]
         prompts = [encode_prompt(tok, task.prompt) for task in tasks]
-        seeds = [sampling_seed(spec.seed, COLOCATED_NODE, step, 0, g, j) for g in range(len(tasks))
-                 for j in range(s.group_size)]  # fmt: skip
+        seeds = [
+            sampling_seed(spec.seed, COLOCATED_NODE, step, 0, g, j)
+            for g in range(len(tasks))
+            for j in range(s.group_size)
+        ]
         groups = sample_groups(sampler, prompts, s.group_size, s.max_new_tokens, s.temperature, eos, pad, seeds)
         batch = [
-            Group(COLOCATED_NODE, step, p, [c.tokens for c in g], [c.logprobs for c in g],
-                  [task_reward(tok, task, c.tokens, c.terminated, spec.task) for c in g])
+            Group(
+                COLOCATED_NODE,
+                step,
+                p,
+                [c.tokens for c in g],
+                [c.logprobs for c in g],
+                [task_reward(tok, task, c.tokens, c.terminated, spec.task) for c in g],
+            )
             for p, g, task in zip(prompts, groups, tasks, strict=True)
-        ]  # fmt: skip
+        ]
         rewards = torch.tensor([g.rewards for g in batch])
         ids, attn, mask, logp_old = pack_sequences(batch, pad)
         engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), t.lr)
@@ -153,9 +162,14 @@ def _keep(weights_root: Path, dest: Path) -> Path | None:
 
 
 def swarm(
-    label: str, async_level: int, seconds: float, every: float, out: Path, node_args: tuple[str, ...] = (),
+    label: str,
+    async_level: int,
+    seconds: float,
+    every: float,
+    out: Path,
+    node_args: tuple[str, ...] = (),
     validators: int = 0,
-) -> tuple[Curve, list[Any], dict]:  # fmt: skip
+) -> tuple[Curve, list[Any], dict]:
     root = out / label
     logs = root / "logs"
     nodes: list[NodeProcess] = []
@@ -165,24 +179,53 @@ def swarm(
     try:
         trainer = NodeProcess(
             f"{label}-trainer",
-            ["bootstrap", "--config", str(CONFIG), "--data-dir", str(root / "trainer"), "--fresh", "--threads", "1",
-             "--checkpoint-every", "0", "--set", f"train.async_level={async_level}",
-             *[a for v in vids for a in ("--validator", v)]],
+            [
+                "bootstrap",
+                "--config",
+                str(CONFIG),
+                "--data-dir",
+                str(root / "trainer"),
+                "--fresh",
+                "--threads",
+                "1",
+                "--checkpoint-every",
+                "0",
+                "--set",
+                f"train.async_level={async_level}",
+                *[a for v in vids for a in ("--validator", v)],
+            ],
             logs,
-        )  # fmt: skip
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=600)
         for i in range(validators):
-            nodes.append(NodeProcess(f"{label}-validator-{i}", join_argv("validator", ready, root / f"validator-{i}",
-                                                                         "--threads", "1"), logs))  # fmt: skip
+            nodes.append(
+                NodeProcess(
+                    f"{label}-validator-{i}",
+                    join_argv("validator", ready, root / f"validator-{i}", "--threads", "1"),
+                    logs,
+                )
+            )
         for node in nodes[1:]:
             node.wait_ready(timeout=600)
         worker = NodeProcess(
             f"{label}-inference",
-            ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(root / "inference"), "--threads", "1", *node_args],
+            [
+                "join",
+                "--role",
+                "inference",
+                "--peers",
+                ready["p2p_maddrs"][0],
+                "--run-id",
+                ready["run_id"],
+                "--data-dir",
+                str(root / "inference"),
+                "--threads",
+                "1",
+                *node_args,
+            ],
             logs,
-        )  # fmt: skip
+        )
         nodes.append(worker)
         worker_ready = worker.wait_ready(timeout=600)
         weights_root = root / "trainer" / "weights" / ready["run_id"]
@@ -221,15 +264,20 @@ def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, t
         curve, kept, info = swarm(name, level, seconds, every, out, extra, 2 if name == "validators" else 0)
         steps = info["steps"]
         history = info["trainer"]["history"]
-        split = {k: sum(h.get(f, 0.0) for h in history) / max(1, len(history))
-                 for k, f in SPLIT.items()}  # fmt: skip
+        split = {k: sum(h.get(f, 0.0) for h in history) / max(1, len(history)) for k, f in SPLIT.items()}
         split["verdicts_remote"] = info["trainer"].get("verdicts_remote", 0)
         split["verdicts_self"] = info["trainer"].get("verdicts_self", 0)
     (out / name).mkdir(parents=True, exist_ok=True)
-    (out / name / "result.json").write_text(json.dumps(
-        {"rewards": curve.rewards, "kept": [(m, str(p)) for m, p in kept], "steps": steps,
-         "split": split if name != "colocated" else {}}
-    ))  # fmt: skip
+    (out / name / "result.json").write_text(
+        json.dumps(
+            {
+                "rewards": curve.rewards,
+                "kept": [(m, str(p)) for m, p in kept],
+                "steps": steps,
+                "split": split if name != "colocated" else {},
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -238,8 +286,9 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="redo runs that already have a result.json in --out")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
-    parser.add_argument("--runs", default="colocated,async2,sync",
-                        help="any of colocated, async2, sync, validators, vllm")  # fmt: skip
+    parser.add_argument(
+        "--runs", default="colocated,async2,sync", help="any of colocated, async2, sync, validators, vllm"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated loop and evaluation")
     parser.add_argument("--eval-problems", type=int, default=200)
@@ -264,8 +313,20 @@ def main() -> None:
             print(f"run {name}: reusing {result}", flush=True)
         else:
             print(f"run {name}", flush=True)
-            argv = [sys.executable, __file__, "--run-one", name, "--out", str(out), "--minutes", str(args.minutes),
-                    "--eval-every", str(args.eval_every), "--threads", str(args.threads)]  # fmt: skip
+            argv = [
+                sys.executable,
+                __file__,
+                "--run-one",
+                name,
+                "--out",
+                str(out),
+                "--minutes",
+                str(args.minutes),
+                "--eval-every",
+                str(args.eval_every),
+                "--threads",
+                str(args.threads),
+            ]
             subprocess.run(argv, check=True)
         data = json.loads(result.read_text())
         curves[name] = Curve(name, rewards=[tuple(r) for r in data["rewards"]])
@@ -279,8 +340,11 @@ def main() -> None:
     held_out = task_source(spec.task).held_out_tasks()[: args.eval_problems]
     started = time.monotonic()
     before = accuracy(spec, model, tok, held_out)
-    print(f"held-out accuracy before training: {before:.3f} ({len(held_out)} problems, "
-          f"{time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
+    print(
+        f"held-out accuracy before training: {before:.3f} ({len(held_out)} problems, "
+        f"{time.monotonic() - started:.0f}s)",
+        flush=True,
+    )
     for name in runs:
         curves[name].accuracy.append((0.0, before))
         for mark, folder in kept[name]:
@@ -290,33 +354,46 @@ def main() -> None:
             acc = accuracy(spec, model, tok, held_out)
             curves[name].accuracy.append((mark, acc))
             print(f"  {name} t={mark / 60:.1f}min accuracy={acc:.3f}", flush=True)
-    png = plot(list(curves.values()), out / "learning.png",
-               f"SmolLM2-135M-Instruct, two-digit addition, {args.minutes:g} min per run (2-core CPU)")  # fmt: skip
-    (out / "learning.json").write_text(json.dumps(
-        {n: {"rewards": c.rewards, "accuracy": c.accuracy, "steps": infos[n]["steps"]} for n, c in curves.items()}
-    ))  # fmt: skip
+    png = plot(
+        list(curves.values()),
+        out / "learning.png",
+        f"SmolLM2-135M-Instruct, two-digit addition, {args.minutes:g} min per run (2-core CPU)",
+    )
+    (out / "learning.json").write_text(
+        json.dumps(
+            {n: {"rewards": c.rewards, "accuracy": c.accuracy, "steps": infos[n]["steps"]} for n, c in curves.items()}
+        )
+    )
 
     def final(name: str) -> float:
         return curves[name].accuracy[-1][1] if name in curves else float("nan")
 
     print()
-    print(f"{'run':<11}{'steps':>7}{'reward first 5':>16}{'reward last 5':>15}{'acc before':>12}"
-          + "".join(f"{f'@{m / 60:g}min':>9}" for m, _ in kept[runs[0]] if m) + f"{'gain':>8}")  # fmt: skip
+    print(
+        f"{'run':<11}{'steps':>7}{'reward first 5':>16}{'reward last 5':>15}{'acc before':>12}"
+        + "".join(f"{f'@{m / 60:g}min':>9}" for m, _ in kept[runs[0]] if m)
+        + f"{'gain':>8}"
+    )
     for name in runs:
         c = curves[name]
         first = sum(r for _, r in c.rewards[:5]) / max(1, len(c.rewards[:5]))
         last = sum(r for _, r in c.rewards[-5:]) / max(1, len(c.rewards[-5:]))
         accs = "".join(f"{a:>9.3f}" for m, a in c.accuracy if m)
-        print(f"{name:<11}{infos[name]['steps']:>7}{first:>16.3f}{last:>15.3f}{before:>12.3f}{accs}"
-              f"{final(name) - before:>+8.3f}")  # fmt: skip
+        print(
+            f"{name:<11}{infos[name]['steps']:>7}{first:>16.3f}{last:>15.3f}{before:>12.3f}{accs}"
+            f"{final(name) - before:>+8.3f}"
+        )
     swarms = [n for n in runs if infos[n].get("split")]
     if swarms:
         print()
         print(f"{'trainer, s/step':<16}" + "".join(f"{k:>10}" for k in SPLIT) + f"{'judged by validators / here':>30}")
         for name in swarms:
             sp = infos[name]["split"]
-            print(f"{name:<16}" + "".join(f"{sp[k]:>10.2f}" for k in SPLIT)
-                  + f"{sp['verdicts_remote']:>22} / {sp['verdicts_self']}")  # fmt: skip
+            print(
+                f"{name:<16}"
+                + "".join(f"{sp[k]:>10.2f}" for k in SPLIT)
+                + f"{sp['verdicts_remote']:>22} / {sp['verdicts_self']}"
+            )
     print(f"plot: {png}")
     print(
         f"learning model=smollm2-135m task=addition-2digit acc_before={before:.3f} acc_after={final('async2'):.3f} "

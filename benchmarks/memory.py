@@ -90,24 +90,32 @@ def main() -> None:
         return out
 
     tokenizer = part("tokenizer", lambda: build_tokenizer(spec.model))
-    engine = part("policy engine (fp32 weights" + (", reference model)" if spec.train.kl_coef > 0 else ")"),
-                  lambda: local_engine(spec, tokenizer, device="cpu"))  # fmt: skip
+    engine = part(
+        "policy engine (fp32 weights" + (", reference model)" if spec.train.kl_coef > 0 else ")"),
+        lambda: local_engine(spec, tokenizer, device="cpu"),
+    )
     params = sum(p.numel() for p in engine.model.parameters())
     stored = DTYPES[spec.model.dtype]
-    part(f"validator's model (kept in {spec.model.dtype}, computing in fp32)",
-         lambda: stored_in(build_model(spec.model, tokenizer, torch.float32), stored))  # fmt: skip
+    part(
+        f"validator's model (kept in {spec.model.dtype}, computing in fp32)",
+        lambda: stored_in(build_model(spec.model, tokenizer, torch.float32), stored),
+    )
 
     n_rows = spec.task.tasks_per_batch * spec.sampling.group_size
     prompt, new = 40, spec.sampling.max_new_tokens
     gen = torch.Generator().manual_seed(0)
     vocab = int(engine.model.config.vocab_size)
     groups = [
-        Group("n", 0, torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
-              [torch.randint(0, vocab, (new,), generator=gen).tolist() for _ in range(spec.sampling.group_size)],
-              [[-1.0] * new for _ in range(spec.sampling.group_size)],
-              [float(j % 2) for j in range(spec.sampling.group_size)])
+        Group(
+            "n",
+            0,
+            torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
+            [torch.randint(0, vocab, (new,), generator=gen).tolist() for _ in range(spec.sampling.group_size)],
+            [[-1.0] * new for _ in range(spec.sampling.group_size)],
+            [float(j % 2) for j in range(spec.sampling.group_size)],
+        )
         for _ in range(spec.task.tasks_per_batch)
-    ]  # fmt: skip
+    ]
     ids, attn, mask, logp_old = pack_sequences(groups, int(tokenizer.pad_token_id))
     advantages = torch.tensor([g.rewards for g in groups]).flatten() - 0.5
     packed = Packed(ids, attn, mask, logp_old, advantages)
@@ -117,8 +125,9 @@ def main() -> None:
     _, first_peak = peak_during(lambda: engine.step(packed, 1e-6))
     gc.collect()
     trim_freed()  # as the trainer does after each step: what the step freed is not held for the next
-    rows.append((f"optimizer state, {spec.train.optimizer_state_dtype} moments (after the first step)",
-                 (rss() - before) / MB))  # fmt: skip
+    rows.append(
+        (f"optimizer state, {spec.train.optimizer_state_dtype} moments (after the first step)", (rss() - before) / MB)
+    )
     last = rss()
     began = time.perf_counter()
     _, peak = peak_during(lambda: engine.step(packed, 1e-6))
@@ -131,15 +140,21 @@ def main() -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v:>8.0f}")
     print(f"{'resident after setup':<{width}}  {total:>8.0f}")
-    print(f"{'a training step, peak above that':<{width}}  {step_peak / MB:>8.0f}   ({n_rows} rows x "
-          f"{ids.shape[1]} positions, {tokens} completion tokens, micro_rows={spec.train.micro_rows or n_rows})")
+    print(
+        f"{'a training step, peak above that':<{width}}  {step_peak / MB:>8.0f}   ({n_rows} rows x "
+        f"{ids.shape[1]} positions, {tokens} completion tokens, micro_rows={spec.train.micro_rows or n_rows})"
+    )
     print(f"{'first step, peak (optimizer state allocated)':<{width}}  {(first_peak - before) / MB:>8.0f}")
     print(f"{'a training step, seconds (2 threads)':<{width}}  {step_s:>8.1f}")
-    print(f"parameters: {params / 1e6:.1f} M; resident after setup per parameter: {last / params:.1f} bytes; "
-          f"step peak per completion token: {step_peak / tokens / 1e3:.0f} kB")  # fmt: skip
-    print(f"memory model={spec.model.name or spec.model.kind} params_m={params / 1e6:.1f} trainer_rss_mb={total:.0f} "
-          f"step_peak_mb={step_peak / MB:.0f} bytes_per_param={last / params:.1f} "
-          f"step_bytes_per_token={step_peak / tokens:.0f} step_s={step_s:.1f}")
+    print(
+        f"parameters: {params / 1e6:.1f} M; resident after setup per parameter: {last / params:.1f} bytes; "
+        f"step peak per completion token: {step_peak / tokens / 1e3:.0f} kB"
+    )
+    print(
+        f"memory model={spec.model.name or spec.model.kind} params_m={params / 1e6:.1f} trainer_rss_mb={total:.0f} "
+        f"step_peak_mb={step_peak / MB:.0f} bytes_per_param={last / params:.1f} "
+        f"step_bytes_per_token={step_peak / tokens:.0f} step_s={step_s:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,23 @@ class Topology:
                 run("ip", "-n", ns, "link", "set", inner, "up")
                 run("ip", "-n", ns, "link", "set", "lo", "up")
                 # The host's upload: everything it sends leaves through this veth at `mbit`.
-                run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "tbf", "rate", f"{mbit}mbit",
-                    "burst", "256kb", "latency", "200ms")  # fmt: skip
+                run(
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    inner,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{mbit}mbit",
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "200ms",
+                )
                 self.hosts.append(Host(f"h{i}", ns, ip))
         except BaseException:
             self.close()

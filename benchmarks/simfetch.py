@@ -116,7 +116,7 @@ class Fetcher:
             n.mark[s] = (self.sw.clock.now, float(self.sw.net.got[n.idx, s]))
             self.pick(n, s)
         self.sw.publish(n)
-        for (c, _s) in list(n.children):  # news travels down as the data does: /relay/next, then the manifest
+        for c, _s in list(n.children):  # news travels down as the data does: /relay/next, then the manifest
             child = self.sw.nodes[c]
             self.sw.clock.at(self.sw.clock.now + 2 * self.sw.rtt(n, child), self.begin, child)
 
@@ -189,8 +189,9 @@ class Fetcher:
                     self.sw.stats.alt_shards += 1
                     if admitted == "spare":
                         self.lent_spare.add((n.idx, s))
-                    self.sw.net.start_side(n.idx, s, t.idx, self.sw.net.shard, self.sw.clock.now,
-                                        self.sw.clock.now + self.sw.rtt(n, t))  # fmt: skip
+                    self.sw.net.start_side(
+                        n.idx, s, t.idx, self.sw.net.shard, self.sw.clock.now, self.sw.clock.now + self.sw.rtt(n, t)
+                    )
                 if self.sw.net.src[n.idx, s] != p:
                     self.set_source(n, s, self.sw.nodes[p])
                 return
@@ -223,8 +224,13 @@ class Fetcher:
             return ""
         if len(self.sw.active(t)) + net.lent[t.idx] < t.slots + t.kept:
             return "slot"
-        sending = any(net.src[c, s] == t.idx and net.want[c, s] and self.sw.nodes[c].alive
-                      and net.got[c, s] < net.need[s] - net.skip[c, s] for (c, s) in t.children)  # fmt: skip
+        sending = any(
+            net.src[c, s] == t.idx
+            and net.want[c, s]
+            and self.sw.nodes[c].alive
+            and net.got[c, s] < net.need[s] - net.skip[c, s]
+            for (c, s) in t.children
+        )
         return "spare" if not sending and net.lent[t.idx] < t.slots + t.kept else ""
 
     def endgame(self, n: Node) -> None:

@@ -66,8 +66,12 @@ def tcp_weights(rows: np.ndarray, cols: np.ndarray, srcs: np.ndarray, spread: fl
     of its log, fixed for the connection (receiver, stripe, source) and the seed; 1 everywhere at spread 0."""
     if spread <= 0:
         return np.ones(len(rows))
-    h = (rows.astype(np.uint64) * np.uint64(0x9E3779B1) + cols.astype(np.uint64) * np.uint64(0x85EBCA77)
-         + srcs.astype(np.uint64) * np.uint64(0xC2B2AE3D) + np.uint64(seed * 0x27D4EB2F + 1))  # fmt: skip
+    h = (
+        rows.astype(np.uint64) * np.uint64(0x9E3779B1)
+        + cols.astype(np.uint64) * np.uint64(0x85EBCA77)
+        + srcs.astype(np.uint64) * np.uint64(0xC2B2AE3D)
+        + np.uint64(seed * 0x27D4EB2F + 1)
+    )
     h ^= h >> np.uint64(15)
     h *= np.uint64(0x2C1B3C6D)
     h ^= h >> np.uint64(12)
@@ -83,8 +87,17 @@ class Net:
     flight); ``want``: the node is receiving the version. ``store_forward``: a source passes on whole shards
     only (shardcast), else cut-through ``lag`` seconds behind."""
 
-    def __init__(self, n: int, need: list[float], shard: float, lag: float, store_forward: bool = False,
-                 unfair: float = 0.0, seed: int = 0, paced: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        need: list[float],
+        shard: float,
+        lag: float,
+        store_forward: bool = False,
+        unfair: float = 0.0,
+        seed: int = 0,
+        paced: float | None = None,
+    ) -> None:
         k = len(need)
         self.unfair, self.seed, self.paced = unfair, seed, paced
         """``unfair``: the spread of TCP's uneven sharing of one link (tcp_weights); 0: max-min fair. ``paced``:
@@ -117,8 +130,11 @@ class Net:
         the rate the source receives the stripe at)."""
         have = self.got[srcs, cols]
         full = have >= self.need[cols]
-        held = (np.floor(have / self.shard) * self.shard if self.store_forward
-                else np.maximum(0.0, have - self.lag * src_rate))  # fmt: skip
+        held = (
+            np.floor(have / self.shard) * self.shard
+            if self.store_forward
+            else np.maximum(0.0, have - self.lag * src_rate)
+        )
         return np.where(full, self.need[cols], held)
 
     def start_side(self, n: int, s: int, src: int, size: float, now: float, ready: float) -> None:

@@ -86,9 +86,20 @@ class Asked(Mapping[str, NodeRecord]):
 class Swarm:
     """The simulated nodes, the DHT view they read, and the glue (attach, keep-alive, news of the version)."""
 
-    def __init__(self, net: Net, clock: Clock, stripes: int, dht_lag: float, rng: random.Random,
-                 fixed_slots: int | None = None, detect_s: float = DETECT_S, svc_s: float = 0.0,
-                 preempt: bool = True, spare_min: int = 10**9, moves_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        net: Net,
+        clock: Clock,
+        stripes: int,
+        dht_lag: float,
+        rng: random.Random,
+        fixed_slots: int | None = None,
+        detect_s: float = DETECT_S,
+        svc_s: float = 0.0,
+        preempt: bool = True,
+        spare_min: int = 10**9,
+        moves_s: float = 0.0,
+    ) -> None:
         self.net, self.clock, self.k, self.dht_lag, self.rng = net, clock, stripes, dht_lag, rng
         self.fixed_slots, self.detect_s, self.svc_s = fixed_slots, detect_s, svc_s
         self.preempt = preempt
@@ -128,8 +139,17 @@ class Swarm:
     # ---------------------------------------------------------------- nodes and records
     def add(self, up: float, down: float, reachable: bool, latency: float) -> Node:
         i = len(self.nodes)
-        node = Node(i, f"{i + 1:032x}" if i else "f" * 32, up, down, reachable, latency,
-                    parent=[-1] * self.k, choosing=[False] * self.k, mark=[(0.0, 0.0)] * self.k)  # fmt: skip
+        node = Node(
+            i,
+            f"{i + 1:032x}" if i else "f" * 32,
+            up,
+            down,
+            reachable,
+            latency,
+            parent=[-1] * self.k,
+            choosing=[False] * self.k,
+            mark=[(0.0, 0.0)] * self.k,
+        )
         self.nodes.append(node)
         self.ids[node.nid] = i
         self.net.up[i], self.net.down[i] = up, down
@@ -145,8 +165,11 @@ class Swarm:
     def active(self, t: Node) -> dict[tuple[int, int], float]:
         """A server's children as it counts them: living ones, and departed ones until CHILD_TTL_S (MIRROR)."""
         now = self.clock.now
-        return {c: (now if self.nodes[c[0]].alive else self.nodes[c[0]].left_at) for c in t.children
-                if self.nodes[c[0]].alive or now - self.nodes[c[0]].left_at < CHILD_TTL_S}  # fmt: skip
+        return {
+            c: (now if self.nodes[c[0]].alive else self.nodes[c[0]].left_at)
+            for c in t.children
+            if self.nodes[c[0]].alive or now - self.nodes[c[0]].left_at < CHILD_TTL_S
+        }
 
     def depth(self, n: Node, s: int) -> int:
         d, seen = 0, set()
@@ -167,12 +190,26 @@ class Swarm:
         rooted = n.idx == ORIGIN or n.parent[s] >= 0
         free = max(0, n.slots - len(self.active(n))) if rooted else 0
         parent = self.nodes[n.parent[s]].nid if n.idx != ORIGIN and n.parent[s] >= 0 else None
-        relay = RelayInfo(depth=max(0, self.depth(n, s)), parent=parent, slots_total=n.slots, slots_free=free,
-                          upload_bps=n.up if n.reachable else 0.0, stripe=s, stripes=self.k,
-                          versions=[1] if n.done == n.done else [], fetching=1 if n.fetching else -1)  # fmt: skip
-        return NodeRecord(run_id=self.origin.nid, node_id=n.nid, role="trainer" if n.idx == ORIGIN else "relay",
-                          http_url=f"http://n{n.idx}" if n.reachable else None, updated=self.clock.now,
-                          weight_version=1 if n.done == n.done else 0, relay=relay)  # fmt: skip
+        relay = RelayInfo(
+            depth=max(0, self.depth(n, s)),
+            parent=parent,
+            slots_total=n.slots,
+            slots_free=free,
+            upload_bps=n.up if n.reachable else 0.0,
+            stripe=s,
+            stripes=self.k,
+            versions=[1] if n.done == n.done else [],
+            fetching=1 if n.fetching else -1,
+        )
+        return NodeRecord(
+            run_id=self.origin.nid,
+            node_id=n.nid,
+            role="trainer" if n.idx == ORIGIN else "relay",
+            http_url=f"http://n{n.idx}" if n.reachable else None,
+            updated=self.clock.now,
+            weight_version=1 if n.done == n.done else 0,
+            relay=relay,
+        )
 
     def publish(self, n: Node, force: bool = False) -> None:
         """Publish ``n``'s record if it changed (or ``force``): others see it ``dht_lag`` later."""
@@ -180,8 +217,14 @@ class Swarm:
             return
         s = n.home
         rooted = n.idx == ORIGIN or n.parent[s] >= 0
-        key = (self.depth(n, s), n.parent[s], n.slots, len(self.active(n)) if rooted else -1, n.done == n.done,
-               n.fetching)  # fmt: skip
+        key = (
+            self.depth(n, s),
+            n.parent[s],
+            n.slots,
+            len(self.active(n)) if rooted else -1,
+            n.done == n.done,
+            n.fetching,
+        )
         if not force and key == n.published:
             return
         n.published = key
@@ -193,8 +236,12 @@ class Swarm:
     def _show(self, r: NodeRecord) -> None:
         nid = r.node_id
         was = self.visible.get(nid)
-        if was is None or was.relay is None or r.relay is None or (was.relay.stripe, was.relay.slots_total) != (
-                r.relay.stripe, r.relay.slots_total):  # fmt: skip
+        if (
+            was is None
+            or was.relay is None
+            or r.relay is None
+            or (was.relay.stripe, was.relay.slots_total) != (r.relay.stripe, r.relay.slots_total)
+        ):
             self._moves_dirty = True
         self.visible[nid] = r
         assert r.relay is not None
@@ -234,8 +281,15 @@ class Swarm:
         while True:
             head = {self.origin.nid: self.visible[self.origin.nid]} if self.origin.nid in self.visible else {}
             head.update((key[2], self.visible[key[2]]) for key in order[:m])
-            out = parents(Asked(head, self.visible), n.nid, self.origin.nid, avoid,
-                          stripe=s if self.k > 1 else None, home=home, limit=MAX_ATTACH_TRIES)  # fmt: skip
+            out = parents(
+                Asked(head, self.visible),
+                n.nid,
+                self.origin.nid,
+                avoid,
+                stripe=s if self.k > 1 else None,
+                home=home,
+                limit=MAX_ATTACH_TRIES,
+            )
             if m >= len(order) or sum(c.node_id != self.origin.nid for c in out) >= MAX_ATTACH_TRIES:
                 return out
             m *= 4
@@ -278,8 +332,13 @@ class Swarm:
         # relay.ShardServer.shed: children past the slots (at the origin, past their stripe's share) give theirs up
         for c in st.over_share(self._child_info(self.active(n)), n.slots, self.k if n.idx == ORIGIN else 1):
             n.children.pop(c, None)
-            self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
-                          self._refused, self.nodes[c[0]], c[1], n)  # fmt: skip
+            self.clock.at(
+                self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c[0]]),
+                self._refused,
+                self.nodes[c[0]],
+                c[1],
+                n,
+            )
 
     # ---------------------------------------------------------------- joining, attaching, leaving
     def join(self, n: Node) -> None:
@@ -325,8 +384,13 @@ class Swarm:
         self.stats.rehomed += 1
         for c, s in [c for c in n.children if c[1] == old]:
             n.children.pop((c, s))
-            self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c]),
-                          self._refused, self.nodes[c], s, n)  # fmt: skip
+            self.clock.at(
+                self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(n, self.nodes[c]),
+                self._refused,
+                self.nodes[c],
+                s,
+                n,
+            )
         self.publish(n)
 
     def climb(self, n: Node) -> None:
@@ -430,8 +494,13 @@ class Swarm:
                 active.pop(c)
                 t.children.pop(c, None)
                 self.stats.preempted += 1
-                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(t, self.nodes[c[0]]),
-                              self._refused, self.nodes[c[0]], c[1], t)  # fmt: skip
+                self.clock.at(
+                    self.clock.now + self.rng.random() * KEEPALIVE_S + self.rtt(t, self.nodes[c[0]]),
+                    self._refused,
+                    self.nodes[c[0]],
+                    c[1],
+                    t,
+                )
                 ok = self._room(t, active, s)  # not when its slots were planned down below its children meanwhile
         if ok:
             t.children = {c: v for c, v in t.children.items() if c in active}
@@ -518,12 +587,18 @@ class Swarm:
         self.net.rate[users] = 0.0
         sides = [key for key, x in self.net.side.items() if int(x[0]) == n.idx]
         for r, s in [*zip(*users, strict=True), *sides]:
-            self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s, self._noticed,
-                          self.nodes[int(r)], int(s), n)  # fmt: skip
+            self.clock.at(
+                self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s,
+                self._noticed,
+                self.nodes[int(r)],
+                int(s),
+                n,
+            )
         for (c, s), _ in list(n.children.items()):
             if self.net.src[c, s] != n.idx:
-                self.clock.at(self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s, self._noticed,
-                              self.nodes[c], s, n)  # fmt: skip
+                self.clock.at(
+                    self.clock.now + self.rng.random() * KEEPALIVE_S + self.detect_s, self._noticed, self.nodes[c], s, n
+                )
         for p in set(n.parent):
             if p >= 0:
                 self.clock.at(self.clock.now + CHILD_TTL_S, self.publish, self.nodes[p])

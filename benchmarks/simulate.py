@@ -125,20 +125,27 @@ def population(n: int, rng: random.Random, dc_share: float, nat: float) -> list[
     out = []
     for _ in range(n):
         if rng.random() < dc_share:
-            out.append(Peer(rng.uniform(500, 1000) * MBIT, rng.uniform(1000, 10000) * MBIT, True,
-                            rng.uniform(0.002, 0.010)))  # fmt: skip
+            out.append(
+                Peer(rng.uniform(500, 1000) * MBIT, rng.uniform(1000, 10000) * MBIT, True, rng.uniform(0.002, 0.010))
+            )
         else:
             up = math.exp(rng.uniform(math.log(10), math.log(300)))
             nat_here = nat / max(1e-9, 1 - dc_share)  # NAT nodes are residential
-            out.append(Peer(up * MBIT, min(1000, max(100, 10 * up)) * MBIT, rng.random() >= nat_here,
-                            rng.uniform(0.005, 0.040)))  # fmt: skip
+            out.append(
+                Peer(
+                    up * MBIT, min(1000, max(100, 10 * up)) * MBIT, rng.random() >= nat_here, rng.uniform(0.005, 0.040)
+                )
+            )
     return out
 
 
 def bound(size: float, origin: Peer, stayers: list[Peer]) -> float:
     n = len(stayers)
-    return max(size / origin.up, n * size / (origin.up + sum(p.up for p in stayers)),
-               size / min((p.down for p in stayers), default=math.inf))  # fmt: skip
+    return max(
+        size / origin.up,
+        n * size / (origin.up + sum(p.up for p in stayers)),
+        size / min((p.down for p in stayers), default=math.inf),
+    )
 
 
 def _need(sc: Scenario, stripes: int) -> list[float]:
@@ -151,11 +158,21 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     started = time.monotonic()
     rng = random.Random(sc.seed)
     total = 1 + len(sc.peers) + len(sc.joiners)
-    net = Net(total, _need(sc, sc.stripes), sc.shard, sc.lag, unfair=sc.unfair, seed=sc.seed,
-              paced=min(sc.unfair, sc.paced))
+    net = Net(
+        total, _need(sc, sc.stripes), sc.shard, sc.lag, unfair=sc.unfair, seed=sc.seed, paced=min(sc.unfair, sc.paced)
+    )
     clock = Clock(net, sc.tick, start=-sc.formation - 30.0, exact=sc.exact)
-    swarm = Swarm(net, clock, sc.stripes, sc.dht_lag, rng, fixed_slots=sc.slots, preempt=sc.preempt,
-                  spare_min=sc.spare_min, moves_s=0.0 if sc.exact else 1.0)
+    swarm = Swarm(
+        net,
+        clock,
+        sc.stripes,
+        sc.dht_lag,
+        rng,
+        fixed_slots=sc.slots,
+        preempt=sc.preempt,
+        spare_min=sc.spare_min,
+        moves_s=0.0 if sc.exact else 1.0,
+    )
     o = swarm.add(sc.origin.up, sc.origin.down, True, sc.origin.latency)
     clock.at(clock.now, swarm.join, o)
     nodes = [swarm.add(p.up, p.down, p.reachable, p.latency) for p in sc.peers]
@@ -182,7 +199,7 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
         swarm.version_out = True
         net.got[ORIGIN, :] = net.need
         o.done = 0.0
-        for (c, _s) in list(o.children):
+        for c, _s in list(o.children):
             clock.at(2 * swarm.rtt(o, swarm.nodes[c]), swarm.fetch.begin, swarm.nodes[c])
         for n in swarm.nodes[1:]:  # no parent to tell it: the trainer's record, read a DHT lag later
             clock.at(sc.dht_lag + rng.random() * 2.0, swarm.fetch.begin, n)
@@ -190,15 +207,24 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     clock.at(sc.publish_at, publish)
 
     def progress() -> None:  # a long run says how far it got (a run stopped early still tells something)
-        print(f"    t={clock.now:.0f}s left={left[0]} events={clock.events} wall={time.monotonic() - started:.0f}s",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"    t={clock.now:.0f}s left={left[0]} events={clock.events} wall={time.monotonic() - started:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         clock.at(clock.now + 300.0, progress)
 
     if verbose:
         clock.at(clock.now, progress)
     b = bound(sc.size, sc.origin, [sc.peers[i] for i in range(len(sc.peers)) if nodes[i].idx not in leaving])
-    clock.run(until=50 * b + 3600, on_cross=swarm.fetch.crossed, on_done=done, stop=lambda: left[0] == 0,
-              flows_from=0.0, on_side=swarm.fetch.side_done)  # fmt: skip
+    clock.run(
+        until=50 * b + 3600,
+        on_cross=swarm.fetch.crossed,
+        on_done=done,
+        stop=lambda: left[0] == 0,
+        flows_from=0.0,
+        on_side=swarm.fetch.side_done,
+    )
     stay = [swarm.nodes[i] for i in required if i not in joined]
     finished = [n.done for n in stay]
     depth = max((swarm.depth(n, n.home) for n in swarm.nodes[1:] if n.alive and n.reachable), default=0)
@@ -206,13 +232,17 @@ def run_ours(sc: Scenario, verbose: bool = False) -> Result:
     if last is not None and verbose:
         stripes = " ".join(f"s{s}:{net.done_at[last.idx, s]:.0f}s<-{last.parent[s]}" for s in range(sc.stripes))
         worst = max(range(sc.stripes), key=lambda s: net.done_at[last.idx, s])
-        chain = [f"{a}:{swarm.nodes[a].up / MBIT:.0f}Mb/{len(swarm.active(swarm.nodes[a]))}of{swarm.nodes[a].slots}"
-                 for a in swarm.path(last, worst)[1:]]
+        chain = [
+            f"{a}:{swarm.nodes[a].up / MBIT:.0f}Mb/{len(swarm.active(swarm.nodes[a]))}of{swarm.nodes[a].slots}"
+            for a in swarm.path(last, worst)[1:]
+        ]
         late = sum(n.done > 1.3 * b for n in stay)
-        print(f"    last: node {last.idx} up {last.up / MBIT:.0f} down {last.down / MBIT:.0f} Mbit/s home {last.home} "
-              f"nat {not last.reachable}: {stripes}; its stripe {worst} from (node:upload/children of slots) "
-              f"{' <- '.join(chain)}; {late} nodes past 1.3x bound; stripe homes (nodes/slots) "
-              f"{_homes(swarm, sc.stripes)}")  # fmt: skip
+        print(
+            f"    last: node {last.idx} up {last.up / MBIT:.0f} down {last.down / MBIT:.0f} Mbit/s home {last.home} "
+            f"nat {not last.reachable}: {stripes}; its stripe {worst} from (node:upload/children of slots) "
+            f"{' <- '.join(chain)}; {late} nodes past 1.3x bound; stripe homes (nodes/slots) "
+            f"{_homes(swarm, sc.stripes)}"
+        )
     stats = {k: float(v) for k, v in vars(swarm.stats).items()}
     stats.update(ticks=clock.ticks, events=clock.events)
     return Result(
@@ -264,15 +294,19 @@ def run_shardcast(sc: Scenario, relays: int, relay_bps: float, poll_s: float = 3
         joined[i] = rng.random() * sc.window
         net.ready[i, 0] = max(net.ready[i, 0], joined[i])
         clock.at(joined[i], net.alive.__setitem__, i, True)
-    required = (set(range(first, len(everyone))) - leaving)
+    required = set(range(first, len(everyone))) - leaving
     left = [len(required)]
 
     def done(i: int, s: int) -> None:
         left[0] -= i in required
 
     least = (len(sc.peers) + len(sc.joiners)) * sc.size / (relays * relay_bps)  # the relays carry every byte
-    clock.run(until=4 * least + 50 * sc.size / relay_bps + 2 * sc.window + 3600, on_cross=lambda i, s: None,
-              on_done=done, stop=lambda: left[0] == 0)  # fmt: skip
+    clock.run(
+        until=4 * least + 50 * sc.size / relay_bps + 2 * sc.window + 3600,
+        on_cross=lambda i, s: None,
+        on_done=done,
+        stop=lambda: left[0] == 0,
+    )
     stay = [i for i in required if i not in joined]
     return Result(
         seconds=float(max(net.done_at[i, 0] for i in stay)),
@@ -294,13 +328,27 @@ def scale_scenario(args: argparse.Namespace, n: int, churn: float) -> Scenario:
     size = args.size_gb * 1e9
     origin = Peer(args.origin_gbit * 1000 * MBIT, args.origin_gbit * 1000 * MBIT, True, 0.002)
     b = bound(size, origin, [p for i, p in enumerate(peers) if i not in set(leave)])
-    return Scenario(size=size, shard=args.shard_mib * 2**20, stripes=args.stripes, slots=None, origin=origin,
-                    peers=peers, joiners=joiners, leave=leave, window=0.8 * b,
-                    lag=args.hop_lag_s, dht_lag=args.dht_lag,
-                    tick=args.tick or min(1.0, max(0.005, b / 3000)),
-                    formation=max(60.0, n / 50), seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout, exact=not args.coarse, unfair=args.tcp_spread,
-                    paced=args.paced_spread)  # fmt: skip
+    return Scenario(
+        size=size,
+        shard=args.shard_mib * 2**20,
+        stripes=args.stripes,
+        slots=None,
+        origin=origin,
+        peers=peers,
+        joiners=joiners,
+        leave=leave,
+        window=0.8 * b,
+        lag=args.hop_lag_s,
+        dht_lag=args.dht_lag,
+        tick=args.tick or min(1.0, max(0.005, b / 3000)),
+        formation=max(60.0, n / 50),
+        seed=args.seed,
+        preempt=not args.no_preempt,
+        spare_min=args.spare_min_fanout,
+        exact=not args.coarse,
+        unfair=args.tcp_spread,
+        paced=args.paced_spread,
+    )
 
 
 WIRE_PAYLOAD = 1448 / 1514
@@ -312,11 +360,27 @@ of shards (the benchmark's bound, 21.47 s for 64 MiB, is in payload: the wire al
 def netns_scenario(args: argparse.Namespace, n: int) -> Scenario:
     link = Peer(25 * MBIT * args.netns_payload, 1e12, True, 0.00005)
     size = 64 * 2**20
-    return Scenario(size=size, shard=2**20, stripes=args.netns_stripes, slots=args.netns_slots or None,
-                    origin=link, peers=[link] * n, joiners=[], leave=[], window=0.0, lag=args.hop_lag_s,
-                    dht_lag=1.0, tick=0.005, formation=90.0, seed=args.seed, preempt=not args.no_preempt,
-                    spare_min=args.spare_min_fanout, publish_at=args.netns_write_s,
-                    unfair=args.tcp_spread, paced=args.paced_spread)  # fmt: skip
+    return Scenario(
+        size=size,
+        shard=2**20,
+        stripes=args.netns_stripes,
+        slots=args.netns_slots or None,
+        origin=link,
+        peers=[link] * n,
+        joiners=[],
+        leave=[],
+        window=0.0,
+        lag=args.hop_lag_s,
+        dht_lag=1.0,
+        tick=0.005,
+        formation=90.0,
+        seed=args.seed,
+        preempt=not args.no_preempt,
+        spare_min=args.spare_min_fanout,
+        publish_at=args.netns_write_s,
+        unfair=args.tcp_spread,
+        paced=args.paced_spread,
+    )
 
 
 def main() -> int:
@@ -334,26 +398,50 @@ def main() -> int:
     p.add_argument("--sc-relay-gbit", type=float, default=10.0)
     p.add_argument("--skip-shardcast", action="store_true")
     p.add_argument("--skip-ours", action="store_true", help="shardcast only (its figures for a long run of ours)")
-    p.add_argument("--hop-lag-s", type=float, default=0.22,
-                   help="seconds a relay's bytes wait before going on (see the docstring: fits netns)")
+    p.add_argument(
+        "--hop-lag-s",
+        type=float,
+        default=0.22,
+        help="seconds a relay's bytes wait before going on (see the docstring: fits netns)",
+    )
     p.add_argument("--dht-lag", type=float, default=3.0, help="seconds until a published record is seen")
     p.add_argument("--tick", type=float, default=0.0, help="rate recomputation period (0: bound / 3000, <= 1 s)")
     p.add_argument("--netns-measured", default="", help="N:seconds,... measured by benchmarks/broadcast.py")
-    p.add_argument("--netns-payload", type=float, default=WIRE_PAYLOAD,
-                   help="payload share of the netns links' wire rate (Ethernet+IP+TCP headers; 1: none)")
-    p.add_argument("--netns-write-s", type=float, default=0.35,
-                   help="the origin's write of the version, on the netns clock (broadcast.py: origin write s)")
+    p.add_argument(
+        "--netns-payload",
+        type=float,
+        default=WIRE_PAYLOAD,
+        help="payload share of the netns links' wire rate (Ethernet+IP+TCP headers; 1: none)",
+    )
+    p.add_argument(
+        "--netns-write-s",
+        type=float,
+        default=0.35,
+        help="the origin's write of the version, on the netns clock (broadcast.py: origin write s)",
+    )
     p.add_argument("--netns-stripes", type=int, default=1)
     p.add_argument("--netns-slots", type=int, default=1, help="0: fan-out from upload (the new default)")
     p.add_argument("--no-preempt", action="store_true", help="a home node does not take a leaf's slot")
-    p.add_argument("--spare-min-fanout", type=int, default=10**9,
-                   help="a spare slot from this fan-out up (default: none, as the node)")
-    p.add_argument("--tcp-spread", type=float, default=0.05,
-                   help="TCP's uneven sharing of a link: std of the log of each connection's weight (0: max-min "
-                        "fair); default measured: the origin's connections in three netns DEBUG runs, 0.032-0.08")
-    p.add_argument("--paced-spread", type=float, default=0.03,
-                   help="what is left of it at an upload that paces its connections (pacing.FairShare); default "
-                        "measured: the roots' stripe rates from the origin in two netns DEBUG runs, 0.024 and 0.030")
+    p.add_argument(
+        "--spare-min-fanout",
+        type=int,
+        default=10**9,
+        help="a spare slot from this fan-out up (default: none, as the node)",
+    )
+    p.add_argument(
+        "--tcp-spread",
+        type=float,
+        default=0.05,
+        help="TCP's uneven sharing of a link: std of the log of each connection's weight (0: max-min "
+        "fair); default measured: the origin's connections in three netns DEBUG runs, 0.032-0.08",
+    )
+    p.add_argument(
+        "--paced-spread",
+        type=float,
+        default=0.03,
+        help="what is left of it at an upload that paces its connections (pacing.FairShare); default "
+        "measured: the roots' stripe rates from the origin in two netns DEBUG runs, 0.024 and 0.030",
+    )
     p.add_argument("--coarse", action="store_true", help="scale runs: bytes move at ticks only (simnet.Clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="where the last node's time went")
@@ -372,8 +460,16 @@ def main() -> int:
         for churn in sorted(set(args.churn_values) if args.churn_values else {0.0, args.churn}):
             sc = scale_scenario(args, n, churn)
             if args.skip_ours:
-                r = Result(math.nan, bound(sc.size, sc.origin, [p for i, p in enumerate(sc.peers) if i not in
-                           set(sc.leave)]), 0.0, 0, False, 0, {}, 0.0)  # fmt: skip
+                r = Result(
+                    math.nan,
+                    bound(sc.size, sc.origin, [p for i, p in enumerate(sc.peers) if i not in set(sc.leave)]),
+                    0.0,
+                    0,
+                    False,
+                    0,
+                    {},
+                    0.0,
+                )
             else:
                 r = run_ours(sc, args.verbose)
                 rows.append((f"ours stripes={args.stripes}", n, churn, r))
@@ -387,21 +483,29 @@ def main() -> int:
             if churn == args.churn and (summary is None or n == 1000 or summary[0] != 1000):
                 summary = (n, churn, r, sc_s)
     print()
-    print(f"checkpoint {args.size_gb:g} GB in {args.shard_mib:g} MiB shards; origin {args.origin_gbit:g} Gbit/s; "
-          f"receivers {args.dc_share:.0%} datacenter, {args.nat:.0%} NAT; per-hop lag {args.hop_lag_s:g} s")
-    print(f"{'system':<44}{'N':>6}{'churn':>6}{'seconds':>9}{'bound':>8}{'x bound':>8}{'joiner s':>9}{'depth':>6}"
-          f"{'reparent':>9}{'no-slot':>8}{'alt':>7}{'wall s':>7}  complete")  # fmt: skip
+    print(
+        f"checkpoint {args.size_gb:g} GB in {args.shard_mib:g} MiB shards; origin {args.origin_gbit:g} Gbit/s; "
+        f"receivers {args.dc_share:.0%} datacenter, {args.nat:.0%} NAT; per-hop lag {args.hop_lag_s:g} s"
+    )
+    print(
+        f"{'system':<44}{'N':>6}{'churn':>6}{'seconds':>9}{'bound':>8}{'x bound':>8}{'joiner s':>9}{'depth':>6}"
+        f"{'reparent':>9}{'no-slot':>8}{'alt':>7}{'wall s':>7}  complete"
+    )
     for name, n, churn, r in rows:
         st = r.stats
-        print(f"{name:<44}{n:>6}{churn:>6.2f}{r.seconds:>9.1f}{r.bound:>8.1f}{r.seconds / r.bound:>8.2f}"
-              f"{r.joiner_s:>9.1f}{r.max_depth:>6}{st.get('reparents', 0):>9.0f}{st.get('no_slot_rounds', 0):>8.0f}"
-              f"{st.get('alt_shards', 0):>7.0f}{r.wall:>7.0f}  {r.complete}")  # fmt: skip
+        print(
+            f"{name:<44}{n:>6}{churn:>6.2f}{r.seconds:>9.1f}{r.bound:>8.1f}{r.seconds / r.bound:>8.2f}"
+            f"{r.joiner_s:>9.1f}{r.max_depth:>6}{st.get('reparents', 0):>9.0f}{st.get('no_slot_rounds', 0):>8.0f}"
+            f"{st.get('alt_shards', 0):>7.0f}{r.wall:>7.0f}  {r.complete}"
+        )
     print()
     err = f"{max(errs):.1f}" if errs else "nan"
     if summary is not None:
         n, churn, r, sc_s = summary
-        print(f"scale nodes={n} size_gb={args.size_gb:g} churn={churn:g} ours_s={r.seconds:.1f} bound_s={r.bound:.1f} "
-              f"over_bound={r.seconds / r.bound:.2f} shardcast_s={sc_s:.1f} sim_vs_netns_err_pct={err}")  # fmt: skip
+        print(
+            f"scale nodes={n} size_gb={args.size_gb:g} churn={churn:g} ours_s={r.seconds:.1f} bound_s={r.bound:.1f} "
+            f"over_bound={r.seconds / r.bound:.2f} shardcast_s={sc_s:.1f} sim_vs_netns_err_pct={err}"
+        )
     return 0
 
 

@@ -58,10 +58,16 @@ def other_model(model: Any) -> Any:
 
     c = model.config
     config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=2, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(5)
     return LlamaForCausalLM(config).to(model.dtype).eval()
 
@@ -133,15 +139,33 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     p.add_argument("--verify", type=Path, help="TOML with a [verify] section (node/configs/verify-<model>.toml)")
-    p.add_argument("--honest-batches", type=int, nargs=3, default=[2, 4, 10], metavar=("BS1", "BS8", "BS32"),
-                   help="batches of 32 rollouts generated at batch size 1, 8 and 32")  # fmt: skip
+    p.add_argument(
+        "--honest-batches",
+        type=int,
+        nargs=3,
+        default=[2, 4, 10],
+        metavar=("BS1", "BS8", "BS32"),
+        help="batches of 32 rollouts generated at batch size 1, 8 and 32",
+    )
     p.add_argument("--attack-batches", type=int, default=2, help="batches of 32 rollouts per attack")
-    p.add_argument("--compute", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16")  # fmt: skip
-    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
-                   help="what generates every rollout (the validator is always transformers)")  # fmt: skip
-    p.add_argument("--layer", type=int, default=None,
-                   help="the decoder layer the perturbation attack changes (default: the middle one)")  # fmt: skip
+    p.add_argument(
+        "--compute",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="SmolLM2: compute in fp32 on the bf16 weights (default), or in bf16",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="what generates every rollout (the validator is always transformers)",
+    )
+    p.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="the decoder layer the perturbation attack changes (default: the middle one)",
+    )
     args = p.parse_args()
     suffix = "" if args.compute == "fp32" else f"-{args.compute}"
     path = args.verify or ROOT / "node" / "configs" / f"verify-{args.model}{suffix}.toml"
@@ -237,9 +261,11 @@ def main() -> int:
 
     honest = [r for r in rows if r[0].startswith("honest")]
     attacks = [r for r in rows if not r[0].startswith("honest")]
-    print(f"\nTOPLOC detection, {args.model}, rollouts from the {args.backend} backend "
-          f"(weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
-          f"thresholds from {path.name if path.exists() else 'the run config'}: {verify.model_dump()}")  # fmt: skip
+    print(
+        f"\nTOPLOC detection, {args.model}, rollouts from the {args.backend} backend "
+        f"(weights {checkpoint_dtype(args.model)}, compute {model.dtype}), "
+        f"thresholds from {path.name if path.exists() else 'the run config'}: {verify.model_dump()}"
+    )
     print(f"{'rollouts':52} {'n':>5} {'flagged':>8}  {'seconds':>8}  reasons")
     for name, n, flagged, reasons, secs in rows:
         print(f"{name:52} {n:5d} {flagged:8d}  {secs:8.1f}  {dict(reasons)}")

@@ -87,9 +87,13 @@ def grpo_loss(
         clipped = ((c2 != torch.exp(logp - logp_old)) & (mask > 0)).to(logp.dtype).sum() / tokens
         mean_ratio = (ratio * mask).sum() / tokens
     return loss, LossStats(
-        float(loss.detach()), float(clipped), float(mean_ratio), int(mask.sum().item()),
-        float(mean_entropy.detach()), float(mean_kl.detach()),
-    )  # fmt: skip
+        float(loss.detach()),
+        float(clipped),
+        float(mean_ratio),
+        int(mask.sum().item()),
+        float(mean_entropy.detach()),
+        float(mean_kl.detach()),
+    )
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:

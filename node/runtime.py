@@ -67,8 +67,10 @@ def announce(role: str, node_id: str, run_id: str, info: dict[str, Any]) -> None
     reach = info.get("reachability") or {}
     if reach.get("checked"):
         p2p, http = ("yes" if reach[k] else "NO" for k in ("p2p", "http"))
-        print(f"  reachable from outside (as the trainer sees it, from {reach['observed_ip']}): p2p {p2p}, http {http}",
-              flush=True)  # fmt: skip
+        print(
+            f"  reachable from outside (as the trainer sees it, from {reach['observed_ip']}): p2p {p2p}, http {http}",
+            flush=True,
+        )
         if reach.get("fix"):
             print(f"  {reach['fix']}", flush=True)
     elif reach.get("fix"):
@@ -86,8 +88,9 @@ def dump_tasks() -> None:
     lines = [f"{len(tasks)} tasks:"]
     for task in tasks:
         frames = task.get_stack()
-        where = " <- ".join(f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
-                            for f in reversed(frames))  # fmt: skip
+        where = " <- ".join(
+            f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})" for f in reversed(frames)
+        )
         lines.append(f"  {task.get_name()}: {where or 'not started'}")
     logger.warning("\n".join(lines))
 

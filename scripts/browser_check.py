@@ -63,8 +63,9 @@ def main() -> None:
     nodes: list[NodeProcess] = []
     driver = None
     try:
-        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(work / "t"), "--max-steps", "400"],
-                              work / "logs")  # fmt: skip
+        trainer = NodeProcess(
+            "trainer", ["bootstrap", "--data-dir", str(work / "t"), "--max-steps", "400"], work / "logs"
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, work / "i"), work / "logs")
@@ -89,8 +90,10 @@ def main() -> None:
         errors += [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         for e in errors:
             print("console error:", e)
-        print(f"browser pages=2 console_errors={len(errors)} step_before={before} step_after={after} "
-              f"screenshot={args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")  # fmt: skip
+        print(
+            f"browser pages=2 console_errors={len(errors)} step_before={before} step_after={after} "
+            f"screenshot={args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}"
+        )
         if errors:
             raise SystemExit(1)
     finally:

@@ -56,26 +56,37 @@ def main() -> None:
     nodes: list[NodeProcess] = []
     prom = None
     try:
-        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(work / "t"), "--max-steps", "1000"],
-                              work / "logs")  # fmt: skip
+        trainer = NodeProcess(
+            "trainer", ["bootstrap", "--data-dir", str(work / "t"), "--max-steps", "1000"], work / "logs"
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, work / "i"), work / "logs")
         nodes.append(worker)
         worker_ready = worker.wait_ready(timeout=120)
-        targets = {name: r["status_url"].removeprefix("http://") for name, r in
-                   (("trainer", ready), ("inference", worker_ready))}  # fmt: skip
+        targets = {
+            name: r["status_url"].removeprefix("http://")
+            for name, r in (("trainer", ready), ("inference", worker_ready))
+        }
         config = work / "prometheus.yml"
-        config.write_text("global:\n  scrape_interval: 2s\nscrape_configs:\n" + "".join(
-            f"  - job_name: {name}\n    static_configs:\n      - targets: ['{target}']\n"
-            for name, target in targets.items()
-        ))  # fmt: skip
+        config.write_text(
+            "global:\n  scrape_interval: 2s\nscrape_configs:\n"
+            + "".join(
+                f"  - job_name: {name}\n    static_configs:\n      - targets: ['{target}']\n"
+                for name, target in targets.items()
+            )
+        )
         port = free_port()
         prom = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=open(work / "prometheus.log", "wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={work / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=open(work / "prometheus.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         time.sleep(args.seconds)
         with urllib.request.urlopen(f"{base}/api/v1/targets", timeout=10) as resp:
@@ -89,8 +100,10 @@ def main() -> None:
         value = lambda r: float(r[0]["value"][1]) if r else float("nan")  # noqa: E731
         print(f"node_trainer_steps_total = {value(steps):g}")
         print(f"median step time (histogram) = {value(p50):.3f} s; median generation rate = {value(tps):.0f} tokens/s")
-        print(f"prometheus targets_up={up}/{len(active)} trainer_steps={value(steps):g} "
-              f"step_seconds_p50={value(p50):.3f} tokens_per_s_p50={value(tps):.0f}")  # fmt: skip
+        print(
+            f"prometheus targets_up={up}/{len(active)} trainer_steps={value(steps):g} "
+            f"step_seconds_p50={value(p50):.3f} tokens_per_s_p50={value(tps):.0f}"
+        )
         if up != len(active) or not value(steps) > 0:
             raise SystemExit(1)
     finally:

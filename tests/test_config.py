@@ -10,8 +10,11 @@ import pytest
 
 from intellect_node.config import NodeConfig, RunConfig, load_run_config, node_settings, parse_override, split_overrides
 
-CONFIGS = sorted(p for p in (Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml")
-                 if not p.name.startswith("verify-"))  # fmt: skip
+CONFIGS = sorted(
+    p
+    for p in (Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml")
+    if not p.name.startswith("verify-")
+)
 """Run configs; ``verify-*.toml`` are [verify] sections measured by benchmarks/calibrate_validator.py, to copy
 under [run.verify] (given as --config, they are refused: test below)."""
 
@@ -54,10 +57,21 @@ def test_help_does_not_import_torch() -> None:
 
 def test_an_unknown_role_lists_the_roles_there_are() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "trainer", "--peers", "/ip4/127.0.0.1/tcp/1",
-         "--run-id", "0" * 32],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "intellect_node.cli",
+            "join",
+            "--role",
+            "trainer",
+            "--peers",
+            "/ip4/127.0.0.1/tcp/1",
+            "--run-id",
+            "0" * 32,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert "'inference', 'relay', 'validator'" in result.stderr
 
@@ -95,10 +109,23 @@ def test_inference_settings_are_the_nodes_not_the_runs() -> None:
 )
 def test_join_refuses_bad_node_settings_with_advice(argv: list[str], says: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "inference", "--peers", "/ip4/127.0.0.1/tcp/1",
-         "--run-id", "0" * 32, *argv],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "intellect_node.cli",
+            "join",
+            "--role",
+            "inference",
+            "--peers",
+            "/ip4/127.0.0.1/tcp/1",
+            "--run-id",
+            "0" * 32,
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and says in result.stderr, result.stderr
 
 
@@ -150,10 +177,13 @@ def test_too_few_dataset_rows_for_held_out_names_the_setting(tmp_path: Path) -> 
     from intellect_protocol.messages import TaskSpec
 
     rows = tmp_path / "tasks.jsonl"
-    rows.write_text("".join(
-        f'{{"problem_id": "p{i}", "prompt": "What is {i}+1?", "task_type": "verifiable_math", '
-        f'"verification_info": "{{\\"ground_truth\\": \\"{i + 1}\\"}}"}}\n' for i in range(4)
-    ))  # fmt: skip
+    rows.write_text(
+        "".join(
+            f'{{"problem_id": "p{i}", "prompt": "What is {i}+1?", "task_type": "verifiable_math", '
+            f'"verification_info": "{{\\"ground_truth\\": \\"{i + 1}\\"}}"}}\n'
+            for i in range(4)
+        )
+    )
     with pytest.raises(ValueError, match=r"task.held_out = 4 leaves none of the 4 usable rows.*--set task.held_out"):
         task_source(TaskSpec(family="dataset", source=str(rows), held_out=4))
 
@@ -162,10 +192,24 @@ def test_a_bad_data_dir_says_which_flag(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     result = subprocess.run(
-        [sys.executable, "-m", "intellect_node.cli", "join", "--role", "inference", "--peers", "/ip4/127.0.0.1/tcp/1",
-         "--run-id", "0" * 32, "--data-dir", str(blocker / "node")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "intellect_node.cli",
+            "join",
+            "--role",
+            "inference",
+            "--peers",
+            "/ip4/127.0.0.1/tcp/1",
+            "--run-id",
+            "0" * 32,
+            "--data-dir",
+            str(blocker / "node"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert f"--data-dir {blocker / 'node'}: cannot create or write files there" in result.stderr, result.stderr
 

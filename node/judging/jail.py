@@ -217,8 +217,14 @@ def _kill_all(procs: Path, deadline: float) -> None:
                 os.close(fd)
 
 
-def jailed_command(command: list[str], limits: Limits, binds: list[tuple[str, str]], cgroup_files: list[str],
-                   status: Status, die_with_parent: bool = True) -> list[str]:  # fmt: skip
+def jailed_command(
+    command: list[str],
+    limits: Limits,
+    binds: list[tuple[str, str]],
+    cgroup_files: list[str],
+    status: Status,
+    die_with_parent: bool = True,
+) -> list[str]:
     """The full argv: the launcher, then bwrap, then ``command``. ``binds``: (host path, jail path), read-only.
 
     ``die_with_parent`` kills the jail when the *thread* that started it ends (Linux ties the parent-death signal
@@ -226,30 +232,73 @@ def jailed_command(command: list[str], limits: Limits, binds: list[tuple[str, st
     worker thread (it ends when its stdin closes instead)."""
     assert status.bwrap is not None
     bwrap = [
-        status.bwrap, "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-        *(["--die-with-parent"] if die_with_parent else []), "--new-session", "--clearenv", "--disable-userns",
+        status.bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        str(NOBODY),
+        "--gid",
+        str(NOBODY),
+        *(["--die-with-parent"] if die_with_parent else []),
+        "--new-session",
+        "--clearenv",
+        "--disable-userns",
         *_system_view(),
         *[a for root in _python_roots() for a in ("--ro-bind", root, root)],
         *[a for host, inside in binds for a in ("--ro-bind", host, inside)],
-        "--proc", "/proc",
+        "--proc",
+        "/proc",
         # bubblewrap's /dev and root are tmpfs without a size: read-only once what they hold is in place
-        "--dev", "/dev", "--size", str(limits.shm_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
-        "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+        "--dev",
+        "/dev",
+        "--size",
+        str(limits.shm_bytes),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(limits.tmp_bytes),
+        "--tmpfs",
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
         *command,
-    ]  # fmt: skip
+    ]
     return [
-        sys.executable, "-I", "-S", "-c", _LAUNCHER,
-        str(limits.cpu_s), str(limits.memory_bytes), str(limits.file_bytes), str(limits.open_files),
-        ",".join(cgroup_files), *bwrap,
-    ]  # fmt: skip
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        _LAUNCHER,
+        str(limits.cpu_s),
+        str(limits.memory_bytes),
+        str(limits.file_bytes),
+        str(limits.open_files),
+        ",".join(cgroup_files),
+        *bwrap,
+    ]
 
 
 class Run:
     """One jailed process: ``proc`` and its cgroup; ``close()`` kills what is left and frees the cgroup."""
 
-    def __init__(self, command: list[str], limits: Limits, binds: list[tuple[str, str]] | None = None,
-                 die_with_parent: bool = True, **popen: object) -> None:  # fmt: skip
+    def __init__(
+        self,
+        command: list[str],
+        limits: Limits,
+        binds: list[tuple[str, str]] | None = None,
+        die_with_parent: bool = True,
+        **popen: object,
+    ) -> None:
         status = probe()
         if not status.works:
             raise RuntimeError(f"the jail for untrusted programs is unavailable here ({status.error}): {status.hint}")
@@ -302,8 +351,9 @@ def _probe() -> Status:
     except OSError as e:
         no_cgroup = f"cannot make one: {e}"
     # bubblewrap is tried either way, so the message names the fix that is missing first
-    argv = jailed_command([sys.executable, "-I", "-S", "-c", "pass"], Limits(), [],
-                          cgroup.procs_files() if cgroup else [], status)  # fmt: skip
+    argv = jailed_command(
+        [sys.executable, "-I", "-S", "-c", "pass"], Limits(), [], cgroup.procs_files() if cgroup else [], status
+    )
     try:
         done = subprocess.run(argv, capture_output=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:

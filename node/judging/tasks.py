@@ -242,9 +242,11 @@ def _dataset_source(spec: TaskSpec) -> TaskSource:
             f"({len(tasks)} usable rows): widen the range or check pass_rate_field"
         )
     if spec.held_out >= len(kept):
-        raise ValueError(f"task.held_out = {spec.held_out} leaves none of the {len(kept)} usable rows of "
-                         f"{spec.source} to train on: lower it (--set task.held_out=N, or held_out under "
-                         "[run.task]; at most half the rows)")  # fmt: skip
+        raise ValueError(
+            f"task.held_out = {spec.held_out} leaves none of the {len(kept)} usable rows of "
+            f"{spec.source} to train on: lower it (--set task.held_out=N, or held_out under "
+            "[run.task]; at most half the rows)"
+        )
     ranked = sorted(range(len(kept)), key=lambda i: (hashlib.sha256(kept[i].id.encode()).digest(), i))
     held_idx = sorted(ranked[: spec.held_out])
     held_set = set(held_idx)

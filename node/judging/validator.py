@@ -172,8 +172,10 @@ class Validator:
         self.vocab = int(model.config.vocab_size)
         positions = getattr(model.config, "max_position_embeddings", None)
         if isinstance(positions, int) and spec.sampling.max_new_tokens >= positions:
-            raise ValueError(f"sampling.max_new_tokens = {spec.sampling.max_new_tokens} leaves no room for a prompt "
-                             f"in the model's {positions} positions: lower it")  # fmt: skip
+            raise ValueError(
+                f"sampling.max_new_tokens = {spec.sampling.max_new_tokens} leaves no room for a prompt "
+                f"in the model's {positions} positions: lower it"
+            )
         self.source = task_source(spec.task)
         self.secret = secret if secret is not None else os.urandom(32)
         """Keys the spot-check choice (``verify.check_fraction``); never leaves this process."""
@@ -336,8 +338,14 @@ class Validator:
         results = toploc.verify_chunk_proofs(chunks, claimed, v.topk)
         all_logits = torch.cat(step_logits)
         all_tokens = torch.tensor(tokens, device=device)
-        logprob_err = (token_logprobs(all_logits.unsqueeze(0), all_tokens.unsqueeze(0), s.sampling.temperature)[0]
-                       - torch.tensor(reported, device=device)).abs().cpu()  # fmt: skip
+        logprob_err = (
+            (
+                token_logprobs(all_logits.unsqueeze(0), all_tokens.unsqueeze(0), s.sampling.temperature)[0]
+                - torch.tensor(reported, device=device)
+            )
+            .abs()
+            .cpu()
+        )
         gaps = sampling_gaps(all_logits, s.sampling.temperature, position_keys(keys, steps), all_tokens).cpu()
         at = 0
         for i, (slot, j, _, completion, _, _) in enumerate(rows):
@@ -377,6 +385,8 @@ class Validator:
                 )
             elif row_lp_err > v.max_logprob_error:
                 finding.row_fail(
-                    index[i], where, "logprobs",
+                    index[i],
+                    where,
+                    "logprobs",
                     f"reported sampling log-probs off by up to {row_lp_err:.3f} (run allows {v.max_logprob_error:.3f})",
-                )  # fmt: skip
+                )

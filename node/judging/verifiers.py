@@ -200,8 +200,14 @@ def _run_case(code: str, stdin: str, expected: str, timeout_s: float, memory_mb:
         os.chmod(program / "main.py", 0o644)
         limits = jail.Limits(cpu_s=math.ceil(timeout_s), memory_bytes=memory_mb << 20, file_bytes=OUTPUT_LIMIT_BYTES)
         with open(work / "stdin", "rb") as fin, open(work / "stdout", "wb") as fout:
-            run = jail.Run([sys.executable, "-I", "/code/main.py"], limits, [(str(program), "/code")],
-                           stdin=fin, stdout=fout, stderr=subprocess.DEVNULL)  # fmt: skip
+            run = jail.Run(
+                [sys.executable, "-I", "/code/main.py"],
+                limits,
+                [(str(program), "/code")],
+                stdin=fin,
+                stdout=fout,
+                stderr=subprocess.DEVNULL,
+            )
             try:
                 rc = run.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -101,8 +101,9 @@ class BatchServer:
             writer.close()
 
 
-async def fetch_batch(p2p: P2P, identity: Identity, run_id: str, peer_id: str, digest: str,
-                      limit: int = Channel.ROLLOUT_BATCH.value) -> bytes | None:  # fmt: skip
+async def fetch_batch(
+    p2p: P2P, identity: Identity, run_id: str, peer_id: str, digest: str, limit: int = Channel.ROLLOUT_BATCH.value
+) -> bytes | None:
     """The batch of SHA-256 ``digest`` from ``peer_id``: its exact envelope (at most ``limit`` bytes are read), or
     None when the peer does not hold it. Raises ConnectionError (unreachable, busy), or Rejected: 'bad_digest'
     when the bytes are not that batch, 'oversized' past ``limit``."""

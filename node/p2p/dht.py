@@ -79,10 +79,13 @@ def _require_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise SystemExit(f"--p2p-port {port} is already in use on {host} (another intellect-node, or another "
-                                 "program): stop it, or choose another port") from None  # fmt: skip
-            raise SystemExit(f"--host {host} --p2p-port {port}: cannot listen there ({e.strerror}); give an "
-                             "address of this machine") from None  # fmt: skip
+                raise SystemExit(
+                    f"--p2p-port {port} is already in use on {host} (another intellect-node, or another "
+                    "program): stop it, or choose another port"
+                ) from None
+            raise SystemExit(
+                f"--host {host} --p2p-port {port}: cannot listen there ({e.strerror}); give an address of this machine"
+            ) from None
 
 
 def die_with_parent(node_pid: int, poll_s: float = PARENT_POLL_S) -> None:

@@ -129,8 +129,9 @@ class Gossip:
         since the daemon would drop it without a word."""
         limit = LIMITS[name]
         if len(data) > limit:
-            self.metrics.inc("node_gossip_publish_refused_total", label="oversized",
-                             help="messages refused before publishing")  # fmt: skip
+            self.metrics.inc(
+                "node_gossip_publish_refused_total", label="oversized", help="messages refused before publishing"
+            )
             raise Rejected("oversized", f"{len(data)} bytes > the {name} topic's limit of {limit}")
         await self._control(pb.PSRequest(type=pb.PSRequest.PUBLISH, topic=topic(self.run_id, name), data=data))
         self.metrics.inc("node_gossip_published_total", label=name, help="messages published, by topic")
@@ -164,8 +165,11 @@ class Gossip:
                     length = await read_unsigned_varint(reader)
                     raw = await reader.readexactly(length)  # the daemon delivers at most 1 MiB
                     if length > limit:
-                        self.metrics.inc("node_gossip_dropped_total", label="oversized",
-                                         help="gossip messages dropped before their handler")  # fmt: skip
+                        self.metrics.inc(
+                            "node_gossip_dropped_total",
+                            label="oversized",
+                            help="gossip messages dropped before their handler",
+                        )
                         continue
                     message = pb.PSMessage()
                     message.ParseFromString(raw)

@@ -78,8 +78,10 @@ def encode_status(status: dict[str, Any]) -> bytes:
 
 
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_bytes()
-CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-       "img-src 'self' data:")
+CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src 'self' data:"
+)
 """The page may talk to its own node only: peer-controlled strings it shows are escaped, and even a slip there
 could not load or send anything elsewhere."""
 
@@ -120,8 +122,12 @@ class HttpServer:
 
     async def _dashboard(self, request: web.Request) -> web.Response:
         """The dashboard: one self-contained page (no CDN, no build step) that reads /status every 2 s."""
-        return web.Response(body=DASHBOARD, content_type="text/html", charset="utf-8",
-                            headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"})  # fmt: skip
+        return web.Response(
+            body=DASHBOARD,
+            content_type="text/html",
+            charset="utf-8",
+            headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"},
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

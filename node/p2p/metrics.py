@@ -53,8 +53,9 @@ class Metrics(Collector):
         with self._lock:
             histogram = self._histograms.get(name)
             if histogram is None:
-                histogram = self._histograms[name] = Histogram(name, help or name, buckets=tuple(buckets),
-                                                               registry=self.registry)  # fmt: skip
+                histogram = self._histograms[name] = Histogram(
+                    name, help or name, buckets=tuple(buckets), registry=self.registry
+                )
         histogram.observe(value)
 
     def counter(self, name: str, label: str = "") -> float:

@@ -201,8 +201,10 @@ class DialBackServer:
     async def check(self, ask: DialBack, observed_ip: str) -> Reachability:
         """Try the asker's addresses and its HTTP port all at once, under one PROBE_DEADLINE_S deadline."""
         async with asyncio.TaskGroup() as probes:
-            p2p = [probes.create_task(libp2p_listening(ip, port, PROBE_DEADLINE_S))
-                   for ip, port in _targets(ask, observed_ip)]  # fmt: skip
+            p2p = [
+                probes.create_task(libp2p_listening(ip, port, PROBE_DEADLINE_S))
+                for ip, port in _targets(ask, observed_ip)
+            ]
             http = (
                 probes.create_task(http_healthy(observed_ip, ask.http_port, PROBE_DEADLINE_S))
                 if ask.http_port
@@ -210,8 +212,11 @@ class DialBackServer:
             )
         p2p_ok = any(t.result() for t in p2p)
         http_ok = http is not None and http.result()
-        self.metrics.inc("node_dialbacks_total", label=f"p2p={int(p2p_ok)},http={int(http_ok)}",
-                         help="dial-back requests, by outcome (checks) or by why they were refused")  # fmt: skip
+        self.metrics.inc(
+            "node_dialbacks_total",
+            label=f"p2p={int(p2p_ok)},http={int(http_ok)}",
+            help="dial-back requests, by outcome (checks) or by why they were refused",
+        )
         return Reachability(node_id=ask.node_id, observed_ip=observed_ip, p2p_ok=p2p_ok, http_ok=http_ok)
 
     async def _answer(self, reader: asyncio.StreamReader, addr: str) -> Reachability:
@@ -257,8 +262,9 @@ class DialBackServer:
                 self._leave(source)
 
 
-async def ask_dialback(p2p: P2P, identity: Identity, run_id: str, peer_id: str, maddrs: list[str],
-                       http_port: int) -> Reachability:  # fmt: skip
+async def ask_dialback(
+    p2p: P2P, identity: Identity, run_id: str, peer_id: str, maddrs: list[str], http_port: int
+) -> Reachability:
     """Ask ``peer_id`` (the trainer, whose key is the run key) to dial us back: its signed answer, within
     ASK_TIMEOUT_S in all. Raises Rejected with the trainer's reason when it refused to check (``busy``, ``rate``),
     and what ``request`` raises (ConnectionError, TimeoutError, ...) when it did not answer."""

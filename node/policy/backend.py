@@ -95,8 +95,9 @@ def vllm_available() -> bool:
     return True
 
 
-def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", threads: int = 1,
-                 device: str = "auto") -> GenerationBackend:  # fmt: skip
+def make_backend(
+    spec: RunSpec, tokenizer: Any, backend: str = "transformers", threads: int = 1, device: str = "auto"
+) -> GenerationBackend:
     """The backend an inference node runs, built for the run's model (version 0's shape, weights loaded later).
     ``backend``: ``transformers``, ``vllm``, or ``auto`` (vLLM where it is installed and CUDA is present).
     ``device`` (the transformers backend; vLLM takes its platform's): ``auto``, ``cpu``, ``cuda[:N]``."""
@@ -105,8 +106,10 @@ def make_backend(spec: RunSpec, tokenizer: Any, backend: str = "transformers", t
     model = build_model(spec.model, tokenizer)
     if backend == "vllm":
         if not vllm_available():
-            raise SystemExit("--backend vllm: vLLM is not installed in this environment; see the README's "
-                             "'Inference on vLLM' for the install command (or use --backend transformers)")  # fmt: skip
+            raise SystemExit(
+                "--backend vllm: vLLM is not installed in this environment; see the README's "
+                "'Inference on vLLM' for the install command (or use --backend transformers)"
+            )
         from intellect_node.policy.vllm_backend import VLLMBackend
 
         return VLLMBackend(model, dtype=spec.model.compute_dtype, threads=threads)

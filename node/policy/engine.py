@@ -98,8 +98,11 @@ class PolicyEngine:
             if enable is None:
                 raise ValueError("train.gradient_checkpointing: this model cannot recompute its blocks; set it false")
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        trained = (add_adapters(self.model, t.lora_rank, t.lora_alpha, spec.seed) if t.lora_rank
-                   else list(self.model.parameters()))  # fmt: skip
+        trained = (
+            add_adapters(self.model, t.lora_rank, t.lora_alpha, spec.seed)
+            if t.lora_rank
+            else list(self.model.parameters())
+        )
         self.optimizer: torch.optim.Optimizer
         if t.optimizer_state_dtype == "bfloat16":
             self.optimizer = AdamWBf16State(trained, lr=t.lr, weight_decay=t.weight_decay, seed=spec.seed)
@@ -142,8 +145,12 @@ class PolicyEngine:
         if t.recompute_logp_old:  # in micro-batches too: the whole batch's logits at once were ~0.5 GB per copy
             with torch.no_grad():
                 micro = t.micro_rows or batch.ids.shape[0]
-                mine = torch.cat([self._logp(self.model, batch.rows(slice(i, i + micro)), entropy=False)[0]
-                                  for i in range(0, batch.ids.shape[0], micro)])  # fmt: skip
+                mine = torch.cat(
+                    [
+                        self._logp(self.model, batch.rows(slice(i, i + micro)), entropy=False)[0]
+                        for i in range(0, batch.ids.shape[0], micro)
+                    ]
+                )
             tokens = batch.mask.sum().clamp(min=1.0)
             logp_gap = float(((mine - batch.logp_old).abs() * batch.mask).sum() / tokens)
             batch = Packed(batch.ids, batch.attention, batch.mask, mine, batch.advantages)
@@ -174,9 +181,18 @@ class PolicyEngine:
             with torch.no_grad():
                 logp_ref = self._logp(self.reference, b, entropy=False)[0]
         return grpo_loss(
-            logp, b.logp_old, b.advantages, b.mask, delta=t.delta, eps=t.eps, eps_high=t.eps_high,
-            entropy=entropy, entropy_coef=t.entropy_coef, logp_ref=logp_ref, kl_coef=t.kl_coef,
-        )  # fmt: skip
+            logp,
+            b.logp_old,
+            b.advantages,
+            b.mask,
+            delta=t.delta,
+            eps=t.eps,
+            eps_high=t.eps_high,
+            entropy=entropy,
+            entropy_coef=t.entropy_coef,
+            logp_ref=logp_ref,
+            kl_coef=t.kl_coef,
+        )
 
     def _minibatch(self, b: Packed) -> dict[str, float]:
         """One optimizer step on ``b``: gradients accumulated over ``train.micro_rows`` rows at a time, each
@@ -195,8 +211,12 @@ class PolicyEngine:
                 continue
             loss, stats = self._loss(m)
             (loss * weight).backward()
-            for key, value in (("loss", stats.loss), ("entropy", stats.entropy), ("kl", stats.kl),
-                               ("clipped_fraction", stats.clipped_fraction)):  # fmt: skip
+            for key, value in (
+                ("loss", stats.loss),
+                ("entropy", stats.entropy),
+                ("kl", stats.kl),
+                ("clipped_fraction", stats.clipped_fraction),
+            ):
                 acc[key] += value * weight
             acc["tokens"] += stats.tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)

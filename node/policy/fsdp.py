@@ -85,15 +85,22 @@ def init(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Placement:
     """Join torchrun's process group: NCCL on GPUs, gloo on CPUs."""
     placement = distributed_env()
     if placement is None:
-        raise RuntimeError("not started by torchrun with several processes: run `torchrun --nproc-per-node N -m "
-                           "intellect_node.cli bootstrap ...` (N >= 2), or drop torchrun for one process")  # fmt: skip
+        raise RuntimeError(
+            "not started by torchrun with several processes: run `torchrun --nproc-per-node N -m "
+            "intellect_node.cli bootstrap ...` (N >= 2), or drop torchrun for one process"
+        )
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    logger.info("joined the process group rank=%d world=%d backend=%s device=%s",
-                placement.rank, placement.world_size, backend, dev)  # fmt: skip
+    logger.info(
+        "joined the process group rank=%d world=%d backend=%s device=%s",
+        placement.rank,
+        placement.world_size,
+        backend,
+        dev,
+    )
     return placement
 
 
@@ -115,8 +122,10 @@ def _shard(model: torch.nn.Module) -> None:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `model.layers` list to shard; only decoder-only causal "
-                         "LMs laid out like Llama are supported")  # fmt: skip
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers` list to shard; only decoder-only causal "
+            "LMs laid out like Llama are supported"
+        )
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
@@ -142,11 +151,15 @@ class ShardedEngine(PolicyEngine):
         if not dist.is_initialized():
             raise RuntimeError("call intellect_node.policy.fsdp.init() before building a ShardedEngine")
         if spec.train.lora_rank:
-            raise ValueError("train.lora_rank is for a trainer in one process; a sharded one (torchrun) trains every "
-                             "weight: set train.lora_rank = 0")  # fmt: skip
+            raise ValueError(
+                "train.lora_rank is for a trainer in one process; a sharded one (torchrun) trains every "
+                "weight: set train.lora_rank = 0"
+            )
         if spec.train.optimizer_state_dtype != "float32":
-            raise ValueError('train.optimizer_state_dtype = "bfloat16" is for a trainer in one process; a sharded one '
-                             '(torchrun) keeps AdamW\'s moments in fp32: set it to "float32"')  # fmt: skip
+            raise ValueError(
+                'train.optimizer_state_dtype = "bfloat16" is for a trainer in one process; a sharded one '
+                '(torchrun) keeps AdamW\'s moments in fp32: set it to "float32"'
+            )
         self.device = device()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         model = model.float().to(self.device)
@@ -227,8 +240,9 @@ class ShardedEngine(PolicyEngine):
     # ---- the engine interface (rank 0) ---------------------------------------------------------------
 
     def step(self, batch: Packed, lr: float) -> dict[str, float]:
-        shapes = [[list(getattr(batch, n).shape), str(getattr(batch, n).dtype).removeprefix("torch.")]
-                  for n in PACKED_FIELDS]  # fmt: skip
+        shapes = [
+            [list(getattr(batch, n).shape), str(getattr(batch, n).dtype).removeprefix("torch.")] for n in PACKED_FIELDS
+        ]
         with self._lock:
             header = self._header({"op": "step", "lr": lr, "tensors": shapes})
             return PolicyEngine.step(self, self._batch(header, batch), lr)

@@ -129,9 +129,7 @@ def sample_groups(
     prefill_hidden: torch.Tensor | None = None
     decode_hidden: list[torch.Tensor] = []
     with capture or contextlib.nullcontext():
-        out = model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-        )  # fmt: skip
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         if capture is not None:
             prefill_hidden = capture.take()
         cache = _cache_of(out)

@@ -79,8 +79,10 @@ def load_tokenizer(name_or_path: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve(name_or_path))
     except OSError as e:
-        raise OSError(f"cannot load the tokenizer of {name_or_path!r}: give a local folder, or a hub id on a machine "
-                      f"that can reach the hub ({e})") from e  # fmt: skip
+        raise OSError(
+            f"cannot load the tokenizer of {name_or_path!r}: give a local folder, or a hub id on a machine "
+            f"that can reach the hub ({e})"
+        ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -95,6 +97,8 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> tu
     try:
         model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path), dtype=dtype)
     except OSError as e:
-        raise OSError(f"cannot load the model {name_or_path!r}: give a local folder, or a hub id on a machine "
-                      f"that can reach the hub ({e})") from e  # fmt: skip
+        raise OSError(
+            f"cannot load the model {name_or_path!r}: give a local folder, or a hub id on a machine "
+            f"that can reach the hub ({e})"
+        ) from e
     return model.eval(), load_tokenizer(name_or_path)

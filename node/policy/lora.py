@@ -27,8 +27,11 @@ recommends; attention alone learned worse there)."""
 
 
 def _adapted(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS]  # fmt: skip
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS
+    ]
 
 
 def add_adapters(model: torch.nn.Module, rank: int, alpha: float, seed: int) -> list[torch.nn.Parameter]:
@@ -36,8 +39,10 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, seed: int) -> 
     (the only ones to train)."""
     targets = _adapted(model)
     if not targets:
-        raise ValueError(f"train.lora_rank: the model has none of the projections adapters go on "
-                         f"({', '.join(TARGETS)}); set train.lora_rank = 0")  # fmt: skip
+        raise ValueError(
+            f"train.lora_rank: the model has none of the projections adapters go on "
+            f"({', '.join(TARGETS)}); set train.lora_rank = 0"
+        )
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     params: list[torch.nn.Parameter] = []

@@ -46,12 +46,15 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no GPU"
-            raise ValueError(f"--device {name}: no CUDA device ({why}); use --device cpu, or install a CUDA build "
-                             "of torch and check that `nvidia-smi` lists the GPU")  # fmt: skip
+            raise ValueError(
+                f"--device {name}: no CUDA device ({why}); use --device cpu, or install a CUDA build "
+                "of torch and check that `nvidia-smi` lists the GPU"
+            )
         index = int(name.split(":", 1)[1]) if ":" in name else 0
         if index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")  # fmt: skip
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+            )
     return torch.device(name)
 
 

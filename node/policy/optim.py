@@ -56,8 +56,9 @@ class AdamWBf16State(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
-                                                           memory_format=torch.contiguous_format)  # fmt: skip
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        p, dtype=torch.bfloat16, memory_format=torch.contiguous_format
+                    )
                 state["step"] += 1
                 step = int(state["step"])
                 if generator is None:

@@ -231,8 +231,14 @@ class VLLMBackend(GenerationBackend):
 
     name = "vllm"
 
-    def __init__(self, model: torch.nn.Module, dtype: str = "float32", threads: int | None = None,
-                 kv_cache_gb: float = 1.0, max_model_len: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: str = "float32",
+        threads: int | None = None,
+        kv_cache_gb: float = 1.0,
+        max_model_len: int | None = None,
+    ) -> None:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the V1 runner: its logits processors and state
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         if threads is not None:
@@ -275,8 +281,14 @@ class VLLMBackend(GenerationBackend):
         if core is not None:
             core.shutdown()
 
-    def generate(self, prompts: list[list[int]], row_seeds: list[int], request: SamplingRequest,
-                 draw_temperature: float | None = None, greedy: bool = False) -> list[Completion]:  # fmt: skip
+    def generate(
+        self,
+        prompts: list[list[int]],
+        row_seeds: list[int],
+        request: SamplingRequest,
+        draw_temperature: float | None = None,
+        greedy: bool = False,
+    ) -> list[Completion]:
         """``draw_temperature`` (vLLM's own sampler at that temperature) and ``greedy`` play a dishonest worker
         in tests and benchmarks (the transformers backend's ``draw``): the validator must refuse their tokens."""
         from vllm import SamplingParams
@@ -288,14 +300,20 @@ class VLLMBackend(GenerationBackend):
         honest = draw_temperature is None and not greedy
         params = [
             SamplingParams(
-                n=1, temperature=0.0 if honest or greedy else draw_temperature, max_tokens=request.max_new_tokens,
-                logprobs=0, detokenize=False, skip_special_tokens=False,
-                stop_token_ids=[request.eos_id] if request.eos_id >= 0 else None, ignore_eos=request.eos_id < 0,
+                n=1,
+                temperature=0.0 if honest or greedy else draw_temperature,
+                max_tokens=request.max_new_tokens,
+                logprobs=0,
+                detokenize=False,
+                skip_special_tokens=False,
+                stop_token_ids=[request.eos_id] if request.eos_id >= 0 else None,
+                ignore_eos=request.eos_id < 0,
                 extra_args={ROW_KEY: row, SEED_KEY: int(seed), TEMPERATURE_KEY: float(request.temperature)}
-                if honest else {ROW_KEY: row},
+                if honest
+                else {ROW_KEY: row},
             )
             for row, seed in zip(ids, row_seeds, strict=True)
-        ]  # fmt: skip
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         completions = []
         for out in outputs:
@@ -307,8 +325,9 @@ class VLLMBackend(GenerationBackend):
             self.llm.collective_rpc("intellect_forget", args=(ids,))
             return completions
         rows = [(row, len(p), len(c.tokens)) for row, p, c in zip(ids, prompts, completions, strict=True)]
-        proofs = self.llm.collective_rpc("intellect_proofs",
-                                         args=(rows, request.proofs.topk, request.proofs.decode_batch))[0]  # fmt: skip
+        proofs = self.llm.collective_rpc(
+            "intellect_proofs", args=(rows, request.proofs.topk, request.proofs.decode_batch)
+        )[0]
         for c, p in zip(completions, proofs, strict=True):
             c.proofs = p
         return completions

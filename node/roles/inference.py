@@ -98,8 +98,10 @@ class InferenceNode(Volunteer):
             # an older version is a stale record (a DHT replica behind, or one replayed): a trainer never reuses a
             # version number, so going back would only get our batches refused as duplicates
             if target < self.loaded:
-                self.metrics.inc("node_inference_older_versions_ignored_total",
-                                 help="trainer records announcing a version older than the one loaded")  # fmt: skip
+                self.metrics.inc(
+                    "node_inference_older_versions_ignored_total",
+                    help="trainer records announcing a version older than the one loaded",
+                )
             return
         started = time.monotonic()
         manifest = await self.follower.sync(target)
@@ -111,12 +113,19 @@ class InferenceNode(Volunteer):
         self.batch_index = 0
         self.versions_loaded.append(target)
         self.metrics.set("node_inference_weight_version", target)
-        self.metrics.observe("node_weights_fetch_seconds", time.monotonic() - started,
-                             help="a new version received, verified and loaded")  # fmt: skip
+        self.metrics.observe(
+            "node_weights_fetch_seconds", time.monotonic() - started, help="a new version received, verified and loaded"
+        )
         seconds = time.monotonic() - started
         quiet = time.monotonic() - self._logged_load < LOAD_LOG_S  # a fast run loads versions every second
-        logger.log(logging.DEBUG if quiet else logging.INFO, "loaded version=%d bytes=%d seconds=%.2f (%d versions "
-                   "loaded so far)", target, manifest.total_size, seconds, len(self.versions_loaded))  # fmt: skip
+        logger.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "loaded version=%d bytes=%d seconds=%.2f (%d versions loaded so far)",
+            target,
+            manifest.total_size,
+            seconds,
+            len(self.versions_loaded),
+        )
         if not quiet:
             self._logged_load = time.monotonic()
 
@@ -150,9 +159,16 @@ class InferenceNode(Volunteer):
 
     async def announce(self, batch: RolloutBatch, data: bytes) -> None:
         digest = hashlib.sha256(data).hexdigest()
-        a = BatchAnnounce(run_id=self.run_id, epoch=batch.epoch, node_id=batch.node_id, version=batch.version,
-                          batch_index=batch.batch_index, batch_sha256=digest, size=len(data),
-                          issued=time.time())  # fmt: skip
+        a = BatchAnnounce(
+            run_id=self.run_id,
+            epoch=batch.epoch,
+            node_id=batch.node_id,
+            version=batch.version,
+            batch_index=batch.batch_index,
+            batch_sha256=digest,
+            size=len(data),
+            issued=time.time(),
+        )
         assert self.gossip is not None
         try:
             await self.gossip.publish("rollouts", seal(self.identity, a))
@@ -194,12 +210,12 @@ class InferenceNode(Volunteer):
         finally:
             trim_freed()
 
-
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         torch.set_num_threads(self.cfg.threads)
         tokenizer = build_tokenizer(spec.model)
-        build = partial(make_backend, backend=self.cfg.inference.backend, threads=self.cfg.threads,
-                        device=self.cfg.device)  # fmt: skip
+        build = partial(
+            make_backend, backend=self.cfg.inference.backend, threads=self.cfg.threads, device=self.cfg.device
+        )
         backend = await asyncio.to_thread(build, spec, tokenizer)
         paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
         paused_since = 0.0
@@ -229,8 +245,12 @@ class InferenceNode(Volunteer):
                 continue
             except OSError as e:  # our disk (full?) or a version pruned under us: shed, wait, try again
                 self.metrics.inc("node_weights_fetch_failures_total", label="local_disk")
-                logger.error("could not store or load version %d: %r; free disk space under %s or lower "
-                             "--max-disk-gb", trainer.weight_version, e, self.store.root)  # fmt: skip
+                logger.error(
+                    "could not store or load version %d: %r; free disk space under %s or lower --max-disk-gb",
+                    trainer.weight_version,
+                    e,
+                    self.store.root,
+                )
                 await asyncio.sleep(DISK_RETRY_S)
                 continue
             if paused_at is not None and (self.loaded != paused_at or time.monotonic() - paused_since > PAUSE_MAX_S):
@@ -245,8 +265,12 @@ class InferenceNode(Volunteer):
                 began = time.monotonic()
                 batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
                 tokens = sum(len(c) for g in batch.groups for c in g.completions)
-                self.metrics.observe("node_generation_tokens_per_second", tokens / max(1e-6, time.monotonic() - began),
-                                     help="new tokens per second of a batch", buckets=TOKENS_PER_S)  # fmt: skip
+                self.metrics.observe(
+                    "node_generation_tokens_per_second",
+                    tokens / max(1e-6, time.monotonic() - began),
+                    help="new tokens per second of a batch",
+                    buckets=TOKENS_PER_S,
+                )
                 unsent = (batch, seal(self.identity, batch))
                 self._keep(*unsent)
                 await self.announce(*unsent)
@@ -256,8 +280,12 @@ class InferenceNode(Volunteer):
                 reply = await submit(self.p2p, peer_id, self.run_id, data, self.run_id)
             except (*DELIVERY_ERRORS, Rejected) as e:
                 self.metrics.inc("node_inference_submit_failures_total")
-                logger.warning("could not deliver batch version=%d index=%d (will send it again): %r",
-                               batch.version, batch.batch_index, e)  # fmt: skip
+                logger.warning(
+                    "could not deliver batch version=%d index=%d (will send it again): %r",
+                    batch.version,
+                    batch.batch_index,
+                    e,
+                )
                 await asyncio.sleep(POLL_S)
                 continue
             if not reply.ok and reply.reason in RETRY_SAME:  # nothing decided about this batch: the same, later

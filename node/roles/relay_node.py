@@ -79,8 +79,12 @@ class RelayNode(Volunteer):
                 await asyncio.sleep(POLL_S)
             except OSError as e:  # our disk is full: stop taking children, keep serving what is whole, try later
                 self.metrics.inc("node_weights_fetch_failures_total", label="local_disk")
-                logger.error("cannot store version %d: %r; relaying paused, free disk space under %s or lower "
-                             "--max-disk-gb", target, e, self.store.root)  # fmt: skip
+                logger.error(
+                    "cannot store version %d: %r; relaying paused, free disk space under %s or lower --max-disk-gb",
+                    target,
+                    e,
+                    self.store.root,
+                )
                 f.disk_full_until = time.monotonic() + DISK_RETRY_S
                 self._publish_soon.set()
                 await asyncio.sleep(DISK_RETRY_S)

@@ -30,13 +30,22 @@ class Tracker:
                 os.environ.setdefault("WANDB_SILENT", "true")
                 import wandb
 
-                self._wandb = wandb.init(project="intellect-node", name=run_id, id=run_id, dir=str(root),
-                                         config=config, mode="offline", resume="allow")  # fmt: skip
+                self._wandb = wandb.init(
+                    project="intellect-node",
+                    name=run_id,
+                    id=run_id,
+                    dir=str(root),
+                    config=config,
+                    mode="offline",
+                    resume="allow",
+                )
             else:
                 raise ValueError(f"--track {kind}: choose tensorboard or wandb")
         except ImportError as e:
-            raise SystemExit(f"--track {kind} needs its package ({e.name} is not installed): pip install "
-                             "-e '.[track]' (or pip install tensorboard / wandb)") from None  # fmt: skip
+            raise SystemExit(
+                f"--track {kind} needs its package ({e.name} is not installed): pip install "
+                "-e '.[track]' (or pip install tensorboard / wandb)"
+            ) from None
 
     def log(self, step: int, stats: dict[str, Any]) -> None:
         values = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and k not in ("step", "time")}

@@ -411,8 +411,12 @@ class Checkpoints:
             self.pending_by_node[batch.node_id] += len(due)
             replayed += len(due)
         if saved is not None or replayed or stale or unreadable:
-            self.resume_info = {"from_step": self.step, "replayed_groups": replayed, "stale_groups": stale,
-                                "unreadable_batches": unreadable}  # fmt: skip
+            self.resume_info = {
+                "from_step": self.step,
+                "replayed_groups": replayed,
+                "stale_groups": stale,
+                "unreadable_batches": unreadable,
+            }
             logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)
 
     async def _join_dht(self) -> list[str]:
@@ -423,8 +427,11 @@ class Checkpoints:
             try:
                 return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state, fresh_process=True)
             except SystemExit as e:
-                logger.warning("could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
-                               "alone: nodes reconnect to this address (kept across restarts)", e)  # fmt: skip
+                logger.warning(
+                    "could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
+                    "alone: nodes reconnect to this address (kept across restarts)",
+                    e,
+                )
         return await self.membership.start(
             self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state, fresh_process=True
         )
@@ -436,9 +443,15 @@ class Checkpoints:
         newest = max(self.store.complete_versions(), default=-1)
         if newest > self.step:
             lost = newest - self.step
-            logger.warning("versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
-                           "training are lost and the next version is %d", self.step + 1, newest, self.step, lost,
-                           newest + 1)  # fmt: skip
+            logger.warning(
+                "versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
+                "training are lost and the next version is %d",
+                self.step + 1,
+                newest,
+                self.step,
+                lost,
+                newest + 1,
+            )
             self.step = newest
             self.published = newest
             return
@@ -457,8 +470,12 @@ class Checkpoints:
             self.store.prune(1)
         freed = self.ckpt.shed()
         self.metrics.inc("node_trainer_disk_sheds_total", help="times a full disk made the trainer drop old files")
-        logger.warning("disk full under %s: kept only the newest version and checkpoint (%d bytes of old "
-                       "checkpoints freed); free disk space", self.cfg.data_dir, freed)  # fmt: skip
+        logger.warning(
+            "disk full under %s: kept only the newest version and checkpoint (%d bytes of old "
+            "checkpoints freed); free disk space",
+            self.cfg.data_dir,
+            freed,
+        )
 
     async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
         """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
@@ -475,14 +492,22 @@ class Checkpoints:
                 self.metrics.set("node_trainer_checkpoint_step", version)
             except Exception as e:  # disk full (torch.save says RuntimeError): the spools since the last stay
                 self.metrics.inc("node_trainer_persist_failures_total", label="checkpoint")
-                logger.error("could not write checkpoint %d: %r; training goes on, free disk space under %s",
-                             version, e, self.ckpt.root)  # fmt: skip
+                logger.error(
+                    "could not write checkpoint %d: %r; training goes on, free disk space under %s",
+                    version,
+                    e,
+                    self.ckpt.root,
+                )
         try:
             await asyncio.to_thread(self._publish, version, tensors)
         except Exception as e:  # disk full, say: the swarm keeps generating on the last version; the next step retries
             self.metrics.inc("node_trainer_persist_failures_total", label="publish")
-            logger.error("could not publish version %d: %r; free disk space under %s (or lower --keep-versions)",
-                         version, e, self.weights_root)  # fmt: skip
+            logger.error(
+                "could not publish version %d: %r; free disk space under %s (or lower --keep-versions)",
+                version,
+                e,
+                self.weights_root,
+            )
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             return
         self.published = version

@@ -146,8 +146,13 @@ class TrainerGossip:
         manifest = self.store.manifest(version)
         if manifest is None:
             return
-        notice = VersionNotice(run_id=self.run_id, epoch=self.spec.epoch, version=version,
-                               checkpoint_sha256=manifest.checkpoint_sha256, issued=time.time())  # fmt: skip
+        notice = VersionNotice(
+            run_id=self.run_id,
+            epoch=self.spec.epoch,
+            version=version,
+            checkpoint_sha256=manifest.checkpoint_sha256,
+            issued=time.time(),
+        )
         self._notice = seal(self.identity, notice)
         await self._gossip_out("versions", self._notice)
 
@@ -165,20 +170,30 @@ class TrainerGossip:
         origin = self.origin  # type: ignore[attr-defined]
         return {
             "versions_held": self.store.complete_versions(),
-            "relay": {"enabled": True, "depth": 0, "parent": None, "children": origin.children(),
-                      "slots_free": origin.slots_free(), "fetching": -1, "fetching_verified_shards": 0,
-                      "bans": m.counter("node_relay_bans_total"), "bytes_received": 0,
-                      "bytes_sent": m.counter("node_relay_bytes_sent_total")},
+            "relay": {
+                "enabled": True,
+                "depth": 0,
+                "parent": None,
+                "children": origin.children(),
+                "slots_free": origin.slots_free(),
+                "fetching": -1,
+                "fetching_verified_shards": 0,
+                "bans": m.counter("node_relay_bans_total"),
+                "bytes_received": 0,
+                "bytes_sent": m.counter("node_relay_bytes_sent_total"),
+            },
             "peers": len(self.registry.records),  # nodes with a record in the run, as last read
             "validators_present": self.validators_present,
             "awaiting_verdicts": len(self.waits),
             "verdicts_remote": int(m.counter("node_trainer_remote_verdicts_total")),
             "verdicts_self": int(m.counter("node_trainer_self_verdicts_total")),
-            "duplicates": {"announcement": int(m.counter("node_trainer_duplicates_total", "announcement")),
-                           "body": int(m.by_label("node_trainer_batches_rejected_total").get("duplicate", 0))},
+            "duplicates": {
+                "announcement": int(m.counter("node_trainer_duplicates_total", "announcement")),
+                "body": int(m.by_label("node_trainer_batches_rejected_total").get("duplicate", 0)),
+            },
             "pulls": m.by_label("node_trainer_pulls_total"),
             "gossip_received": int(sum(m.by_label("node_gossip_received_total").values())),
-        }  # fmt: skip
+        }
 
     def _remember(self, digest: str, entry: Known) -> None:
         self.known[digest] = entry
@@ -207,9 +222,17 @@ class TrainerGossip:
         return digest
 
     async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str], full: bool = False) -> None:
-        ack = BatchAck(run_id=self.run_id, epoch=self.spec.epoch, node_id=batch.node_id, version=batch.version,
-                       batch_index=batch.batch_index, batch_sha256=digest, judges=judges, full=full,
-                       issued=time.time())  # fmt: skip
+        ack = BatchAck(
+            run_id=self.run_id,
+            epoch=self.spec.epoch,
+            node_id=batch.node_id,
+            version=batch.version,
+            batch_index=batch.batch_index,
+            batch_sha256=digest,
+            judges=judges,
+            full=full,
+            issued=time.time(),
+        )
         await self._gossip_out("verdicts", seal(self.identity, ack))
 
     async def _on_announce(self, data: bytes, peer: str) -> None:
@@ -224,8 +247,11 @@ class TrainerGossip:
         if known is not None:
             if known.node_id != a.node_id:  # someone else's batch: only its producer may ask for the ack again
                 raise Rejected("foreign_announcement", "an announcement of a digest that is another node's batch")
-            self.metrics.inc("node_trainer_duplicates_total", label="announcement",
-                             help="announcements and bodies of batches already held")  # fmt: skip
+            self.metrics.inc(
+                "node_trainer_duplicates_total",
+                label="announcement",
+                help="announcements and bodies of batches already held",
+            )
             if known.key is not None and time.monotonic() - known.acked > ACK_REPEAT_S:  # the producer missed it
                 known.acked = time.monotonic()
                 await self._ack(self._keyed(known.key), a.batch_sha256, known.judges, known.full)
@@ -270,8 +296,11 @@ class TrainerGossip:
             body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256, a.size)
         except (ConnectionError, TimeoutError, Rejected) as e:
             self.known.pop(a.batch_sha256, None)  # the next announcement tries again
-            self.metrics.inc("node_trainer_pulls_total", label=getattr(e, "reason", "unreachable"),
-                             help="announced batches fetched from their producer, by outcome")  # fmt: skip
+            self.metrics.inc(
+                "node_trainer_pulls_total",
+                label=getattr(e, "reason", "unreachable"),
+                help="announced batches fetched from their producer, by outcome",
+            )
             logger.debug("could not fetch announced batch %s from peer=%s: %r", a.batch_sha256[:12], peer, e)
             return
         finally:
@@ -297,4 +326,3 @@ class TrainerGossip:
             self.metrics.inc("node_trainer_verdicts_unmatched_total", help="verdicts for no batch awaiting one")
             return
         wait.add(signed.signer_id, v, data)
-

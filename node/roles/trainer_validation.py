@@ -139,10 +139,19 @@ class ValidationPipeline:
                 if time.monotonic() > deadline:
                     raise Rejected("reward_budget", f"scoring took over {self.spec.verify.reward_budget_s:.0f}s")
                 rewards.append(task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task))
-            groups.append(Group(batch.node_id, batch.version, g.prompt_ids, g.completions, g.logprobs, rewards,
-                                batch.batch_index, g.slot))  # fmt: skip
+            groups.append(
+                Group(
+                    batch.node_id,
+                    batch.version,
+                    g.prompt_ids,
+                    g.completions,
+                    g.logprobs,
+                    rewards,
+                    batch.batch_index,
+                    g.slot,
+                )
+            )
         return groups
-
 
     validators_missing: list[str]
     validators_present: list[str]
@@ -172,13 +181,19 @@ class ValidationPipeline:
                 found = set()
             self.validators_missing = sorted(set(self.cfg.validators) - found)
             self.validators_present = sorted(found)
-            self.metrics.set("node_trainer_validators_missing", len(self.validators_missing),
-                             help="validators named with --validator that have no record in the run")  # fmt: skip
+            self.metrics.set(
+                "node_trainer_validators_missing",
+                len(self.validators_missing),
+                help="validators named with --validator that have no record in the run",
+            )
             if self.validators_missing and time.monotonic() - warned >= VALIDATOR_WARN_S:
                 warned = time.monotonic()
-                logger.warning("validator(s) %s named with --validator are not in the run's DHT: this trainer "
-                               "validates their share itself; start them with the trainer's current join line "
-                               "(--role validator)", ", ".join(v[:12] for v in self.validators_missing))  # fmt: skip
+                logger.warning(
+                    "validator(s) %s named with --validator are not in the run's DHT: this trainer "
+                    "validates their share itself; start them with the trainer's current join line "
+                    "(--role validator)",
+                    ", ".join(v[:12] for v in self.validators_missing),
+                )
             warned = max(warned, 0.0)
 
     def _load_validator(self, version: int) -> None:
@@ -208,8 +223,12 @@ class ValidationPipeline:
                 await self._validate_one(batch, slots, envelope)
             except Exception:
                 self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
-                logger.exception("validation of node=%s version=%d batch=%d failed; batch dropped",
-                                 batch.node_id, batch.version, batch.batch_index)  # fmt: skip
+                logger.exception(
+                    "validation of node=%s version=%d batch=%d failed; batch dropped",
+                    batch.node_id,
+                    batch.version,
+                    batch.batch_index,
+                )
             finally:
                 self.validating.discard((batch.node_id, batch.version, batch.batch_index))
                 self.pending_by_node[batch.node_id] -= len(slots)
@@ -244,20 +263,30 @@ class ValidationPipeline:
             refusals = [(v, s) for v, s in wait.verdicts.values() if not v.ok]
             if refusals or len(wait.verdicts) == len(wait.judges):
                 verdict, sealed = (refusals or list(wait.verdicts.values()))[0]
-                self.metrics.inc("node_trainer_remote_verdicts_total", len(wait.verdicts),
-                                 help="verdicts from validator nodes")  # fmt: skip
+                self.metrics.inc(
+                    "node_trainer_remote_verdicts_total", len(wait.verdicts), help="verdicts from validator nodes"
+                )
                 await self._apply(batch, slots, verdict, sealed)
                 return
             self.metrics.inc("node_trainer_validation_fallbacks_total", help="validated here: no verdict in time")
-            logger.info("no verdict on node=%s version=%d batch=%d from %s within %.0fs; judging it here",
-                        batch.node_id, batch.version, batch.batch_index, ",".join(j[:8] for j in wait.judges),
-                        self.spec.verify.verdict_wait_s)  # fmt: skip
+            logger.info(
+                "no verdict on node=%s version=%d batch=%d from %s within %.0fs; judging it here",
+                batch.node_id,
+                batch.version,
+                batch.batch_index,
+                ",".join(j[:8] for j in wait.judges),
+                self.spec.verify.verdict_wait_s,
+            )
             self.pending.put_nowait((batch, slots, envelope))
             handed_over = True
         except Exception:
             self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")
-            logger.exception("applying the verdicts on node=%s version=%d batch=%d failed; batch dropped",
-                             batch.node_id, batch.version, batch.batch_index)  # fmt: skip
+            logger.exception(
+                "applying the verdicts on node=%s version=%d batch=%d failed; batch dropped",
+                batch.node_id,
+                batch.version,
+                batch.batch_index,
+            )
         finally:
             self.waits.pop(digest, None)
             if not handed_over:
@@ -307,8 +336,12 @@ class ValidationPipeline:
             self.ledger("invalid", key, len(slots))
             logger.warning(
                 "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
-                batch.node_id, batch.version, batch.batch_index, verdict.reason, verdict.detail,
-            )  # fmt: skip
+                batch.node_id,
+                batch.version,
+                batch.batch_index,
+                verdict.reason,
+                verdict.detail,
+            )
             if self.spec.verify.ban and batch.node_id not in self.banned:
                 self.banned[batch.node_id] = verdict.reason
                 dropped = [g for g in self.queue if g.node_id == batch.node_id]
@@ -318,8 +351,12 @@ class ValidationPipeline:
                 self.metrics.inc("node_trainer_groups_dropped_banned_total", len(dropped))
                 for g in dropped:
                     self.ledger("banned", g.key, 1)
-                logger.warning("banned node=%s for the run: %s (%d queued groups dropped)",
-                               batch.node_id, verdict.reason, len(dropped))  # fmt: skip
+                logger.warning(
+                    "banned node=%s for the run: %s (%d queued groups dropped)",
+                    batch.node_id,
+                    verdict.reason,
+                    len(dropped),
+                )
             return
         if batch.version < self._fresh_floor():  # went stale while it was being judged
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
@@ -344,14 +381,16 @@ class ValidationPipeline:
                 self._rewards_seen.extend(g.rewards)
         if self.spec.train.online_filter:  # all rewards equal: zero advantage, nothing to learn from
             kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
-            self.metrics.inc("node_trainer_groups_filtered_total", len(groups) - len(kept),
-                             help="groups dropped by the online filter (all rewards equal)")  # fmt: skip
+            self.metrics.inc(
+                "node_trainer_groups_filtered_total",
+                len(groups) - len(kept),
+                help="groups dropped by the online filter (all rewards equal)",
+            )
             self.ledger("filtered", key, len(groups) - len(kept))
             groups = kept
         self.queue.extend(groups)
         self.queued_by_node[batch.node_id] += len(groups)
         self.queue_changed.set()
-
 
     async def _scored(self, batch: RolloutBatch, slots: list[int]) -> list[Group] | None:
         """Rewards, recomputed here only now that the batch passed validation, on the reward pool and within the
@@ -362,18 +401,29 @@ class ValidationPipeline:
         try:
             groups = await loop.run_in_executor(self.reward_pool, self._score, batch, slots, deadline)
         except Rejected as e:
-            self.metrics.inc("node_trainer_groups_unscored_total", len(slots), label=e.reason,
-                             help="validated groups dropped because scoring failed or ran over budget")  # fmt: skip
-            logger.warning("dropped batch node=%s version=%d batch=%d: %s", batch.node_id, batch.version,
-                           batch.batch_index, e)  # fmt: skip
+            self.metrics.inc(
+                "node_trainer_groups_unscored_total",
+                len(slots),
+                label=e.reason,
+                help="validated groups dropped because scoring failed or ran over budget",
+            )
+            logger.warning(
+                "dropped batch node=%s version=%d batch=%d: %s", batch.node_id, batch.version, batch.batch_index, e
+            )
             return None
         except Exception as e:  # a completion our scoring cannot take: the batch is dropped, the node goes on
             self.metrics.inc("node_trainer_groups_unscored_total", len(slots), label="error")
-            logger.warning("could not score batch node=%s version=%d batch=%d: %r", batch.node_id, batch.version,
-                           batch.batch_index, e)  # fmt: skip
+            logger.warning(
+                "could not score batch node=%s version=%d batch=%d: %r",
+                batch.node_id,
+                batch.version,
+                batch.batch_index,
+                e,
+            )
             return None
-        self.metrics.inc("node_trainer_reward_seconds_total", time.monotonic() - started,
-                         help="time spent recomputing rewards")  # fmt: skip
+        self.metrics.inc(
+            "node_trainer_reward_seconds_total", time.monotonic() - started, help="time spent recomputing rewards"
+        )
         return groups
 
     async def _verdicts(self, _request: web.Request) -> web.Response:

@@ -168,8 +168,13 @@ class ValidatorNode(Volunteer):
             raise Rejected("foreign_ack", f"an acknowledgement signed by {signed.signer_id}")
         for node_id, by in self.holders.produced_by(ack.batch_sha256, ack.node_id):
             self.metrics.inc("node_validator_announcements_total", label="not_producer")
-            logger.debug("refused an announcement peer=%s node=%s batch=%s reason=not_producer producer=%s",
-                         by, node_id, ack.batch_sha256[:12], ack.node_id)  # fmt: skip
+            logger.debug(
+                "refused an announcement peer=%s node=%s batch=%s reason=not_producer producer=%s",
+                by,
+                node_id,
+                ack.batch_sha256[:12],
+                ack.node_id,
+            )
         if self.identity.node_id not in ack.judges or ack.batch_sha256 in self.seen:
             return
         self.seen[ack.batch_sha256] = True
@@ -204,10 +209,12 @@ class ValidatorNode(Volunteer):
         assert self.p2p is not None
         digest, deadline = ack.batch_sha256, self.fetch_deadline()
         asks = {
-            asyncio.ensure_future(within(fetch_batch(self.p2p, self.identity, self.run_id, peer, digest), deadline)):
-            (peer, source)
+            asyncio.ensure_future(within(fetch_batch(self.p2p, self.identity, self.run_id, peer, digest), deadline)): (
+                peer,
+                source,
+            )
             for peer, source in self._sources(ack, trainer_peer).items()
-        }  # fmt: skip
+        }
         pending = set(asks)
         try:
             while pending:
@@ -224,8 +231,11 @@ class ValidatorNode(Volunteer):
                     if body is None:
                         self.metrics.inc("node_validator_fetch_failures_total", label="missing")
                         continue
-                    self.metrics.inc("node_validator_fetches_total", label=source,
-                                     help="batch bodies fetched, by the source that served first")  # fmt: skip
+                    self.metrics.inc(
+                        "node_validator_fetches_total",
+                        label=source,
+                        help="batch bodies fetched, by the source that served first",
+                    )
                     return body
         finally:
             for ask in asks:
@@ -255,8 +265,14 @@ class ValidatorNode(Volunteer):
         self.metrics.inc("node_validator_batches_total", label="ok" if verdict.ok else verdict.reason)
         self.metrics.inc("node_validator_seconds_total", time.monotonic() - started)
         self.metrics.observe("node_validation_seconds", time.monotonic() - started, help="a batch judged")
-        logger.info("verdict node=%s version=%d batch=%d ok=%s reason=%s", batch.node_id, batch.version,
-                    batch.batch_index, verdict.ok, verdict.reason)  # fmt: skip
+        logger.info(
+            "verdict node=%s version=%d batch=%d ok=%s reason=%s",
+            batch.node_id,
+            batch.version,
+            batch.batch_index,
+            verdict.ok,
+            verdict.reason,
+        )
         return verdict
 
     async def judge_forever(self) -> None:

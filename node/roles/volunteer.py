@@ -193,8 +193,9 @@ class Volunteer(abc.ABC):
         a = spec.admission
         if a.pow_bits:
             started = time.monotonic()
-            self.pow_nonce = await asyncio.to_thread(solve_pow, self.run_id, spec.epoch, self.identity.node_id,
-                                                    a.pow_bits)
+            self.pow_nonce = await asyncio.to_thread(
+                solve_pow, self.run_id, spec.epoch, self.identity.node_id, a.pow_bits
+            )
             logger.info("proof of work bits=%d seconds=%.2f", a.pow_bits, time.monotonic() - started)
 
     async def _on_version(self, data: bytes, peer: str) -> None:
@@ -246,8 +247,12 @@ class Volunteer(abc.ABC):
             known = [*self._trainer_maddrs, *self.cfg.peers]
             try:
                 answered = await self.membership.rebootstrap(known)
-                logger.warning("no trainer record for %.0fs: re-joined the DHT through %d of %d known peers",
-                               now - self._trainer_seen, answered, len(known))  # fmt: skip
+                logger.warning(
+                    "no trainer record for %.0fs: re-joined the DHT through %d of %d known peers",
+                    now - self._trainer_seen,
+                    answered,
+                    len(known),
+                )
             except Exception as e:
                 logger.warning("could not re-join the DHT through the known peers: %r", e)
         return self._noticed(record) if record is not None else None
@@ -260,8 +265,9 @@ class Volunteer(abc.ABC):
         assert self.spec is not None
         if trainer.epoch <= self.spec.epoch:
             if trainer.epoch < self.spec.epoch:
-                self.metrics.inc("node_older_epoch_records_ignored_total",
-                                 help="trainer records of an earlier start of the run")  # fmt: skip
+                self.metrics.inc(
+                    "node_older_epoch_records_ignored_total", help="trainer records of an earlier start of the run"
+                )
             return False
         try:
             spec = await self.membership.get_spec()
@@ -272,8 +278,11 @@ class Volunteer(abc.ABC):
             return False  # the spec of the new epoch has not reached the replicas we asked yet
         if self.role in ("inference", "validator"):
             require_jail(spec.task)
-        logger.warning("the run was started over (epoch %d -> %d): dropping the old versions and following the new "
-                       "ones", self.spec.epoch, spec.epoch)  # fmt: skip
+        logger.warning(
+            "the run was started over (epoch %d -> %d): dropping the old versions and following the new ones",
+            self.spec.epoch,
+            spec.epoch,
+        )
         self.metrics.inc("node_epochs_followed_total", help="times the run was started over and this node followed")
         self.spec = spec
         self.store.set_epoch(spec.epoch)
@@ -291,8 +300,9 @@ class Volunteer(abc.ABC):
     async def run(self) -> None:
         try:
             # the DHT process first: it must not inherit a listening socket (it would hold the port after a crash)
-            self.maddrs = await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers,
-                                                      self.cfg.data_dir)  # fmt: skip
+            self.maddrs = await self.membership.start(
+                self.cfg.host, self.cfg.p2p_port, self.cfg.peers, self.cfg.data_dir
+            )
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
@@ -307,9 +317,16 @@ class Volunteer(abc.ABC):
             keep = self.cfg.keep_versions or spec.train.async_level + 1
             max_bytes = int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None
             self.follower = WeightFollower(
-                self.identity, self.run_id, self.membership, self.store, self.metrics, self.server,
-                keep, max_bytes, self._coalesced_publish,
-            )  # fmt: skip
+                self.identity,
+                self.run_id,
+                self.membership,
+                self.store,
+                self.metrics,
+                self.server,
+                keep,
+                max_bytes,
+                self._coalesced_publish,
+            )
             if self.server is not None:
                 follower = self.follower
                 self.server.auth.members = follower.is_member
@@ -351,8 +368,9 @@ class Volunteer(abc.ABC):
                 await asyncio.sleep(POLL_S)
                 continue
             try:
-                reply = await call_redeem(self.p2p, self.identity, self.run_id,
-                                          trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], self.invite)  # fmt: skip
+                reply = await call_redeem(
+                    self.p2p, self.identity, self.run_id, trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1], self.invite
+                )
             except (*DELIVERY_ERRORS, Rejected) as e:
                 detail = f"the trainer did not answer: {e!r}"
                 await asyncio.sleep(1.0)
@@ -361,12 +379,16 @@ class Volunteer(abc.ABC):
                 logger.info("admitted to the invite-only run %s", self.run_id)
                 return
             if reply.reason != "busy":
-                raise SystemExit(f"the trainer refused this node ({reply.reason}: {reply.detail}); "
-                                 f"{FIXES.get(reply.reason, 'ask the run operator')}")  # fmt: skip
+                raise SystemExit(
+                    f"the trainer refused this node ({reply.reason}: {reply.detail}); "
+                    f"{FIXES.get(reply.reason, 'ask the run operator')}"
+                )
             detail = "the trainer is busy"
             await asyncio.sleep(1.0)
-        raise SystemExit(f"could not redeem the invite within {self.cfg.join_timeout_s:.0f}s ({detail}); check that "
-                         "the trainer is running and reachable")  # fmt: skip
+        raise SystemExit(
+            f"could not redeem the invite within {self.cfg.join_timeout_s:.0f}s ({detail}); check that "
+            "the trainer is running and reachable"
+        )
 
     async def check_reachability(self) -> None:
         """Ask the trainer to dial us back (node/p2p/reach.py). Only what it reached is announced: the p2p
@@ -388,8 +410,14 @@ class Volunteer(abc.ABC):
             self._unchecked("the trainer's record could not be read", p2p_port, http_port)
             return
         try:
-            r = await ask_dialback(self.p2p, self.identity, self.run_id, trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1],
-                                   self.maddrs, http_port)  # fmt: skip
+            r = await ask_dialback(
+                self.p2p,
+                self.identity,
+                self.run_id,
+                trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1],
+                self.maddrs,
+                http_port,
+            )
         except Rejected as e:
             self._unchecked(f"the trainer did not check ({e})", p2p_port, http_port)
             return

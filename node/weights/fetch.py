@@ -56,6 +56,7 @@ source blamed."""
 SHARD_SLACK_S = LONG_POLL_S + 10.0
 """Room for a shard that is still arriving at the source (a long poll) before the rate applies."""
 
+
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """The whole body, or Rejected('oversized') as soon as it passes ``limit`` bytes."""
     body = bytearray()
@@ -137,8 +138,13 @@ class ShardFetcher:
         fresh: dict[str, Source] = {}
         for c in plan:
             src = self.sources.get(c.node_id) or Source(c.node_id, c.url, c.depth)
-            src.url, src.depth, src.is_parent, src.parent_of, src.above_of = (c.url, c.depth, c.is_parent,
-                                                                               c.parent_of, c.above_of)
+            src.url, src.depth, src.is_parent, src.parent_of, src.above_of = (
+                c.url,
+                c.depth,
+                c.is_parent,
+                c.parent_of,
+                c.above_of,
+            )
             fresh[c.node_id] = src
         self.sources = fresh
 
@@ -155,8 +161,11 @@ class ShardFetcher:
                     continue
                 try:  # under a deadline the follower can bring forward (abort_source): a parent cut off by a
                     # partition that drops packets would hold the request for the whole read timeout
-                    async with asyncio.timeout(MANIFEST_POLL_S + 10) as limit, _tracked(src.active, limit), \
-                            self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp:  # fmt: skip
+                    async with (
+                        asyncio.timeout(MANIFEST_POLL_S + 10) as limit,
+                        _tracked(src.active, limit),
+                        self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp,
+                    ):
                         if resp.status == 200:
                             data = await read_limited(resp, Channel.MANIFEST.value)
                             verify_manifest(data, self.store.run_id, version, self.store.epoch)
@@ -214,8 +223,11 @@ class ShardFetcher:
                 # spare upload (pick_spare) while that stripe's worker goes on with the parent from the front; only
                 # while none has any does it ask the parent too (splitting its upload with our siblings'), as before.
                 src: Source | None
-                spare = pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe) \
-                    if k > 1 and stripe != mine and len(pending) > 1 else None  # fmt: skip
+                spare = (
+                    pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe)
+                    if k > 1 and stripe != mine and len(pending) > 1
+                    else None
+                )
                 if spare is not None:
                     index, shard = max(pending)
                     pending.remove((index, shard))
@@ -224,11 +236,21 @@ class ShardFetcher:
                 else:
                     index, shard = heapq.heappop(pending)
                     # our share of each run of the stripe from the root above: from our place on, once a run
-                    if stripe == mine and lent.get(stripe) != index // k // ABOVE_EVERY \
-                            and above_due(self.node_id, index // k):  # fmt: skip
-                        spare = next((s for s in self.sources.values() if stripe in s.above_of
-                                      and s.node_id not in self.banned
-                                      and max(s.away_until, s.spare_until) <= time.monotonic()), None)  # fmt: skip
+                    if (
+                        stripe == mine
+                        and lent.get(stripe) != index // k // ABOVE_EVERY
+                        and above_due(self.node_id, index // k)
+                    ):
+                        spare = next(
+                            (
+                                s
+                                for s in self.sources.values()
+                                if stripe in s.above_of
+                                and s.node_id not in self.banned
+                                and max(s.away_until, s.spare_until) <= time.monotonic()
+                            ),
+                            None,
+                        )
                     src = spare or self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
                 if src is None:
                     heapq.heappush(pending, (index, shard))
@@ -292,12 +314,19 @@ class ShardFetcher:
         received = 0
         whole_from_src = have == 0
         try:
-            async with asyncio.timeout(self._deadline(shard.size - have, src, stripe)) as limit, \
-                    _tracked(src.active, limit), \
-                    self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp:  # fmt: skip
+            async with (
+                asyncio.timeout(self._deadline(shard.size - have, src, stripe)) as limit,
+                _tracked(src.active, limit),
+                self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp,
+            ):
                 if resp.status in (404, 503):
-                    logger.debug("shard=%s source=%s answered %d after %.3fs", shard.name, src.node_id[:8],
-                                 resp.status, time.monotonic() - started)  # fmt: skip
+                    logger.debug(
+                        "shard=%s source=%s answered %d after %.3fs",
+                        shard.name,
+                        src.node_id[:8],
+                        resp.status,
+                        time.monotonic() - started,
+                    )
                     if spare or (src.is_parent and not src.serves(stripe)):  # or our parent elsewhere only: marked
                         src.spare_until = time.monotonic() + SPARE_AGAIN_S  # full, it was dropped as that parent too
                         return False
@@ -352,8 +381,9 @@ class ShardFetcher:
             else:
                 src.failed += 1
                 src.away_until = time.monotonic() + min(5.0, 0.5 * src.failed)
-            logger.debug("shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e,
-                         have + received)  # fmt: skip
+            logger.debug(
+                "shard %s from %s failed: %r (kept %d bytes for resume)", shard.name, src.node_id, e, have + received
+            )
             await self._refresh(force=src.is_parent)
             return False
         except BaseException:
@@ -366,9 +396,12 @@ class ShardFetcher:
         finally:  # cut-through readers end with the whole shard either way (its bytes matched the manifest)
             self.store.part_closed(version, shard.name, verified=True)
         logger.debug(
-            "shard=%s source=%s bytes=%d waited_and_received_s=%.3f", shard.name, src.node_id[:8], received,
+            "shard=%s source=%s bytes=%d waited_and_received_s=%.3f",
+            shard.name,
+            src.node_id[:8],
+            received,
             time.monotonic() - started,
-        )  # fmt: skip
+        )
         src.ok += not spare  # spare upload does not make a parent (faster_than_parent)
         src.failed = 0
         src.full = False
@@ -392,8 +425,13 @@ class ShardFetcher:
         self.store.part_path(version, shard.name).unlink(missing_ok=True)
         if whole and not vouched:
             self.strikes[src.node_id] = strikes = self.strikes.get(src.node_id, 0) + 1
-            logger.info("source=%s relayed unverified bytes of %s that failed: %s (strike %d)",
-                        src.node_id, shard.name, why, strikes)  # fmt: skip
+            logger.info(
+                "source=%s relayed unverified bytes of %s that failed: %s (strike %d)",
+                src.node_id,
+                shard.name,
+                why,
+                strikes,
+            )
         # only a source that sent every byte of the shard is to blame
         if whole and (vouched or self.strikes.get(src.node_id, 0) >= 2):
             if self.banned.get(src.node_id, 0.0) <= time.monotonic():  # count a ban once, not per shard in flight

@@ -128,8 +128,10 @@ def verify_manifest(data: bytes, run_id: str, version: int | None = None, epoch:
     if version is not None and signed.message.version != version:
         raise Rejected("wrong_version", f"asked for {version}, manifest says {signed.message.version}")
     if epoch is not None and signed.message.epoch != epoch:
-        raise Rejected("wrong_epoch", f"version {signed.message.version} of run epoch {signed.message.epoch}, "
-                       f"not of the current epoch {epoch}")  # fmt: skip
+        raise Rejected(
+            "wrong_epoch",
+            f"version {signed.message.version} of run epoch {signed.message.epoch}, not of the current epoch {epoch}",
+        )
     if checkpoint_digest(signed.message.shards) != signed.message.checkpoint_sha256:
         raise Rejected("schema", "checkpoint_sha256 does not match the shard digests")
     return signed.message

@@ -249,7 +249,8 @@ class WeightFollower(Attachments):
         costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
         seen = self._seen.get(node_id)
         return (seen is not None and time.monotonic() - seen[0] < NODE_TTL_S) or node_id in await self._records(
-            max_age=MEMBER_REFRESH_S)  # fmt: skip
+            max_age=MEMBER_REFRESH_S
+        )
 
     def _avoiding(self) -> set[str]:
         now = time.monotonic()
@@ -329,8 +330,13 @@ class WeightFollower(Attachments):
 
     def _between_versions(self) -> bool:
         """A serving node that fetches nothing and has sent no shard for REHOME_IDLE_S."""
-        return (self.server is not None and self.home >= 0 and len(self.links) > 1 and self.fetching < 0
-                and self.server.idle_s() >= REHOME_IDLE_S)  # fmt: skip
+        return (
+            self.server is not None
+            and self.home >= 0
+            and len(self.links) > 1
+            and self.fetching < 0
+            and self.server.idle_s() >= REHOME_IDLE_S
+        )
 
     def _rehome(self, records: dict[str, NodeRecord]) -> None:
         """Between versions (this node fetches nothing and has sent no shard for REHOME_IDLE_S), move its home to
@@ -388,9 +394,11 @@ class WeightFollower(Attachments):
             try:
                 headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self._token_for(c.node_id)}
                 async with session.get(
-                    f"{c.url}/relay/next", params={"after": str(after)}, headers=headers,
+                    f"{c.url}/relay/next",
+                    params={"after": str(after)},
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 5),
-                ) as resp:  # fmt: skip
+                ) as resp:
                     if resp.status == 204:
                         if time.monotonic() - asked < LONG_POLL_S / 2:
                             await asyncio.sleep(KEEPALIVE_S)  # it did not wait: do not ask again at once

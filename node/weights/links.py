@@ -171,8 +171,14 @@ class Attachments:
         link = link or self.home_link
         path = body.get("path") if isinstance(body, dict) else None
         token = body.get("token") if isinstance(body, dict) else None
-        if not (is_path(path) and path and path[0] == self.run_id and self.node_id not in path
-                and isinstance(token, str) and len(token) <= 64):  # fmt: skip
+        if not (
+            is_path(path)
+            and path
+            and path[0] == self.run_id
+            and self.node_id not in path
+            and isinstance(token, str)
+            and len(token) <= 64
+        ):
             self._detach_soon(c, link)
             return False
         link.token = token
@@ -277,10 +283,12 @@ class Attachments:
             assert old is not None  # (the identity check above widened it for mypy)
             link.parent_was = old.node_id
             if self._adopt(c, body, link):
-                logger.info("left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old.node_id, was / 1e6,
-                            c.node_id, now / 1e6)  # fmt: skip
-                self.metrics.inc("node_relay_slow_parent_moves_total",
-                                 help="moves from a parent much slower than another")  # fmt: skip
+                logger.info(
+                    "left slow parent %s (%.1f MB/s) for %s (%.1f MB/s)", old.node_id, was / 1e6, c.node_id, now / 1e6
+                )
+                self.metrics.inc(
+                    "node_relay_slow_parent_moves_total", help="moves from a parent much slower than another"
+                )
                 self._detach_soon(old, link)
 
     async def _climb(self, records: dict[str, NodeRecord]) -> None:
@@ -313,8 +321,13 @@ class Attachments:
                 self._detach_soon(t, link)
             return
         if status != 200:
-            logger.debug("grandparent %s did not take us up in stripe %d (%s): not asked again for %.0fs", up[:8],
-                         link.stripe, status, CLIMB_REFUSED_S)  # fmt: skip
+            logger.debug(
+                "grandparent %s did not take us up in stripe %d (%s): not asked again for %.0fs",
+                up[:8],
+                link.stripe,
+                status,
+                CLIMB_REFUSED_S,
+            )
             self._climb_after = {n: x for n, x in self._climb_after.items() if x > now}
             self._climb_after[up] = time.monotonic() + CLIMB_REFUSED_S
             return

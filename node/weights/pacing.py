@@ -180,8 +180,16 @@ class FairShare:
         the pauses between its requests (a round trip, 0.1-0.4 s through busy uplinks) are not counted either:
         the receiver they hold back is the one that needs to catch up."""
 
-    def update(self, request: web.Request, pressing: bool, sent: int = 0, now: float = 0.0, who: str = "",
-               rwnd_us: int | None = None, place: tuple[int, float] | None = None) -> None:  # fmt: skip
+    def update(
+        self,
+        request: web.Request,
+        pressing: bool,
+        sent: int = 0,
+        now: float = 0.0,
+        who: str = "",
+        rwnd_us: int | None = None,
+        place: tuple[int, float] | None = None,
+    ) -> None:
         """``sent`` more bytes of this response reached its receiver ``who`` by ``now``; ``pressing``: its bytes are
         here (the link, not their supply, limits it); ``rwnd_us``: ``rwnd_limited_us`` of its connection now (None:
         not known, as if held back); ``place``: (version, how far along its stripe the response is, in shards:
@@ -268,6 +276,7 @@ class FairShare:
         late, and one moved 11% slower than the others for 10 s), and the subtree of the root behind, starved
         meanwhile, ended last (N=16: its nodes' uploads at 19 Mbit/s of 24 for 5-10 s, busy 1.5 s past the rest)."""
         weight = dict.fromkeys(fair, 1.0)
+
         def moving(w: str) -> float:  # its rate, decayed over a while not told (it read nothing)
             r, at = self._moved.get(w, (0.0, now))
             return r * min(1.0, self.TAU_S / max(1e-9, now - at))

@@ -42,8 +42,14 @@ class Source:
         return base * (self.ok + 1) / (self.ok + self.failed + 1) * (4.0 if self.serves(stripe) else 1.0)
 
 
-def pick_source(sources: Iterable[Source], tried: set[str], banned: dict[str, float] | set[str], now: float,
-                probe: bool, stripe: int | None = None) -> Source | None:  # fmt: skip
+def pick_source(
+    sources: Iterable[Source],
+    tried: set[str],
+    banned: dict[str, float] | set[str],
+    now: float,
+    probe: bool,
+    stripe: int | None = None,
+) -> Source | None:
     """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried
     for it (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (in
     a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
@@ -51,8 +57,11 @@ def pick_source(sources: Iterable[Source], tried: set[str], banned: dict[str, fl
     moves below the faster one)."""
     # a parent in another stripe that had no alternate's slot for this one (spare_until) is not asked again at once;
     # a stripe's root two levels up only for our share of its stripe (``above_due``, the fetcher asks it)
-    sources = [s for s in sources if s.node_id not in banned and not s.above_of
-               and (s.serves(stripe) or s.spare_until <= now or not s.is_parent)]  # fmt: skip
+    sources = [
+        s
+        for s in sources
+        if s.node_id not in banned and not s.above_of and (s.serves(stripe) or s.spare_until <= now or not s.is_parent)
+    ]
     usable = [s for s in sources if s.away_until <= now]
     if stripe is not None and any(s.serves(stripe) for s in sources):
         # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
@@ -83,8 +92,11 @@ def pick_spare(
     slot, and held the last shard of a stripe 7 s at N=16), on its spare upload (relay.py: while a slot is free
     or no child of its own is being sent anything), best score first. None: every one is away or had no spare
     upload a moment ago."""
-    usable = [s for s in sources if s.node_id not in banned and not s.is_parent
-              and s.away_until <= now and s.spare_until <= now]  # fmt: skip
+    usable = [
+        s
+        for s in sources
+        if s.node_id not in banned and not s.is_parent and s.away_until <= now and s.spare_until <= now
+    ]
     return max(usable, key=lambda s: s.score(stripe), default=None)
 
 
@@ -113,7 +125,14 @@ def faster_than_parent(
     mine = sources.get(parent)
     if mine is None or mine.ok < SLOW_MIN_SHARDS or mine.bps <= 0:
         return None
-    alts = [s for s in sources.values() if s.node_id != parent and not s.is_parent and s.node_id != origin
-            and s.ok >= SLOW_MIN_SHARDS and s.node_id not in banned]  # fmt: skip
+    alts = [
+        s
+        for s in sources.values()
+        if s.node_id != parent
+        and not s.is_parent
+        and s.node_id != origin
+        and s.ok >= SLOW_MIN_SHARDS
+        and s.node_id not in banned
+    ]
     best = max(alts, key=lambda s: s.bps, default=None)
     return best if best is not None and best.bps >= SLOW_FACTOR * mine.bps else None

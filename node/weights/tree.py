@@ -55,9 +55,14 @@ def _usable(records: dict[str, NodeRecord], me: str, exclude: set[str] | frozens
     return [
         r
         for nid, r in records.items()
-        if nid != me and nid not in exclude and r.relay is not None and r.http_url and r.relay.depth < MAX_DEPTH
-        and (r.relay.depth >= 1 or r.role == "trainer") and (epoch is None or r.epoch == epoch)
-    ]  # fmt: skip
+        if nid != me
+        and nid not in exclude
+        and r.relay is not None
+        and r.http_url
+        and r.relay.depth < MAX_DEPTH
+        and (r.relay.depth >= 1 or r.role == "trainer")
+        and (epoch is None or r.epoch == epoch)
+    ]
 
 
 def _cand(r: NodeRecord, is_parent: bool = False) -> Candidate:
@@ -86,10 +91,12 @@ def parents(
     relays = [
         r
         for r in _usable(records, me, exclude)
-        if r.node_id != origin and r.relay is not None and r.relay.slots_free > 0
+        if r.node_id != origin
+        and r.relay is not None
+        and r.relay.slots_free > 0
         and (stripe is None or r.relay.stripe == stripe)
         and not (home and _descends_from(records, r.node_id, me))
-    ]  # fmt: skip
+    ]
     relays.sort(key=_order)
     out = [_cand(r) for r in relays[:limit]]
     if origin in records and origin not in exclude and records[origin].http_url and records[origin].relay:
@@ -128,8 +135,4 @@ def holders(
 def is_path(path: object) -> bool:
     """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
     accept (a 5,000-entry path once made this node's next DHT record invalid, and that killed it)."""
-    return (
-        isinstance(path, list)
-        and len(path) < MAX_DEPTH
-        and all(isinstance(x, str) and len(x) == 32 for x in path)
-    )
+    return isinstance(path, list) and len(path) < MAX_DEPTH and all(isinstance(x, str) and len(x) == 32 for x in path)

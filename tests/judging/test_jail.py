@@ -21,10 +21,15 @@ from intellect_node.judging import jail
 from intellect_node.judging.verifiers import run_code_tests
 
 
-def _jailed(program: str, limits: jail.Limits | None = None, timeout: float = 30.0,
-            args: tuple[str, ...] = ()) -> tuple[int | None, str]:  # fmt: skip
-    run = jail.Run([sys.executable, "-I", "-c", program, *args], limits or jail.Limits(), stdout=subprocess.PIPE,
-                   stderr=subprocess.STDOUT)  # fmt: skip
+def _jailed(
+    program: str, limits: jail.Limits | None = None, timeout: float = 30.0, args: tuple[str, ...] = ()
+) -> tuple[int | None, str]:
+    run = jail.Run(
+        [sys.executable, "-I", "-c", program, *args],
+        limits or jail.Limits(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         out, _ = run.proc.communicate(timeout=timeout)
         return run.proc.returncode, out.decode(errors="replace")
@@ -314,8 +319,13 @@ def _as_other_user(cgroup_name: str, runs: list[tuple[str, list[str], dict[str, 
             break
     else:
         pytest.skip(f"no Python that uid {OTHER_UID} may run")
-    done = subprocess.run([*setpriv, python, "-I", "-c", _CHILD, source, cgroup_name, json.dumps(runs)],
-                          capture_output=True, text=True, timeout=300, cwd="/")  # fmt: skip
+    done = subprocess.run(
+        [*setpriv, python, "-I", "-c", _CHILD, source, cgroup_name, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["uid"] == OTHER_UID
@@ -371,12 +381,15 @@ def test_a_node_that_is_not_root_is_bounded_by_the_cgroup_it_is_handed() -> None
             os.chown(group, OTHER_UID, OTHER_UID)
         mounts = {"tmp_bytes": 8 * MiB, "shm_bytes": 4 * MiB}
         memory = {"memory_bytes": 96 * MiB, "tmp_bytes": 512 * MiB}
-        report = _as_other_user(name, [
-            (FILL_MOUNTS, [str(64 * MiB)], mounts),
-            (FILL_MEMORY, [str(384 * MiB), "/tmp"], memory),  # /tmp larger than the memory limit
-            (FILL_MEMORY, [str(384 * MiB), "memfd"], memory),
-            (FILL_MEMORY, [str(384 * MiB), "sysv"], memory),
-        ])  # fmt: skip
+        report = _as_other_user(
+            name,
+            [
+                (FILL_MOUNTS, [str(64 * MiB)], mounts),
+                (FILL_MEMORY, [str(384 * MiB), "/tmp"], memory),  # /tmp larger than the memory limit
+                (FILL_MEMORY, [str(384 * MiB), "memfd"], memory),
+                (FILL_MEMORY, [str(384 * MiB), "sysv"], memory),
+            ],
+        )
     finally:
         for group in groups:
             _remove_cgroups(group)

@@ -192,8 +192,9 @@ def test_an_fp16_run_proves_over_fp16_activations_and_catches_tampering() -> Non
 
     toml = Path(__file__).resolve().parents[2] / "node" / "configs" / "verify-tiny-fp16.toml"
     verify = VerifySpec(**tomllib.loads(toml.read_text())["verify"])
-    spec = _spec().model_copy(update={"model": SPEC.model.model_copy(update={"compute_dtype": "float16"}),
-                                      "verify": verify})  # fmt: skip
+    spec = _spec().model_copy(
+        update={"model": SPEC.model.model_copy(update={"compute_dtype": "float16"}), "verify": verify}
+    )
     model = build_model(spec.model, TOK)
     assert next(model.parameters()).dtype == torch.float16
     validator = Validator(spec, TOK, copy.deepcopy(model))

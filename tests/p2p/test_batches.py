@@ -46,8 +46,9 @@ async def _batches() -> None:
         with pytest.raises(ConnectionError):  # a request for another run is not answered
             await fetch_batch(p2p, me, Identity.generate().node_id, peer, digest)
         # a peer asking faster than RATE a second is cut off (unanswered), and counted
-        outcomes = await asyncio.gather(*(fetch_batch(p2p, me, RUN_ID, peer, digest) for _ in range(int(RATE) * 3)),
-                                        return_exceptions=True)  # fmt: skip
+        outcomes = await asyncio.gather(
+            *(fetch_batch(p2p, me, RUN_ID, peer, digest) for _ in range(int(RATE) * 3)), return_exceptions=True
+        )
         assert any(isinstance(o, ConnectionError) for o in outcomes)
         assert holder.metrics.counter("node_batches_served_total", "busy") > 0
     finally:

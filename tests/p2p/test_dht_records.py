@@ -75,8 +75,12 @@ def test_the_validator_judges_a_record_the_same_at_store_time_and_ever_after() -
     the record's own ``updated``."""
     nodes = nodes_key(RUN_ID)
     old = time.time() - NODE_TTL_S - CLOCK_SKEW_S - 60  # stale to any reader
-    kept_short = DHTRecord(DHTID.generate(source=nodes).to_bytes(), MSGPackSerializer.dumps(WORKER.node_id),
-                           MSGPackSerializer.dumps(_at(WORKER, old)), old + NODE_TTL_S)  # fmt: skip
+    kept_short = DHTRecord(
+        DHTID.generate(source=nodes).to_bytes(),
+        MSGPackSerializer.dumps(WORKER.node_id),
+        MSGPackSerializer.dumps(_at(WORKER, old)),
+        old + NODE_TTL_S,
+    )
     assert VALIDATOR.validate(kept_short)  # expired by its own bound: nothing to refuse at a later read
     kept_alive = _record(nodes, WORKER.node_id, _at(WORKER, old))  # a stale record given a fresh expiration
     assert not VALIDATOR.validate(kept_alive)
@@ -104,16 +108,19 @@ def test_one_record_going_stale_does_not_hide_the_others_from_readers() -> None:
             now = time.time()
             assert b.dht is not None
             store = b.dht.store
-            ok = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(honest, now), now + NODE_TTL_S,
-                                         subkey=honest.node_id)  # fmt: skip
+            ok = await asyncio.to_thread(
+                store, nodes_key(RUN_ID), _at(honest, now), now + NODE_TTL_S, subkey=honest.node_id
+            )
             assert ok
             attacker = Identity.generate()
             edge = now - NODE_TTL_S - CLOCK_SKEW_S + 1.0  # fresh for one more second
             far = now + NODE_TTL_S + CLOCK_SKEW_S - 1
-            old_attack = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(attacker, edge), far,
-                                                 subkey=attacker.node_id)  # fmt: skip
-            allowed = await asyncio.to_thread(store, nodes_key(RUN_ID), _at(attacker, edge),
-                                              edge + NODE_TTL_S + CLOCK_SKEW_S, subkey=attacker.node_id)  # fmt: skip
+            old_attack = await asyncio.to_thread(
+                store, nodes_key(RUN_ID), _at(attacker, edge), far, subkey=attacker.node_id
+            )
+            allowed = await asyncio.to_thread(
+                store, nodes_key(RUN_ID), _at(attacker, edge), edge + NODE_TTL_S + CLOCK_SKEW_S, subkey=attacker.node_id
+            )
             assert allowed  # a record may live as long as it is fresh, not longer
             while time.time() < edge + NODE_TTL_S + CLOCK_SKEW_S + 0.5:  # until it has turned stale
                 await asyncio.sleep(0.1)

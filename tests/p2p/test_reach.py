@@ -111,8 +111,11 @@ class Trainer:
 def test_it_only_ever_dials_the_address_the_request_came_from() -> None:
     """A node cannot make the trainer connect to a third party: claimed addresses at other IPs are replaced by the
     observed IP (a node behind NAT claims its private address; the port is what it can tell us)."""
-    ask = DialBack(run_id=RUN_ID, node_id=RUN_ID, p2p_maddrs=["/ip4/10.0.0.5/tcp/4001", "/ip4/8.8.8.8/tcp/53",
-                                                             "/dns4/example.com/tcp/80"])  # fmt: skip
+    ask = DialBack(
+        run_id=RUN_ID,
+        node_id=RUN_ID,
+        p2p_maddrs=["/ip4/10.0.0.5/tcp/4001", "/ip4/8.8.8.8/tcp/53", "/dns4/example.com/tcp/80"],
+    )
     assert _targets(ask, "203.0.113.7") == [("203.0.113.7", 4001), ("203.0.113.7", 53)]
     ask = DialBack(run_id=RUN_ID, node_id=RUN_ID, p2p_maddrs=[f"/ip4/1.2.3.4/tcp/{p}" for p in range(1, 9)])
     assert len(_targets(ask, "1.2.3.4")) == reach.MAX_TARGETS
@@ -311,8 +314,9 @@ async def _joiner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytes
                 writer.close()
 
         await trainer.p2p.add_binary_stream_handler(dialback_protocol(RUN_ID), silent)
-        record = NodeRecord(run_id=RUN_ID, node_id=RUN_ID, role="trainer", p2p_maddrs=trainer.maddrs,
-                            updated=time.time())  # fmt: skip
+        record = NodeRecord(
+            run_id=RUN_ID, node_id=RUN_ID, role="trainer", p2p_maddrs=trainer.maddrs, updated=time.time()
+        )
         assert await trainer.membership.publish_record(record)
 
         v = _Joiner(NodeConfig(data_dir=tmp_path, run_id=RUN_ID, peers=trainer.maddrs[:1]))

@@ -18,8 +18,16 @@ TOK = build_tokenizer(RUN.model)
 
 
 def _spec(**train: object) -> RunSpec:
-    return RunSpec(run_id="a" * 32, created=0.0, seed=1, model=RUN.model, task=RUN.task, sampling=RUN.sampling,
-                   train=RUN.train.model_copy(update=train), verify=RUN.verify)  # fmt: skip
+    return RunSpec(
+        run_id="a" * 32,
+        created=0.0,
+        seed=1,
+        model=RUN.model,
+        task=RUN.task,
+        sampling=RUN.sampling,
+        train=RUN.train.model_copy(update=train),
+        verify=RUN.verify,
+    )
 
 
 def _batch(model: torch.nn.Module, sampler_noise: float = 0.0) -> Packed:
@@ -43,8 +51,9 @@ def test_logits_trimmed_to_the_completion_columns_give_the_full_forward_values()
     batch = _batch(engine.model)
     logp, entropy = engine._logp(engine.model, batch)
     with torch.no_grad():
-        full = token_logprobs(engine.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1],
-                              batch.ids[:, 1:], 1.0)  # fmt: skip
+        full = token_logprobs(
+            engine.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1], batch.ids[:, 1:], 1.0
+        )
     assert torch.allclose(logp * batch.mask, full * batch.mask, atol=1e-5)
     assert entropy.shape == batch.mask.shape
 

@@ -38,8 +38,16 @@ def make_spec() -> RunSpec:
     train = run.train.model_copy(
         update=dict(optimizer_steps=2, kl_coef=0.05, entropy_coef=0.01, max_grad_norm=0.5, weight_decay=0.01)
     )
-    return RunSpec(run_id="0" * 32, created=0.0, seed=0, model=run.model, task=run.task, sampling=run.sampling,
-                   train=train, verify=run.verify)  # fmt: skip
+    return RunSpec(
+        run_id="0" * 32,
+        created=0.0,
+        seed=0,
+        model=run.model,
+        task=run.task,
+        sampling=run.sampling,
+        train=train,
+        verify=run.verify,
+    )
 
 
 def make_batches(spec: RunSpec, pad_id: int) -> list[Packed]:
@@ -85,15 +93,18 @@ def worker(out: Path) -> None:
         resumed_stats = engine.step(batches[1], LRS[1])
         resumed = engine.export_state()
         engine.close()
-        torch.save({"first": first, "second": second, "resumed": resumed, "stats": stats,
-                    "resumed_stats": resumed_stats}, out / "result.pt")  # fmt: skip
+        torch.save(
+            {"first": first, "second": second, "resumed": resumed, "stats": stats, "resumed_stats": resumed_stats},
+            out / "result.pt",
+        )
     finally:
         fsdp.shutdown()
 
 
 def _launch(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -108,11 +119,19 @@ def test_sharded_engine_matches_single_process(tmp_path: Path) -> None:
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     started = time.monotonic()
     done = _launch(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-         str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            str(tmp_path),
+        ],
         {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},  # gloo on CPU, like the reference
         timeout=120,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stdout[-5000:]
     print(f"torchrun job: {time.monotonic() - started:.1f} s")
     got = torch.load(tmp_path / "result.pt", weights_only=True)
@@ -167,16 +186,33 @@ os._exit(3)  # dies without stopping the follower
 def test_follower_exits_when_rank0_dies() -> None:
     """Without torchrun's agent (which would kill the follower itself) the follower must notice on its own."""
     port = _free_port()
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TEST_DIR": str(Path(__file__).parent)}  # fmt: skip
+    base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "TEST_DIR": str(Path(__file__).parent),
+    }
     follower_code = "from intellect_node.policy import fsdp\nfsdp.init(timeout_s=60)\nfsdp.follow_rank0()\n"
     procs = []
     try:
-        driver = subprocess.Popen([sys.executable, "-c", DRIVER], env={**base, "RANK": "0", "LOCAL_RANK": "0"},
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER],
+            env={**base, "RANK": "0", "LOCAL_RANK": "0"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(driver)
-        follower = subprocess.Popen([sys.executable, "-c", follower_code], env={**base, "RANK": "1", "LOCAL_RANK": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        follower = subprocess.Popen(
+            [sys.executable, "-c", follower_code],
+            env={**base, "RANK": "1", "LOCAL_RANK": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs.append(follower)
         assert driver.stdout is not None and driver.stdin is not None
         assert driver.stdout.readline().strip() == "ENGINE READY"  # the follower has built its shard too

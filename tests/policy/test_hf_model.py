@@ -21,8 +21,16 @@ def test_a_model_folder_generates_verifiable_rollouts(tmp_path: Path) -> None:
     tiny.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     spec_model = ModelSpec(kind="hf", name=str(tmp_path / "m"), dtype="bfloat16", compute_dtype="float32")
-    spec = RunSpec(run_id="a" * 32, created=0.0, seed=3, model=spec_model, task=run.task, sampling=run.sampling,
-                   train=run.train, verify=run.verify)  # fmt: skip
+    spec = RunSpec(
+        run_id="a" * 32,
+        created=0.0,
+        seed=3,
+        model=spec_model,
+        task=run.task,
+        sampling=run.sampling,
+        train=run.train,
+        verify=run.verify,
+    )
     hf_tok = build_tokenizer(spec.model)
     model = build_model(spec.model, hf_tok)
     assert encode_prompt(hf_tok, "3+4=") == encode_prompt(tok, "3+4=")  # no chat template: BOS + text

@@ -17,7 +17,7 @@ from intellect_node.policy.model import (
     build_tokenizer,
     encode_prompt,
     load_weights,
-    state_dict_for_export,  # fmt: skip
+    state_dict_for_export,
 )
 from intellect_protocol.messages import RunSpec
 
@@ -41,8 +41,16 @@ def _batch(model: torch.nn.Module) -> Packed:
 
 
 def _engine(rank: int = 4, seed: int = 1) -> PolicyEngine:
-    spec = RunSpec(run_id="a" * 32, created=0.0, seed=seed, model=RUN.model, task=RUN.task, sampling=RUN.sampling,
-                   train=RUN.train.model_copy(update={"lora_rank": rank, "lr": 1e-2}), verify=RUN.verify)  # fmt: skip
+    spec = RunSpec(
+        run_id="a" * 32,
+        created=0.0,
+        seed=seed,
+        model=RUN.model,
+        task=RUN.task,
+        sampling=RUN.sampling,
+        train=RUN.train.model_copy(update={"lora_rank": rank, "lr": 1e-2}),
+        verify=RUN.verify,
+    )
     return PolicyEngine(spec, build_model(RUN.model, TOK))
 
 
@@ -88,5 +96,6 @@ def test_a_resumed_trainer_rebuilds_the_same_adapters_and_state() -> None:
     batch = _batch(engine.model)
     engine.step(batch, lr=1e-2)
     resumed.step(batch, lr=1e-2)
-    assert all(torch.equal(a, b) for a, b in zip(engine.export_state().values(), resumed.export_state().values(),
-                                                 strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b) for a, b in zip(engine.export_state().values(), resumed.export_state().values(), strict=True)
+    )

@@ -36,7 +36,7 @@ def _batch(groups: int = 2, tokens: int = 3) -> RolloutBatch:
                 prompt_ids=[1, 4, 5],
                 completions=[[7] * tokens, [8] * tokens],
                 logprobs=[[-0.5] * tokens, [-1.0] * tokens],
-            )  # fmt: skip
+            )
             for i in range(groups)
         ],
     )
@@ -152,9 +152,15 @@ def _big_record() -> NodeRecord:
     # A record within every field bound can still exceed the channel limit only if limits disagree; build one
     # through model_construct to check the sender-side guard on its own.
     return NodeRecord.model_construct(
-        run_id=KEY.node_id, node_id=KEY.node_id, role="inference", updated=1.0, p2p_maddrs=["x" * 5000],
-        http_url=None, weight_version=0, software="",
-    )  # fmt: skip
+        run_id=KEY.node_id,
+        node_id=KEY.node_id,
+        role="inference",
+        updated=1.0,
+        p2p_maddrs=["x" * 5000],
+        http_url=None,
+        weight_version=0,
+        software="",
+    )
 
 
 def test_unpack_refuses_trailing_bytes() -> None:
@@ -164,8 +170,13 @@ def test_unpack_refuses_trailing_bytes() -> None:
 
 def _forged_envelope(**fields: object) -> bytes:
     body = pack(_batch().model_dump(mode="python"))
-    env: dict[str, object] = {"v": 1, "kind": "rollout_batch", "signer": KEY.public_key, "body": body,
-                              "sig": KEY.sign("rollout_batch", body)}  # fmt: skip
+    env: dict[str, object] = {
+        "v": 1,
+        "kind": "rollout_batch",
+        "signer": KEY.public_key,
+        "body": body,
+        "sig": KEY.sign("rollout_batch", body),
+    }
     env.update(fields)
     return msgpack.packb({k: v for k, v in env.items() if v is not None}, use_bin_type=True)
 
@@ -209,8 +220,16 @@ def test_a_frame_of_nested_empty_maps_costs_nothing_to_refuse() -> None:
 
 def test_a_signed_body_with_an_unknown_field_is_refused() -> None:
     body = pack({**_batch().model_dump(mode="python"), "rewards_override": [1.0]})
-    data = msgpack.packb({"v": 1, "kind": "rollout_batch", "signer": KEY.public_key, "body": body,
-                          "sig": KEY.sign("rollout_batch", body)}, use_bin_type=True)  # fmt: skip
+    data = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "rollout_batch",
+            "signer": KEY.public_key,
+            "body": body,
+            "sig": KEY.sign("rollout_batch", body),
+        },
+        use_bin_type=True,
+    )
     with pytest.raises(Rejected) as e:
         open_signed(data, RolloutBatch)
     assert e.value.reason == "schema"

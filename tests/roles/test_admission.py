@@ -103,8 +103,21 @@ def test_an_invite_only_run_admits_the_invited_once_and_tells_others_why_not(tmp
     who got hold of the same token afterwards (it is in no DHT record; say it was seen over a shoulder) is refused
     at join, with the reason; so is a node with an expired invite. None of them runs on as if admitted."""
     logs = tmp_path / "logs"
-    trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "trainer"), "--max-steps", "3",
-                                      "--set", 'admission.policy="invite"', "--invite-uses", "1"], logs)  # fmt: skip
+    trainer = NodeProcess(
+        "trainer",
+        [
+            "bootstrap",
+            "--data-dir",
+            str(tmp_path / "trainer"),
+            "--max-steps",
+            "3",
+            "--set",
+            'admission.policy="invite"',
+            "--invite-uses",
+            "1",
+        ],
+        logs,
+    )
     nodes = [trainer]
     try:
         ready = trainer.wait_ready(timeout=120)

@@ -50,12 +50,28 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
 def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     # the README's sequence: the validator's id first (`intellect-node id`), the trainer started trusting it
-    validator_id = subprocess.run([sys.executable, "-m", "intellect_node.cli", "id", "--data-dir", str(tmp_path / "v")],
-                                  capture_output=True, text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+    validator_id = subprocess.run(
+        [sys.executable, "-m", "intellect_node.cli", "id", "--data-dir", str(tmp_path / "v")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     nodes: list[NodeProcess] = []
     try:
-        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t"), "--validator", validator_id,
-                                          "--set", "verify.verdict_wait_s=4"], logs)  # fmt: skip
+        trainer = NodeProcess(
+            "trainer",
+            [
+                "bootstrap",
+                "--data-dir",
+                str(tmp_path / "t"),
+                "--validator",
+                validator_id,
+                "--set",
+                "verify.verdict_wait_s=4",
+            ],
+            logs,
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         url = ready["status_url"]
@@ -82,12 +98,33 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         # the terminal's view of it (`intellect-node status`), and `doctor` against the run: ports reachable
         cli = [sys.executable, "-m", "intellect_node.cli"]
         env = {**os.environ, "COLUMNS": "200"}
-        shown = subprocess.run([*cli, "status", "--data-dir", str(tmp_path / "t")], capture_output=True, text=True,
-                               timeout=60, check=True, env=env).stdout  # fmt: skip
+        shown = subprocess.run(
+            [*cli, "status", "--data-dir", str(tmp_path / "t")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            env=env,
+        ).stdout
         assert "trainer" in shown and "validators" in shown and "1 present" in shown, shown
-        doctor = subprocess.run([*cli, "doctor", "--data-dir", str(tmp_path / "d"), "--host", "127.0.0.1", "--peers",
-                                 ready["p2p_maddrs"][0], "--run-id", ready["run_id"]], capture_output=True, text=True,
-                                timeout=120, env=env)  # fmt: skip
+        doctor = subprocess.run(
+            [
+                *cli,
+                "doctor",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--host",
+                "127.0.0.1",
+                "--peers",
+                ready["p2p_maddrs"][0],
+                "--run-id",
+                ready["run_id"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert doctor.stdout.count("reachable from outside: yes") == 2, doctor.stdout
 

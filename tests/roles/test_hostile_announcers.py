@@ -62,8 +62,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("hostile")
     nodes: list[NodeProcess] = []
     try:
-        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(root / "t"),
-                                          "--set", f"admission.pow_bits={POW_BITS}"], root / "logs")  # fmt: skip
+        trainer = NodeProcess(
+            "trainer",
+            ["bootstrap", "--data-dir", str(root / "t"), "--set", f"admission.pow_bits={POW_BITS}"],
+            root / "logs",
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, root / "i"), root / "logs")
@@ -108,16 +111,26 @@ class Attacker:
 
     def register(self, key: Identity, pow_bits: int) -> None:
         nonce = solve_pow(self.run_id, self.epoch, key.node_id, pow_bits) if pow_bits else 0
-        record = NodeRecord(run_id=self.run_id, node_id=key.node_id, role="inference", updated=time.time(),
-                            pow_nonce=nonce)  # fmt: skip
+        record = NodeRecord(
+            run_id=self.run_id, node_id=key.node_id, role="inference", updated=time.time(), pow_nonce=nonce
+        )
         assert self.membership.dht is not None
-        stored = self.membership.dht.store(nodes_key(self.run_id), seal(key, record), get_dht_time() + NODE_TTL_S,
-                                           subkey=key.node_id)  # fmt: skip
+        stored = self.membership.dht.store(
+            nodes_key(self.run_id), seal(key, record), get_dht_time() + NODE_TTL_S, subkey=key.node_id
+        )
         assert stored
 
     async def announce(self, key: Identity, digest: str, size: int, epoch: int) -> None:
-        a = BatchAnnounce(run_id=self.run_id, epoch=epoch, node_id=key.node_id, version=0, batch_index=0,
-                          batch_sha256=digest, size=size, issued=time.time())  # fmt: skip
+        a = BatchAnnounce(
+            run_id=self.run_id,
+            epoch=epoch,
+            node_id=key.node_id,
+            version=0,
+            batch_index=0,
+            batch_sha256=digest,
+            size=size,
+            issued=time.time(),
+        )
         assert self.gossip is not None
         await self.gossip.publish("rollouts", seal(key, a))
 

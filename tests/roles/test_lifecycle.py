@@ -45,8 +45,17 @@ def test_a_trainer_killed_alone_takes_its_dht_along_and_restarts_on_the_same_por
     tmp_path: Path,
 ) -> None:
     http_port, p2p_port = _free_port(), _free_port()
-    boot = ["bootstrap", "--data-dir", str(tmp_path / "t"), "--http-port", str(http_port), "--p2p-port",
-            str(p2p_port), "--max-steps", "0"]  # fmt: skip
+    boot = [
+        "bootstrap",
+        "--data-dir",
+        str(tmp_path / "t"),
+        "--http-port",
+        str(http_port),
+        "--p2p-port",
+        str(p2p_port),
+        "--max-steps",
+        "0",
+    ]
     nodes: list[NodeProcess] = []
     try:
         first = NodeProcess("trainer", boot, tmp_path / "logs")
@@ -79,8 +88,9 @@ def test_a_trainer_killed_alone_takes_its_dht_along_and_restarts_on_the_same_por
 def test_a_volunteer_exits_within_seconds_on_sigterm_and_its_dht_goes_with_it(tmp_path: Path) -> None:
     nodes: list[NodeProcess] = []
     try:
-        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t"), "--max-steps", "0"],
-                              tmp_path / "logs")  # fmt: skip
+        trainer = NodeProcess(
+            "trainer", ["bootstrap", "--data-dir", str(tmp_path / "t"), "--max-steps", "0"], tmp_path / "logs"
+        )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r"), tmp_path / "logs")

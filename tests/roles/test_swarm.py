@@ -96,16 +96,34 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         ready = trainer.wait_ready(timeout=120)
         validator = NodeProcess(
             "validator",
-            ["join", "--role", "validator", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-             "--data-dir", str(root / "validator")],
+            [
+                "join",
+                "--role",
+                "validator",
+                "--peers",
+                ready["p2p_maddrs"][0],
+                "--run-id",
+                ready["run_id"],
+                "--data-dir",
+                str(root / "validator"),
+            ],
             logs,
-        )  # fmt: skip
+        )
         nodes.append(validator)
         validator.wait_ready(timeout=120)
         workers = []
         for i in range(2):
-            argv = ["join", "--role", "inference", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"],
-                    "--data-dir", str(root / f"inference-{i}")]  # fmt: skip
+            argv = [
+                "join",
+                "--role",
+                "inference",
+                "--peers",
+                ready["p2p_maddrs"][0],
+                "--run-id",
+                ready["run_id"],
+                "--data-dir",
+                str(root / f"inference-{i}"),
+            ]
             workers.append(NodeProcess(f"inference-{i}", argv, logs))
         nodes += workers
         worker_ready = [w.wait_ready(timeout=120) for w in workers]
@@ -156,8 +174,14 @@ def _batch(identity: Identity, swarm: Swarm, version: int, batch_index: int) -> 
                 proofs=[made_up] * run.sampling.group_size,
             )
         )
-    return RolloutBatch(run_id=swarm.run_id, node_id=identity.node_id, version=version, batch_index=batch_index,
-                        epoch=swarm.epoch, groups=groups)  # fmt: skip
+    return RolloutBatch(
+        run_id=swarm.run_id,
+        node_id=identity.node_id,
+        version=version,
+        batch_index=batch_index,
+        epoch=swarm.epoch,
+        groups=groups,
+    )
 
 
 async def _submit(swarm: Swarm, data: bytes) -> SubmitReply:
@@ -342,8 +366,10 @@ def test_one_signed_batch_sent_on_16_streams_at_once_is_admitted_once(swarm: Swa
     data = seal(sender, _batch(sender, swarm, step, 0))
 
     async def flood() -> list[SubmitReply | BaseException]:
-        peers = [await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-                 for _ in range(8)]  # fmt: skip
+        peers = [
+            await P2P.create(initial_peers=swarm.ready["p2p_maddrs"][:1], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            for _ in range(8)
+        ]
         try:
             return await asyncio.gather(
                 *(submit(p, swarm.trainer_peer, swarm.run_id, data, swarm.run_id) for p in peers for _ in range(2)),
@@ -388,8 +414,11 @@ def test_stalled_streams_from_one_peer_do_not_starve_honest_producers(swarm: Swa
         streams = []
         try:
             for _ in range(16):
-                streams.append(await attacker.call_binary_stream_handler(
-                    PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)))  # fmt: skip
+                streams.append(
+                    await attacker.call_binary_stream_handler(
+                        PeerID.from_base58(swarm.trainer_peer), submit_protocol(swarm.run_id)
+                    )
+                )
             refused: list[bytes | None] = []
             for _, reader, _ in streams[2:]:  # past the cap: answered at once, without a frame sent
                 try:

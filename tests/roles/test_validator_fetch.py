@@ -59,14 +59,22 @@ async def _until(predicate: Callable[[], bool], what: str, timeout: float = 60.0
 
 def _batch(producer: Identity, index: int) -> bytes:
     group = RolloutGroup(slot=0, prompt_ids=[1, 2], completions=[[3, 4]], logprobs=[[-0.5, -0.25]])
-    return seal(producer, RolloutBatch(run_id=RUN_ID, node_id=producer.node_id, version=0, batch_index=index,
-                                       groups=[group]))  # fmt: skip
+    return seal(
+        producer, RolloutBatch(run_id=RUN_ID, node_id=producer.node_id, version=0, batch_index=index, groups=[group])
+    )
 
 
 def _announce(producer: Identity, envelope: bytes, index: int) -> bytes:
     digest = hashlib.sha256(envelope).hexdigest()
-    a = BatchAnnounce(run_id=RUN_ID, node_id=producer.node_id, version=0, batch_index=index, batch_sha256=digest,
-                      size=len(envelope), issued=time.time())  # fmt: skip
+    a = BatchAnnounce(
+        run_id=RUN_ID,
+        node_id=producer.node_id,
+        version=0,
+        batch_index=index,
+        batch_sha256=digest,
+        size=len(envelope),
+        issued=time.time(),
+    )
     return seal(producer, a)
 
 
@@ -122,16 +130,27 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
         await node.membership.start("127.0.0.1", 0, maddrs[:1])
         started.append(node.membership)
         node.p2p = await node.membership.replicate_p2p()
-        node.spec = RunSpec(run_id=RUN_ID, created=time.time(), seed=0, model=ModelSpec(),
-                            verify=VerifySpec(verdict_wait_s=VERDICT_WAIT_S))  # fmt: skip
+        node.spec = RunSpec(
+            run_id=RUN_ID,
+            created=time.time(),
+            seed=0,
+            model=ModelSpec(),
+            verify=VerifySpec(verdict_wait_s=VERDICT_WAIT_S),
+        )
         judged: list[bytes] = []
         validator_id = node.identity.node_id
 
         async def judge(data: bytes, full: bool = False) -> Verdict:  # the model check, stubbed
             batch = open_signed(data, RolloutBatch).message
             judged.append(data)
-            return Verdict(run_id=RUN_ID, node_id=batch.node_id, version=batch.version, batch_index=batch.batch_index,
-                           batch_sha256=hashlib.sha256(data).hexdigest(), ok=True)  # fmt: skip
+            return Verdict(
+                run_id=RUN_ID,
+                node_id=batch.node_id,
+                version=batch.version,
+                batch_index=batch.batch_index,
+                batch_sha256=hashlib.sha256(data).hexdigest(),
+                ok=True,
+            )
 
         node.judge = judge  # type: ignore[method-assign]
         p2ps = {name: await m.replicate_p2p() for name, m in (("t", trainer), ("p", producer), ("a", attacker))}
@@ -185,21 +204,31 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
                     waits[signed.message.batch_sha256].add(signed.signer_id, signed.message, data)
 
         t_gossip.subscribe("verdicts", on_verdicts)
-        for g, name in ((node.gossip, "rollouts"), (node.gossip, "verdicts"), (a_gossip, "rollouts"),
-                        (t_gossip, "rollouts"), (t_gossip, "verdicts")):  # fmt: skip
+        for g, name in (
+            (node.gossip, "rollouts"),
+            (node.gossip, "verdicts"),
+            (a_gossip, "rollouts"),
+            (t_gossip, "rollouts"),
+            (t_gossip, "verdicts"),
+        ):
             await asyncio.wait_for(g.subscribed[name].wait(), 60)
         tasks.append(asyncio.ensure_future(echo_forever()))
 
         def heard(peer: str, d: str, node_id: str | None = None) -> list[int]:
             """Where in the validator's log the announcements of ``d`` from ``peer`` (by ``node_id``) are."""
             found = [(i, open_signed(data, BatchAnnounce).message) for i, (data, p) in enumerate(announcements)]
-            return [i for i, a in found if announcements[i][1] == peer and a.batch_sha256 == d
-                    and node_id in (None, a.node_id)]  # fmt: skip
+            return [
+                i
+                for i, a in found
+                if announcements[i][1] == peer and a.batch_sha256 == d and node_id in (None, a.node_id)
+            ]
 
         # each batch announced by its producer until the validator heard it (and the attacker, to echo it)
-        for key, envelope, index, gossip, by in ((producer_key, honest[0], 0, p_gossip, "p"),
-                                                 (producer_key, honest[1], 1, p_gossip, "p"),
-                                                 (attacker_key, own, 0, a_gossip, "a")):  # fmt: skip
+        for key, envelope, index, gossip, by in (
+            (producer_key, honest[0], 0, p_gossip, "p"),
+            (producer_key, honest[1], 1, p_gossip, "p"),
+            (attacker_key, own, 0, a_gossip, "a"),
+        ):
             d = digest[envelope]
 
             def delivered() -> bool:
@@ -211,10 +240,14 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
         # ... and the attacker's echoes of each honest batch, both kinds, heard after its producer's last word
         for envelope in honest:
             d = digest[envelope]
-            await _until(lambda: bool(heard(peer_of["a"], d, attacker_key.node_id))  # noqa: B023
-                         and bool(heard(peer_of["a"], d, producer_key.node_id))  # noqa: B023
-                         and max(heard(peer_of["a"], d)) > max(heard(peer_of["p"], d)),  # noqa: B023
-                         "the attacker's echoes to reach the validator")  # fmt: skip
+            await _until(
+                lambda d=d: (
+                    bool(heard(peer_of["a"], d, attacker_key.node_id))
+                    and bool(heard(peer_of["a"], d, producer_key.node_id))
+                    and max(heard(peer_of["a"], d)) > max(heard(peer_of["p"], d))
+                ),
+                "the attacker's echoes to reach the validator",
+            )
 
         # the trainer acknowledges every batch, naming the validator, and waits for its verdicts as it does
         for envelope in [*honest, own]:
@@ -223,8 +256,10 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
 
         def acknowledged(d: str) -> bool:
             """The validator heard the trainer's acknowledgement of ``d`` (its own verdicts share the topic)."""
-            return any(kind_of(x, LIMITS["verdicts"]) == BatchAck.KIND
-                       and open_signed(x, BatchAck).message.batch_sha256 == d for x, _ in acks)  # fmt: skip
+            return any(
+                kind_of(x, LIMITS["verdicts"]) == BatchAck.KIND and open_signed(x, BatchAck).message.batch_sha256 == d
+                for x, _ in acks
+            )
 
         def all_judged() -> bool:
             return all(w.done.is_set() for w in waits.values())
@@ -234,9 +269,15 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
             for envelope in [*honest, own]:  # acknowledged again until heard (gossip loses an early message)
                 if not acknowledged(digest[envelope]):
                     batch = open_signed(envelope, RolloutBatch).message
-                    ack = BatchAck(run_id=RUN_ID, node_id=batch.node_id, version=0, batch_index=batch.batch_index,
-                                   batch_sha256=digest[envelope], judges=[validator_id],
-                                   issued=time.time())  # fmt: skip
+                    ack = BatchAck(
+                        run_id=RUN_ID,
+                        node_id=batch.node_id,
+                        version=0,
+                        batch_index=batch.batch_index,
+                        batch_sha256=digest[envelope],
+                        judges=[validator_id],
+                        issued=time.time(),
+                    )
                     await t_gossip.publish("verdicts", seal(RUN_KEY, ack))
             await _sleep_until(all_judged, min(2.0, deadline - time.monotonic()))
 

@@ -34,8 +34,13 @@ def setup() -> tuple:
 
 def _request(spec, tok, proofs: bool = True) -> SamplingRequest:
     settings = ProofSettings(spec.verify.topk, spec.verify.decode_batch) if proofs else None
-    return SamplingRequest(max_new_tokens=24, temperature=spec.sampling.temperature, eos_id=int(tok.eos_token_id),
-                           pad_id=int(tok.pad_token_id), proofs=settings)  # fmt: skip
+    return SamplingRequest(
+        max_new_tokens=24,
+        temperature=spec.sampling.temperature,
+        eos_id=int(tok.eos_token_id),
+        pad_id=int(tok.pad_token_id),
+        proofs=settings,
+    )
 
 
 def _prompts(tok) -> list[list[int]]:

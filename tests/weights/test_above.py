@@ -44,8 +44,10 @@ def _fetch_below(tmp_path: Path, shards: int, root_up: bool) -> tuple[list[float
     root, parent, me = (Identity.generate() for _ in range(3))
 
     async def main() -> tuple[list[float], list[int], int]:
-        servers = [await _server(tmp_path / "r", root, slots=1, stripes=2, home=0),
-                   await _server(tmp_path / "d", parent, slots=1, stripes=2, home=0)]  # fmt: skip
+        servers = [
+            await _server(tmp_path / "r", root, slots=1, stripes=2, home=0),
+            await _server(tmp_path / "d", parent, slots=1, stripes=2, home=0),
+        ]
         (r_server, r_http, r_url, _), (_, d_http, d_url, _) = servers
         r_server.kept = 1
         store = WeightStore(tmp_path / "me", RUN)
@@ -55,8 +57,10 @@ def _fetch_below(tmp_path: Path, shards: int, root_up: bool) -> tuple[list[float
                 token = await _attach(session, d_url, me, parent.node_id, 0)
                 if not root_up:
                     await r_http.close()
-                sources = [Candidate(parent.node_id, d_url, 2, True, frozenset({0, 1})),
-                           Candidate(root.node_id, r_url, 1, False, above_of=frozenset({0}))]  # fmt: skip
+                sources = [
+                    Candidate(parent.node_id, d_url, 2, True, frozenset({0, 1})),
+                    Candidate(root.node_id, r_url, 1, False, above_of=frozenset({0})),
+                ]
 
                 async def find(exclude: set[str]) -> list[Candidate]:
                     return [c for c in sources if c.node_id not in exclude]
@@ -97,8 +101,10 @@ def test_the_kept_slot_is_lent_one_response_at_a_time_and_never_to_a_child(tmp_p
         out: list[int] = []
         try:
             async with aiohttp.ClientSession() as a, aiohttp.ClientSession() as b, aiohttp.ClientSession() as c:
-                mine = {"X-Intellect-Node": child.node_id,
-                        "X-Intellect-Token": await _attach(a, url, child, root.node_id, 0)}  # fmt: skip
+                mine = {
+                    "X-Intellect-Node": child.node_id,
+                    "X-Intellect-Token": await _attach(a, url, child, root.node_id, 0),
+                }
                 query = "/relay/attach?stripe=0"
                 from intellect_node.weights.auth import signed_headers
 
@@ -121,8 +127,14 @@ def test_the_kept_slot_is_lent_one_response_at_a_time_and_never_to_a_child(tmp_p
 
 
 def _rec(nid: str, depth: int, url: str = "http://x") -> NodeRecord:
-    return NodeRecord(run_id=RUN, node_id=nid, role="relay", updated=0.0, http_url=url,  # type: ignore[arg-type]
-                      relay=RelayInfo(depth=depth, slots_total=3, slots_free=0, stripe=0, stripes=2))  # fmt: skip
+    return NodeRecord(
+        run_id=RUN,
+        node_id=nid,
+        role="relay",
+        updated=0.0,
+        http_url=url,  # type: ignore[arg-type]
+        relay=RelayInfo(depth=depth, slots_total=3, slots_free=0, stripe=0, stripes=2),
+    )
 
 
 class _Records:
@@ -143,8 +155,9 @@ def test_the_follower_names_a_stripes_root_two_levels_up_and_no_other_node(
     records = {r.node_id: _rec(r.node_id, depth_of_r), d.node_id: _rec(d.node_id, depth_of_r + 1)}
 
     async def main() -> list[Candidate]:
-        follower = WeightFollower(me, RUN, _Records(records), WeightStore(tmp_path, RUN), Metrics(), None, 2, None,
-                                  lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower = WeightFollower(
+            me, RUN, _Records(records), WeightStore(tmp_path, RUN), Metrics(), None, 2, None, lambda: asyncio.sleep(0)
+        )  # type: ignore[arg-type]
         follower._planned = True
         path = [RUN, r.node_id, d.node_id, me.node_id][-path_len:] if path_len == 4 else [RUN, d.node_id, me.node_id]
         stripe0 = Link(0, False, parent=Candidate(d.node_id, "http://d", path_len - 2, True, frozenset({0})), path=path)

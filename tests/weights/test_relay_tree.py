@@ -39,8 +39,20 @@ class Cluster:
 
     def start_origin(self, slots: int | None, mbps: float, stripes: int = 1) -> dict[str, Any]:
         """The trainer as origin; one stripe (a single tree, whose shape these tests look at) unless told."""
-        argv = ["bootstrap", "--data-dir", str(self.root / "trainer"), "--max-steps", "0", "--shard-mb", "1",
-                "--upload-limit-mbps", str(mbps), "--stripes", str(stripes), *BIG_MODEL]  # fmt: skip
+        argv = [
+            "bootstrap",
+            "--data-dir",
+            str(self.root / "trainer"),
+            "--max-steps",
+            "0",
+            "--shard-mb",
+            "1",
+            "--upload-limit-mbps",
+            str(mbps),
+            "--stripes",
+            str(stripes),
+            *BIG_MODEL,
+        ]
         argv += ["--relay-slots", str(slots)] if slots else []
         self.trainer = NodeProcess("trainer", argv, self.root / "logs")
         self.nodes.append(self.trainer)
@@ -48,8 +60,17 @@ class Cluster:
         return self.ready
 
     def start_relay(self, name: str, slots: int | None = 2, mbps: float | None = None) -> NodeProcess:
-        argv = ["join", "--role", "relay", "--peers", self.ready["p2p_maddrs"][0], "--run-id", self.ready["run_id"],
-                "--data-dir", str(self.root / name)]  # fmt: skip
+        argv = [
+            "join",
+            "--role",
+            "relay",
+            "--peers",
+            self.ready["p2p_maddrs"][0],
+            "--run-id",
+            self.ready["run_id"],
+            "--data-dir",
+            str(self.root / name),
+        ]
         argv += ["--relay-slots", str(slots)] if slots else []
         if mbps is not None:
             argv += ["--upload-limit-mbps", str(mbps)]
@@ -144,8 +165,10 @@ def test_striped_every_relay_has_a_parent_in_each_stripe_and_serves_children_onl
         run = c.ready["run_id"]
 
         def attached() -> bool:
-            return all(len(v["parents"]) == 2 and None not in v["parents"].values()
-                       for v in (status(r)["relay"] for r in relays))  # fmt: skip
+            return all(
+                len(v["parents"]) == 2 and None not in v["parents"].values()
+                for v in (status(r)["relay"] for r in relays)
+            )
 
         _wait(attached, 30, "some relay has no parent in some stripe")
         views = {status(r)["node_id"]: status(r)["relay"] for r in relays}
@@ -175,7 +198,8 @@ def test_a_relay_killed_mid_transfer_costs_its_children_only_a_reparent(tmp_path
         def receiving_below_a() -> bool:
             views = [status(ch)["relay"] for ch in children]
             return any(v["parent"] == a_id for v in views) and all(
-                v["parent"] in below_a and v["bytes_received"] > 0 for v in views)  # fmt: skip
+                v["parent"] in below_a and v["bytes_received"] > 0 for v in views
+            )
 
         _wait(receiving_below_a, 60, "the children did not pick relay-a")
         os.killpg(first.proc.pid, signal.SIGKILL)
@@ -232,8 +256,15 @@ def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
                 trainer = await membership.get_trainer()
                 assert trainer is not None
                 relay = RelayInfo(depth=1, slots_total=8, slots_free=8, versions=[0])
-                record = NodeRecord(run_id=ready["run_id"], node_id=forger.node_id, role="relay", epoch=trainer.epoch,
-                                    http_url=f"http://127.0.0.1:{port}", updated=time.time(), relay=relay)  # fmt: skip
+                record = NodeRecord(
+                    run_id=ready["run_id"],
+                    node_id=forger.node_id,
+                    role="relay",
+                    epoch=trainer.epoch,
+                    http_url=f"http://127.0.0.1:{port}",
+                    updated=time.time(),
+                    relay=relay,
+                )
                 assert await membership.publish_record(record)
                 victim = c.start_relay("relay-victim")
                 await asyncio.to_thread(victim.wait_ready, 120)

@@ -37,12 +37,24 @@ def _node() -> str:
     return key.node_id
 
 
-def _rec(nid: str, stripe: int, slots: int = 4, depth: int = 2, url: str | None = None, role: str = "relay",
-         parent: str | None = None, free: int = 0) -> NodeRecord:  # fmt: skip
+def _rec(
+    nid: str,
+    stripe: int,
+    slots: int = 4,
+    depth: int = 2,
+    url: str | None = None,
+    role: str = "relay",
+    parent: str | None = None,
+    free: int = 0,
+) -> NodeRecord:
     return NodeRecord(
-        run_id=ORIGIN, node_id=nid, role=role, updated=0.0, http_url=url or f"http://{nid[:4]}",  # type: ignore[arg-type]
+        run_id=ORIGIN,
+        node_id=nid,
+        role=role,
+        updated=0.0,
+        http_url=url or f"http://{nid[:4]}",  # type: ignore[arg-type]
         relay=RelayInfo(depth=depth, parent=parent, slots_total=slots, slots_free=free, stripe=stripe, stripes=4),
-    )  # fmt: skip
+    )
 
 
 class _Records:
@@ -85,8 +97,17 @@ def _climbing(tmp_path: Path, sibling_at_home: bool, just_moved: bool = False) -
         sr, http_r, url_r = await _relay(tmp_path, root, [ORIGIN, root], slots=2)
         sm, http_m, url_m = await _relay(tmp_path, mid, [ORIGIN, root, mid], slots=2)
         records = {root: _rec(root, 0, 2, 1, url_r, parent=ORIGIN), mid: _rec(mid, 0, 2, 2, url_m, parent=root, free=2)}
-        follower = WeightFollower(_KEYS[me], ORIGIN, _Records(records), WeightStore(tmp_path / "me", ORIGIN),
-                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower = WeightFollower(
+            _KEYS[me],
+            ORIGIN,
+            _Records(records),
+            WeightStore(tmp_path / "me", ORIGIN),
+            Metrics(),
+            None,
+            2,
+            None,
+            lambda: asyncio.sleep(0),
+        )  # type: ignore[arg-type]
         follower.links = [Link(0, True), Link(1, False)]
         try:
             async with aiohttp.ClientSession() as session:
@@ -423,8 +444,17 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
 
     async def main(fetching: int) -> int:
         server = ShardServer(WeightStore(tmp_path / f"s{fetching}", ORIGIN), Metrics(), slots=2, node_id=me)
-        follower = WeightFollower(_KEYS[me], ORIGIN, Counting({}), WeightStore(tmp_path / f"me{fetching}", ORIGIN),
-                                  Metrics(), server, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower = WeightFollower(
+            _KEYS[me],
+            ORIGIN,
+            Counting({}),
+            WeightStore(tmp_path / f"me{fetching}", ORIGIN),
+            Metrics(),
+            server,
+            2,
+            None,
+            lambda: asyncio.sleep(0),
+        )  # type: ignore[arg-type]
         follower.links = [Link(0, True), Link(1, False)]
         follower._planned, follower.fetching = True, fetching
 
@@ -472,8 +502,17 @@ def test_a_node_with_a_parent_in_every_stripe_reads_every_record_again_only_ever
 
     async def main() -> list[int]:
         records = {parent: _rec(parent, 0, url="http://127.0.0.1:9")}
-        follower = WeightFollower(_KEYS[me], ORIGIN, Counting(records), WeightStore(tmp_path / "me", ORIGIN),
-                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # type: ignore[arg-type]  # fmt: skip
+        follower = WeightFollower(
+            _KEYS[me],
+            ORIGIN,
+            Counting(records),
+            WeightStore(tmp_path / "me", ORIGIN),
+            Metrics(),
+            None,
+            2,
+            None,
+            lambda: asyncio.sleep(0),
+        )  # type: ignore[arg-type]
         follower.links = [Link(0, True), Link(1, False)]
         for link in follower.links:
             link.parent = Candidate(parent, "http://127.0.0.1:9", 1, True, frozenset({link.stripe}))

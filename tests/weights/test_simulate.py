@@ -19,9 +19,22 @@ import simswarm  # noqa: E402
 import simulate  # noqa: E402
 
 ARGS = argparse.Namespace(
-    seed=3, dc_share=0.1, nat=0.25, size_gb=2.0, shard_mib=64.0, stripes=4, origin_gbit=10.0, hop_lag_s=0.335,
-    dht_lag=3.0, tick=0.0, no_preempt=False, spare_min_fanout=0, coarse=False, tcp_spread=0.0, paced_spread=0.0,
-)  # fmt: skip
+    seed=3,
+    dc_share=0.1,
+    nat=0.25,
+    size_gb=2.0,
+    shard_mib=64.0,
+    stripes=4,
+    origin_gbit=10.0,
+    hop_lag_s=0.335,
+    dht_lag=3.0,
+    tick=0.0,
+    no_preempt=False,
+    spare_min_fanout=0,
+    coarse=False,
+    tcp_spread=0.0,
+    paced_spread=0.0,
+)
 
 
 class Checked(simswarm.Swarm):

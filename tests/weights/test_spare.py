@@ -71,8 +71,10 @@ def test_a_node_with_every_slot_held_lends_idle_upload_and_takes_it_back_for_a_c
         out: list[object] = []
         try:
             async with aiohttp.ClientSession() as kid, aiohttp.ClientSession() as other:
-                mine = {"X-Intellect-Node": child.node_id,
-                        "X-Intellect-Token": await _attach(kid, url, child, relay.node_id, 0)}  # fmt: skip
+                mine = {
+                    "X-Intellect-Node": child.node_id,
+                    "X-Intellect-Token": await _attach(kid, url, child, relay.node_id, 0),
+                }
                 async with other.get(f"{url}/weights/1/{_shard(0)}", headers=alternate) as lent:
                     out.append(lent.status)  # the only slot is the child's, but it is idle
                     await lent.content.readexactly(64 * 1024)
@@ -122,19 +124,25 @@ def test_a_fetcher_done_with_its_stripe_takes_a_lagging_stripes_last_shards_from
     origin, fast, slow, me, other = RUN_KEY, *(Identity.generate() for _ in range(4))
 
     async def main() -> tuple[list[float], list[int]]:
-        servers = [await _server(tmp_path / "o", origin, slots=1, stripes=2),
-                   await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
-                   await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=256e3)]  # fmt: skip
+        servers = [
+            await _server(tmp_path / "o", origin, slots=1, stripes=2),
+            await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
+            await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=256e3),
+        ]
         (_, _, o_url, _), (_, _, f_url, _), (_, _, p_url, _) = servers
         store = WeightStore(tmp_path / "me", RUN)
         try:
             async with aiohttp.ClientSession() as session:
                 await _attach(session, o_url, other, origin.node_id, 0)  # the origin's slot: idle
-                tokens = {fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
-                          slow.node_id: await _attach(session, p_url, me, slow.node_id, 1)}  # fmt: skip
-                sources = [Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
-                           Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
-                           Candidate(origin.node_id, o_url, 0, False)]  # fmt: skip
+                tokens = {
+                    fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
+                    slow.node_id: await _attach(session, p_url, me, slow.node_id, 1),
+                }
+                sources = [
+                    Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
+                    Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
+                    Candidate(origin.node_id, o_url, 0, False),
+                ]
 
                 async def find(exclude: set[str]) -> list[Candidate]:
                     return [c for c in sources if c.node_id not in exclude]
@@ -185,18 +193,24 @@ def test_a_holder_that_trickles_holds_an_endgame_shard_only_briefly(tmp_path: Pa
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         liar_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-        servers = [await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
-                   await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=1e6)]  # fmt: skip
+        servers = [
+            await _server(tmp_path / "f", fast, slots=1, stripes=2, home=0),
+            await _server(tmp_path / "p", slow, slots=1, stripes=2, home=1, bps=1e6),
+        ]
         (_, _, f_url, _), (_, _, p_url, _) = servers
         store = WeightStore(tmp_path / "me", RUN)
         metrics = Metrics()
         try:
             async with aiohttp.ClientSession() as session:
-                tokens = {fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
-                          slow.node_id: await _attach(session, p_url, me, slow.node_id, 1)}  # fmt: skip
-                sources = [Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
-                           Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
-                           Candidate("l" * 32, liar_url, 1, False)]  # fmt: skip
+                tokens = {
+                    fast.node_id: await _attach(session, f_url, me, fast.node_id, 0),
+                    slow.node_id: await _attach(session, p_url, me, slow.node_id, 1),
+                }
+                sources = [
+                    Candidate(fast.node_id, f_url, 1, True, frozenset({0})),
+                    Candidate(slow.node_id, p_url, 1, True, frozenset({1})),
+                    Candidate("l" * 32, liar_url, 1, False),
+                ]
 
                 async def find(exclude: set[str]) -> list[Candidate]:
                     return [c for c in sources if c.node_id not in exclude]
@@ -229,8 +243,9 @@ def test_children_sent_whole_shards_share_the_upload_though_the_kernel_never_hol
         try:
             async with aiohttp.ClientSession() as sa, aiohttp.ClientSession() as sb:
                 tokens = [await _attach(s, url, w, relay.node_id, 0) for w, s in ((a, sa), (b, sb))]
-                heads = [{"X-Intellect-Node": w.node_id, "X-Intellect-Token": t}
-                         for w, t in zip((a, b), tokens, strict=True)]
+                heads = [
+                    {"X-Intellect-Node": w.node_id, "X-Intellect-Token": t} for w, t in zip((a, b), tokens, strict=True)
+                ]
                 ra = await sa.get(f"{url}/weights/1/{_shard(0)}", headers=heads[0])
                 rb = await sb.get(f"{url}/weights/1/{_shard(0)}", headers=heads[1])  # the same place: equal shares
                 reads = [asyncio.create_task(r.read()) for r in (ra, rb)]

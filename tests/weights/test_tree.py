@@ -43,14 +43,32 @@ def _signed(node_id: str, server_id: str) -> dict[str, str]:
     return signed_headers(_KEYS[node_id], "POST", "/relay/attach", server_id)
 
 
-def _rec(nid: str, depth: int, free: int, parent: str | None = None, versions: tuple[int, ...] = (1,),
-         fetching: int = -1, bps: float = 0.0) -> NodeRecord:  # fmt: skip
+def _rec(
+    nid: str,
+    depth: int,
+    free: int,
+    parent: str | None = None,
+    versions: tuple[int, ...] = (1,),
+    fetching: int = -1,
+    bps: float = 0.0,
+) -> NodeRecord:
     return NodeRecord(
-        run_id=ORIGIN, node_id=nid, role="trainer" if nid == ORIGIN else "relay", updated=0.0,
+        run_id=ORIGIN,
+        node_id=nid,
+        role="trainer" if nid == ORIGIN else "relay",
+        updated=0.0,
         weight_version=max(versions, default=-1),
-        http_url=f"http://{nid[:4]}", relay=RelayInfo(depth=depth, parent=parent, slots_total=2, slots_free=free,
-        versions=list(versions), fetching=fetching, upload_bps=bps),
-    )  # fmt: skip
+        http_url=f"http://{nid[:4]}",
+        relay=RelayInfo(
+            depth=depth,
+            parent=parent,
+            slots_total=2,
+            slots_free=free,
+            versions=list(versions),
+            fetching=fetching,
+            upload_bps=bps,
+        ),
+    )
 
 
 def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
@@ -59,8 +77,13 @@ def _records(*recs: NodeRecord) -> dict[str, NodeRecord]:
 
 def test_relays_by_depth_then_speed_and_the_origin_last() -> None:
     a, b, c, full = _id("a"), _id("b"), _id("c"), _id("f")
-    recs = _records(_rec(ORIGIN, 0, 2), _rec(a, 2, 1, b), _rec(b, 1, 1, ORIGIN, bps=1e6),
-                    _rec(c, 1, 1, ORIGIN, bps=9e6), _rec(full, 1, 0, ORIGIN))  # fmt: skip
+    recs = _records(
+        _rec(ORIGIN, 0, 2),
+        _rec(a, 2, 1, b),
+        _rec(b, 1, 1, ORIGIN, bps=1e6),
+        _rec(c, 1, 1, ORIGIN, bps=9e6),
+        _rec(full, 1, 0, ORIGIN),
+    )
     assert [x.node_id for x in parents(recs, _id("e"), ORIGIN)] == [c, b, a, ORIGIN]
     assert [x.node_id for x in parents(recs, _id("e"), ORIGIN, exclude={c, ORIGIN})] == [b, a]
 
@@ -73,8 +96,12 @@ def test_never_a_descendant_by_the_records() -> None:
 
 def test_alternates_hold_the_whole_version() -> None:
     a, b, c = _id("a"), _id("b"), _id("c")
-    recs = _records(_rec(ORIGIN, 0, 1, versions=(3,)), _rec(a, 1, 1, ORIGIN, versions=(2, 3)),
-                    _rec(b, 2, 1, a, versions=(2,), fetching=3), _rec(c, 2, 0, a, versions=(3,)))  # fmt: skip
+    recs = _records(
+        _rec(ORIGIN, 0, 1, versions=(3,)),
+        _rec(a, 1, 1, ORIGIN, versions=(2, 3)),
+        _rec(b, 2, 1, a, versions=(2,), fetching=3),
+        _rec(c, 2, 0, a, versions=(3,)),
+    )
     assert [x.node_id for x in holders(recs, _id("e"), ORIGIN, 3)] == [a]  # b is still receiving, c is full
 
 
@@ -105,8 +132,16 @@ def _follower(
         return None
 
     return WeightFollower(
-        _KEYS[me], run, _Records(records), WeightStore(tmp_path / me[:4], run), metrics, None, 2, None, publish,
-    )  # type: ignore[arg-type]  # fmt: skip
+        _KEYS[me],
+        run,
+        _Records(records),
+        WeightStore(tmp_path / me[:4], run),
+        metrics,
+        None,
+        2,
+        None,
+        publish,
+    )  # type: ignore[arg-type]
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -195,8 +230,12 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
                 b_server.path = lambda: [ORIGIN, me, b]  # meanwhile b re-parented below us
                 await follower.attach_once(session)
                 await _settled(follower)  # the slot at b is given back in the background
-                return follower.parent, metrics.counter("node_relay_reparents_total"), follower.path, \
-                    b_server.children()
+                return (
+                    follower.parent,
+                    metrics.counter("node_relay_reparents_total"),
+                    follower.path,
+                    b_server.children(),
+                )
         finally:
             await http_b.close()
             await http_o.close()
@@ -229,8 +268,9 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
                 try:
                     write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
                     store.added()
-                    await asyncio.wait_for(_until(lambda: metrics.counter("node_relay_news_rejected_total",
-                                                                          "foreign_manifest") > 0), 5.0)  # fmt: skip
+                    await asyncio.wait_for(
+                        _until(lambda: metrics.counter("node_relay_news_rejected_total", "foreign_manifest") > 0), 5.0
+                    )
                     after_forgery = follower.announced
                     shutil.rmtree(store.folder(1))
                     write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
@@ -269,8 +309,12 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
                 }
                 await follower._leave_slow_parent()
                 await _settled(follower)  # the slot at the slow parent is given back in the background
-                return follower.parent, s_slow.children(), s_fast.children(), \
-                    metrics.counter("node_relay_slow_parent_moves_total")
+                return (
+                    follower.parent,
+                    s_slow.children(),
+                    s_fast.children(),
+                    metrics.counter("node_relay_slow_parent_moves_total"),
+                )
         finally:
             await http_s.close()
             await http_f.close()
@@ -325,8 +369,7 @@ def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: py
         return node_id in members
 
     async def main() -> dict[str, object]:
-        server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=1, node_id=ORIGIN,
-                             members=is_member)  # fmt: skip
+        server = ShardServer(WeightStore(tmp_path / "o", ORIGIN), Metrics(), slots=1, node_id=ORIGIN, members=is_member)
         server.path = lambda: [ORIGIN]
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
@@ -348,14 +391,16 @@ def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: py
                 evict["X-Intellect-Node"] = child  # a stranger naming the child: the key does not match the id
                 out["evict"] = (await call("DELETE", evict))[0]
                 members.add(stranger)  # even a member cannot free another's slot, nor see who holds them
-                out["own_delete"] = (await call("DELETE", signed_headers(_KEYS[stranger], "DELETE", "/relay/attach",
-                                                                         ORIGIN)))[0]  # fmt: skip
+                out["own_delete"] = (
+                    await call("DELETE", signed_headers(_KEYS[stranger], "DELETE", "/relay/attach", ORIGIN))
+                )[0]
                 out["children"] = server.children()
                 out["full_unsigned"] = await call("POST", {"X-Intellect-Node": stranger})
                 monkeypatch.setattr(relay, "MAX_ANON_WAITS", 2)
                 started = asyncio.get_running_loop().time()
-                polls = [asyncio.ensure_future(session.get(f"{url}/relay/next", params={"after": "5"}))
-                         for _ in range(3)]  # fmt: skip
+                polls = [
+                    asyncio.ensure_future(session.get(f"{url}/relay/next", params={"after": "5"})) for _ in range(3)
+                ]
                 first = await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED)
                 out["anon_poll_s"] = asyncio.get_running_loop().time() - started
                 out["anon_status"] = [t.result().status for t in first[0]]
@@ -465,8 +510,7 @@ def test_a_candidate_that_never_answers_does_not_hold_up_the_choice(
     candidate here accepts connections and never answers (the timeout made a minute long); the node asks the
     next one after ASK_STAGGER_S, takes its slot, and gives back whatever the silent one may grant later."""
     me, silent = _id("e"), _id("z")
-    monkeypatch.setattr("intellect_node.weights.links.ATTACH_TIMEOUT",
-                        aiohttp.ClientTimeout(total=60, connect=60))  # fmt: skip
+    monkeypatch.setattr("intellect_node.weights.links.ATTACH_TIMEOUT", aiohttp.ClientTimeout(total=60, connect=60))
 
     async def main() -> tuple[str | None, int, list[str]]:
         held: list[asyncio.StreamWriter] = []
