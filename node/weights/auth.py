@@ -6,9 +6,11 @@ its node id, its raw Ed25519 public key (hex) and ``<unix time>:<nonce>:<signatu
 protocol/identity.py). The server checks, cheapest first: a rate limit per remote address, the headers' shape,
 that the key is the node id's, the time within ``AUTH_WINDOW_S``, the nonce unseen, the signature, that the node
 id belongs to the run (a registered DHT record; a DHT lookup at most, bounded by the caller), and last that the key
-has not signed more than ``NONCES_PER_KEY`` requests within the replay window. Only then is the nonce kept: a
-stranger's request, however well signed, leaves nothing behind. Nonces are kept in arrival order and dropped once
-older than twice the window, so the table costs O(1) per request and holds at most ``NONCES_PER_KEY`` per member.
+has not signed more than its allowance within the replay window: ``NONCES_PER_KEY`` requests asking for a slot, and
+apart from those ``NONCES_PER_SLOT`` keep-alives of slots it holds here per stripe it may hold one in (so that
+asking, however often, never costs a child the slots it has). Only then is the nonce kept: a stranger's request,
+however well signed, leaves nothing behind. Nonces are kept in arrival order and dropped once older than twice the
+window, so the table costs O(1) per request and holds at most that allowance per member.
 A granted slot comes with a random token that the child sends on its shard and news requests, so those need no
 signature; a request with a node id but no valid token is a stranger's.
 
@@ -38,7 +40,12 @@ AUTH_WINDOW_S = 30.0
 MAX_NONCES = 100_000
 """Nonces kept at most, all keys together: past this a request is refused as busy (NONCES_PER_KEY members' worth)."""
 NONCES_PER_KEY = 64
-"""Slot requests one key may sign within twice the replay window (an honest child sends a few a minute)."""
+"""Requests for a slot one key may sign within twice the replay window (past this, asking is refused as too often)."""
+NONCES_PER_SLOT = 128
+"""Keep-alives of the slots a key holds here it may sign within twice the replay window, per stripe it may hold one
+in (the origin: every stripe; a relay: its home). A child keeps each slot alive every second, every half second for
+a few rounds after a change or an unanswered one (links.KEEPALIVE_S, FAST_KEEPALIVE_S): up to 120 a slot. Counted
+with the asking, a child of the origin in four stripes was refused within 16 s and left it in every stripe."""
 RATE_PER_ADDRESS = 50.0
 """Slot requests per second from one remote address (a burst of twice this)."""
 MAX_ADDRESSES = 10_000
@@ -98,10 +105,16 @@ class RequestAuth:
         broadcast benchmark); a node of a run always passes its registry."""
         self.server_id = server_id
         self.members = members
-        self._nonces: OrderedDict[tuple[str, str], float] = OrderedDict()
-        """(node id, nonce) -> when it was accepted, oldest first: the requests that may not be replayed."""
+        self._nonces: OrderedDict[tuple[str, str], tuple[float, bool]] = OrderedDict()
+        """(node id, nonce) -> when it was accepted and whether it kept a held slot, oldest first: the requests that
+        may not be replayed."""
         self._per_key: Counter[str] = Counter()
+        """Per key, the requests asking for a slot in the table."""
+        self._keeping: Counter[str] = Counter()
+        """Per key, the keep-alives of held slots in the table."""
         self._buckets: dict[str, tuple[float, float]] = {}
+        self.stripes: Callable[[], int] = lambda: 1
+        """Stripes a node may hold a slot in here (relay.ShardServer: every one at the origin, else its home)."""
 
     def allow(self, address: str) -> bool:
         """One request from ``address`` within its rate (a token bucket per address)."""
@@ -116,8 +129,9 @@ class RequestAuth:
         self._buckets[address] = (tokens - 1.0, now)
         return True
 
-    async def check(self, request: web.Request) -> str:
-        """The authenticated node id of a slot request; raises Refused."""
+    async def check(self, request: web.Request, holds: Callable[[str], bool] = lambda node_id: False) -> str:
+        """The authenticated node id of a slot request; raises Refused. ``holds``: whether the node already holds
+        the slot the request is for (a keep-alive, counted apart from requests asking for one)."""
         if not self.allow(request.remote or "?"):
             raise Refused(429, "rate")
         node_id = request.headers.get(CHILD_HEADER, "")
@@ -139,25 +153,28 @@ class RequestAuth:
             raise Refused(401, "bad_signature")
         if self.members is not None and not await self.members(node_id):
             raise Refused(403, "unregistered")
-        self._keep(node_id, nonce, time.time())
+        self._keep(node_id, nonce, time.time(), holds(node_id))
         return node_id
 
-    def _keep(self, node_id: str, nonce: str, now: float) -> None:
-        """Remember an accepted request's nonce; raises Refused when it was used meanwhile (the membership check
-        awaits), or when the key, or everybody together, signed too many within the window."""
+    def _keep(self, node_id: str, nonce: str, now: float, keeping: bool = False) -> None:
+        """Remember an accepted request's nonce (``keeping``: a keep-alive of a held slot); raises Refused when it
+        was used meanwhile (the membership check awaits), or when the key, or everybody together, signed too many
+        within the window."""
         while self._nonces:
-            (old_id, _), at = next(iter(self._nonces.items()))
+            (old_id, _), (at, kept) = next(iter(self._nonces.items()))
             if now - at < 2 * AUTH_WINDOW_S:
                 break
             self._nonces.popitem(last=False)
-            self._per_key[old_id] -= 1
-            if self._per_key[old_id] <= 0:
-                del self._per_key[old_id]
+            counts = self._keeping if kept else self._per_key
+            counts[old_id] -= 1
+            if counts[old_id] <= 0:
+                del counts[old_id]
         if (node_id, nonce) in self._nonces:
             raise Refused(401, "replayed")
-        if self._per_key[node_id] >= NONCES_PER_KEY:
+        counts = self._keeping if keeping else self._per_key
+        if counts[node_id] >= (NONCES_PER_SLOT * max(1, self.stripes()) if keeping else NONCES_PER_KEY):
             raise Refused(429, "rate")
         if len(self._nonces) >= MAX_NONCES:
             raise Refused(429, "busy")
-        self._nonces[(node_id, nonce)] = now
-        self._per_key[node_id] += 1
+        self._nonces[(node_id, nonce)] = (now, keeping)
+        counts[node_id] += 1

@@ -120,6 +120,7 @@ class ShardServer:
         self._bucket = TokenBucket(upload_limit_bps) if upload_limit_bps else None
         self.stripes = 1
         """Stripes per version (the origin's, announced in its record); shard i belongs to stripe i mod this."""
+        self.auth.stripes = lambda: self.stripes if self.home() is None else 1
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -167,8 +168,10 @@ class ShardServer:
         return token
 
     async def _authentic(self, request: web.Request) -> str:
+        """The node a signed slot request comes from (auth.py); a keep-alive of a slot it holds is told apart."""
+        slot = request.query.get("stripe", "0")
         try:
-            return await self.auth.check(request)
+            return await self.auth.check(request, lambda node: f"{node}/{slot}" in self._active_children())
         except Refused as e:
             self.metrics.inc("node_relay_requests_refused_total", label=e.reason)
             raise e.http() from None

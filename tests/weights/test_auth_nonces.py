@@ -1,20 +1,37 @@
-"""The replay table of signed slot requests: a stranger leaves nothing in it, a member only a bounded share.
+"""The replay table of signed slot requests: a stranger leaves nothing in it, a member only a bounded share, and a
+child keeping its slots alive is never refused.
 
 Played over real HTTP on loopback: the attacker signs correct requests with keys the run does not know (or with
-one key it does), as fast as the server lets it.
+one key it does), as fast as the server lets it; the child is the real follower, attached to a real origin.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 from unittest import mock
 
 import aiohttp
 from aiohttp import web
 
+from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights import auth
-from intellect_node.weights.auth import AUTH_WINDOW_S, NONCES_PER_KEY, Refused, RequestAuth, signed_headers
+from intellect_node.weights.auth import (
+    AUTH_WINDOW_S,
+    CHILD_HEADER,
+    NONCES_PER_KEY,
+    Refused,
+    RequestAuth,
+    signed_headers,
+)
+from intellect_node.weights.follower import WeightFollower
+from intellect_node.weights.links import Link
+from intellect_node.weights.relay import ShardServer
+from intellect_node.weights.store import WeightStore
 from intellect_protocol.identity import Identity
+from intellect_protocol.messages import NodeRecord, RelayInfo
 
 SERVER = Identity.generate().node_id
 PATH = "/relay/attach"
@@ -99,3 +116,76 @@ def test_nonces_leave_the_table_once_older_than_the_replay_window() -> None:
         checker._keep("b", "0" * 16, clock[0])  # each new nonce first drops the expired ones, oldest first
     assert list(checker._nonces) == [("b", "0" * 16)]
     assert dict(checker._per_key) == {"b": 1}
+
+
+class _Records:
+    def __init__(self, records: dict[str, NodeRecord]) -> None:
+        self.records = records
+
+    async def get_nodes(self) -> dict[str, NodeRecord]:
+        return self.records
+
+
+def test_a_child_of_the_origin_in_three_stripes_asking_in_the_fourth_keeps_its_slots_through_the_window(
+    tmp_path: Path,
+) -> None:
+    """The origin serves a child in every stripe it has a slot for, and the child keeps each slot alive every second
+    and asks every second for one in the stripe where it has none: four signed requests a second from one key,
+    three of them keep-alives. Counted as one allowance, sized for asking, they were refused within 16 s: the child
+    left the origin in every stripe and was refused for the rest of the replay window (the red-team swarm's new relay
+    fetched nothing for 30 s). The real follower here keeps its three slots through a whole window of keep-alives."""
+    run, me = Identity.generate(), Identity.generate()
+    stripes = 4
+    goal = NONCES_PER_KEY * 3  # past the allowance for asking three times over: over a minute at three a second
+
+    async def main() -> tuple[int, list[int], dict[int, str | None]]:
+        metrics = Metrics()
+        origin = ShardServer(WeightStore(tmp_path / "origin", run.node_id), metrics, slots=stripes - 1,
+                             node_id=run.node_id)  # fmt: skip
+        origin.stripes, origin.path = stripes, lambda: [run.node_id]
+        kept = 0
+        attach = origin._attach
+
+        async def counted(request: web.Request) -> web.Response:
+            nonlocal kept
+            answer = await attach(request)  # a refusal raises
+            kept += request.headers.get(CHILD_HEADER) == me.node_id
+            return answer
+
+        origin._attach = counted  # type: ignore[method-assign]
+        http = HttpServer(metrics, lambda: {}, origin.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        relay = RelayInfo(depth=0, slots_total=stripes - 1, slots_free=stripes - 1, stripes=stripes)
+        records = {run.node_id: NodeRecord(run_id=run.node_id, node_id=run.node_id, role="trainer", updated=0.0,
+                                           http_url=url, relay=relay)}  # fmt: skip
+        follower = WeightFollower(me, run.node_id, _Records(records), WeightStore(tmp_path / "me", run.node_id),  # type: ignore[arg-type]
+                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # fmt: skip
+        left: list[int] = []
+        drop = follower._drop_parent
+
+        async def dropped(why: str, avoid_s: float, link: Link | None = None) -> None:
+            left.append(link.stripe if link is not None else -1)
+            await drop(why, avoid_s, link)
+
+        follower._drop_parent = dropped  # type: ignore[method-assign]
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower.start(session)
+                keeping = asyncio.ensure_future(follower.keep_attached(session))
+                try:
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + 300.0
+                    while kept < goal and not left and loop.time() < deadline:
+                        await asyncio.sleep(0.2)
+                    return kept, left, follower.parents()
+                finally:
+                    keeping.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await keeping
+        finally:
+            await http.close()
+
+    kept, left, parents = asyncio.run(main())
+    assert left == [], (kept, left)
+    assert kept >= goal
+    assert sorted(parents.values(), key=lambda p: p or "") == [None, run.node_id, run.node_id, run.node_id]
