@@ -55,6 +55,17 @@ never trips a per-read timeout): past ``SHARD_SLACK_S + size / MIN_SHARD_BPS`` t
 source blamed."""
 SHARD_SLACK_S = LONG_POLL_S + 10.0
 """Room for a shard that is still arriving at the source (a long poll) before the rate applies."""
+BODY_SLACK_S = 5.0
+"""Once the response has begun (the long poll is over), the rest of the shard gets this plus its size at
+``MIN_SHARD_BPS``: a parent trickling a 1 MiB shard is cut after 21 s, within the stall budget (``STALL_S``), where
+the whole slack let it hold the shard past it."""
+MANIFEST_BODY_S = BODY_SLACK_S + Channel.MANIFEST.value / MIN_SHARD_BPS
+"""The same for a manifest's body, at its largest."""
+SLOW_PARENT_AVOID_S = 60.0
+"""A parent (not the origin) whose shard was cut for coming too slowly is left at once and not chosen, nor asked,
+again for this long: it sent less than ``MIN_SHARD_BPS`` over a whole shard. Left only at a second cut, and chosen
+again after a few seconds as the best place its record offered, a parent sending a byte a second kept a newcomer
+from every version."""
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -100,11 +111,15 @@ class ShardFetcher:
         """The token a source gave us with a slot (our parent's), sent with our requests to it."""
         self.strikes: dict[str, int] = {}
         """Per source: shards it passed through unverified that then failed verification."""
+        self.slow: dict[str, float] = {}
+        """Parents left for sending a shard too slowly, until when they are not used (``SLOW_PARENT_AVOID_S``)."""
 
     def _excluded(self) -> set[str]:
+        """Sources not to use now, as parents or at all: banned for bad bytes, or too slow as a parent."""
         now = time.monotonic()
         self.banned = {n: t for n, t in self.banned.items() if t > now}
-        return set(self.banned)
+        self.slow = {n: t for n, t in self.slow.items() if t > now}
+        return set(self.banned) | set(self.slow)
 
     def abort_source(self, node_id: str) -> None:
         """Cut every transfer from ``node_id`` now (the follower left it: a partition that drops packets would
@@ -157,21 +172,27 @@ class ShardFetcher:
         while time.monotonic() < deadline:
             await self._refresh()
             for src in sorted(self.sources.values(), key=lambda s: not s.is_parent):
-                if src.node_id in self.banned:
+                if src.node_id in self.banned or src.node_id in self.slow:
                     continue
+                due, begun = asyncio.get_running_loop().time() + MANIFEST_POLL_S + 10, False
                 try:  # under a deadline the follower can bring forward (abort_source): a parent cut off by a
                     # partition that drops packets would hold the request for the whole read timeout
                     async with (
-                        asyncio.timeout(MANIFEST_POLL_S + 10) as limit,
+                        asyncio.timeout(due) as limit,
                         _tracked(src.active, limit),
                         self.session.get(f"{src.url}/weights/{version}/{MANIFEST_NAME}") as resp,
                     ):
-                        if resp.status == 200:
+                        if resp.status == 200:  # it has it: the body, small, comes at once, or it stalls us
+                            begun, due = True, min(due, asyncio.get_running_loop().time() + MANIFEST_BODY_S)
+                            limit.reschedule(min(due, limit.when() or due))
                             data = await read_limited(resp, Channel.MANIFEST.value)
                             verify_manifest(data, self.store.run_id, version, self.store.epoch)
                             return data
                 except (TimeoutError, aiohttp.ClientError):
                     src.failed += 1
+                    if begun and limit.expired() and (limit.when() or 0.0) >= due and src.is_parent:
+                        self._leave_slow(src, f"the manifest of version {version}")
+                        await self._refresh(force=True)
                 except Rejected as e:
                     if e.reason == "wrong_epoch":  # a node still on the run's previous start: not a liar, just behind
                         src.failed += 1
@@ -313,9 +334,11 @@ class ShardFetcher:
         started = time.monotonic()
         received = 0
         whole_from_src = have == 0
+        # our own deadline for the transfer (abort_source may bring it forward: no fault of the source, then)
+        due = asyncio.get_running_loop().time() + self._deadline(shard.size - have, src, stripe)
         try:
             async with (
-                asyncio.timeout(self._deadline(shard.size - have, src, stripe)) as limit,
+                asyncio.timeout(due) as limit,
                 _tracked(src.active, limit),
                 self.session.get(url, headers=headers, timeout=SHARD_TIMEOUT) as resp,
             ):
@@ -345,6 +368,9 @@ class ShardFetcher:
                     src.failed += 1
                     return False
                 vouched = resp.headers.get(VERIFIED_HEADER, "1") != "0"
+                # the response has begun: no long poll is left to wait for, the rest comes at the rate at least
+                due = min(due, asyncio.get_running_loop().time() + self._deadline(shard.size - have, src, stripe, True))
+                limit.reschedule(min(due, limit.when() or due))
                 self.store.part_opened(version, shard.name, have, shard.size)
                 with open(part, "r+b" if have else "wb") as f:
                     f.seek(have)
@@ -374,6 +400,9 @@ class ShardFetcher:
                 src.failed += 1
                 src.away_until = time.monotonic() + min(30.0, 5.0 * src.failed)
                 self.metrics.inc("node_weights_slow_sources_total", help="shard transfers cut for being too slow")
+                # our own rate deadline (not abort_source's, nor a connect or read timeout): it served too little
+                if limit.expired() and (limit.when() or 0.0) >= due and src.serves(stripe):
+                    self._leave_slow(src, f"shard {shard.name}")
             elif received:  # cut short after progress (say, its own upstream failed mid cut-through): resume soon
                 src.away_until = time.monotonic() + 0.2
                 if spare:  # a child of its own needed the upload: resumed from the parent or elsewhere
@@ -411,12 +440,29 @@ class ShardFetcher:
             src.bps = rate if src.bps == 0 else 0.7 * src.bps + 0.3 * rate
         return True
 
-    def _deadline(self, size: int, src: Source, stripe: int | None) -> float:
+    def _leave_slow(self, src: Source, what: str) -> None:
+        """``src``, our parent, sent ``what`` slower than MIN_SHARD_BPS: it is not used for SLOW_PARENT_AVOID_S (the
+        re-plan that follows leaves it), unless it is the origin, the last resort."""
+        if src.node_id == self.store.run_id:
+            return
+        logger.info(
+            "leaving parent=%s for %.0fs: %s came slower than %d B/s",
+            src.node_id,
+            SLOW_PARENT_AVOID_S,
+            what,
+            MIN_SHARD_BPS,
+        )
+        self.metrics.inc("node_weights_slow_parents_left_total", help="parents left for sending too slowly")
+        self.slow[src.node_id] = time.monotonic() + SLOW_PARENT_AVOID_S
+
+    def _deadline(self, size: int, src: Source, stripe: int | None, begun: bool = False) -> float:
         """Seconds a transfer of ``size`` bytes may take; from an alternate beside our parent in the stripe (a probe,
-        the endgame: no long poll) at half our slowest parent's rate at least (a trickler held one 17 min/64 MiB)."""
+        the endgame: no long poll) at half our slowest parent's rate at least (a trickler held one 17 min/64 MiB).
+        ``begun``: the rest of a response that has begun (``BODY_SLACK_S``, no long poll left)."""
         alternate = not src.serves(stripe) and any(s.serves(stripe) for s in self.sources.values())
         rates = [s.bps for s in self.sources.values() if s.is_parent and s.bps > 0] if alternate else []
-        return (SPARE_SLACK_S if alternate else SHARD_SLACK_S) + size / max(MIN_SHARD_BPS, min(rates, default=0) / 2)
+        slack = SPARE_SLACK_S if alternate else BODY_SLACK_S if begun else SHARD_SLACK_S
+        return slack + size / max(MIN_SHARD_BPS, min(rates, default=0) / 2)
 
     def _bad(self, version: int, shard: ShardEntry, src: Source, whole: bool, vouched: bool, why: str) -> bool:
         """Bad bytes: banned at once if the source vouched for them (it had verified the shard) and sent all of
