@@ -181,8 +181,9 @@ class Swarm:
             return data
 
     def cpu(self) -> tuple[float, float]:
-        """CPU seconds used so far by the swarm's processes (each node with its DHT process and daemons) and by
-        the attacker (this process and everything else it started). Processes that ended are not counted."""
+        """CPU seconds used so far by the swarm's processes (each node with its DHT process and daemons; not the
+        nodes that join during an attack) and by the attacker (this process and the peers, daemons and servers it
+        started). Processes that ended are not counted."""
 
         def tree(root: psutil.Process) -> list[psutil.Process]:
             try:
@@ -201,13 +202,17 @@ class Swarm:
             return total
 
         swarm_procs: dict[int, psutil.Process] = {}
-        for node in self.nodes.values():
+        joined: set[int] = set()
+        for name, node in self.nodes.items():
             try:
-                for proc in tree(psutil.Process(node.proc.pid)):
-                    swarm_procs[proc.pid] = proc
+                procs = tree(psutil.Process(node.proc.pid))
             except psutil.Error:
-                pass
-        attacker = [p for p in tree(psutil.Process()) if p.pid not in swarm_procs]
+                continue
+            if name.startswith("newcomer"):  # an honest node joining: its start is not work the attack made
+                joined.update(p.pid for p in procs)
+            else:
+                swarm_procs.update((p.pid, p) for p in procs)
+        attacker = [p for p in tree(psutil.Process()) if p.pid not in swarm_procs and p.pid not in joined]
         return used(list(swarm_procs.values())), used(attacker)
 
     def crashed(self) -> list[str]:
