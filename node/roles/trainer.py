@@ -92,14 +92,23 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             shutil.rmtree(self.weights_root, ignore_errors=True)
             dropped = self.ckpt.drop_spools()
             if dropped:
-                logger.warning("%d accepted batches of the run's previous start are dropped: the weights they "
-                               "were made with are gone (--checkpoint-every > 0 resumes instead)", dropped)  # fmt: skip
+                logger.warning(
+                    "%d accepted batches of the run's previous start are dropped: the weights they "
+                    "were made with are gone (--checkpoint-every > 0 resumes instead)",
+                    dropped,
+                )
             logger.info("run %s starts epoch %d", self.run_id, self.spec.epoch)
         require_jail(self.spec.task)  # before any peer's completion is scored
         self.store = WeightStore(self.weights_root, self.run_id, self.spec.epoch)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
-        self.origin = ShardServer(self.store, self.metrics, node.relay_slots or node.stripes, limit,
-                                  node_id=self.run_id, members=self._is_member)  # fmt: skip
+        self.origin = ShardServer(
+            self.store,
+            self.metrics,
+            node.relay_slots or node.stripes,
+            limit,
+            node_id=self.run_id,
+            members=self._is_member,
+        )
         self.origin.path = lambda: [self.run_id]
         self.origin.stripes = node.stripes
         self.membership = Membership(self.identity, self.run_id, self.metrics)
@@ -154,8 +163,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         """Seconds this trainer spent judging batches itself, and publishing versions (the step split)."""
         self._init_gossip()
         where = node.track_dir or node.data_dir / "tracking"
-        self.tracker = (None if node.track == "none"
-                        else Tracker(node.track, where, self.run_id, self.spec.model_dump(mode="json")))  # fmt: skip
+        self.tracker = (
+            None if node.track == "none" else Tracker(node.track, where, self.run_id, self.spec.model_dump(mode="json"))
+        )
         self._shed_at = -1e9
         if self.resumed is not None:
             self._restore(self.resumed)
@@ -185,8 +195,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         if node_id:
             self.rejected_by_node[node_id] += 1
         logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
-        return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step,
-                           next_index=next_index)  # fmt: skip
+        return SubmitReply(
+            ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step, next_index=next_index
+        )
 
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
@@ -212,8 +223,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             if batch.node_id != node_id:
                 raise Rejected("signer_mismatch", f"batch of {batch.node_id} signed by {node_id}")
             if batch.epoch != self.spec.epoch:
-                raise Rejected("wrong_epoch", f"made in run epoch {batch.epoch}; the run is at epoch {self.spec.epoch} "
-                               "(it was started over): read the run spec again")  # fmt: skip
+                raise Rejected(
+                    "wrong_epoch",
+                    f"made in run epoch {batch.epoch}; the run is at epoch {self.spec.epoch} "
+                    "(it was started over): read the run spec again",
+                )
             self.gate.check(batch, self.step, newest=self.published)
             queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
             if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
@@ -249,8 +263,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 self.gate.release(batch)
                 self.metrics.inc("node_trainer_spool_failures_total", help="accepted batches that could not be spooled")
                 logger.error("cannot spool batch node=%s: %r; free disk space under %s", node_id, e, self.ckpt.root)
-                return self.reject(Rejected("busy", "the trainer cannot store batches right now; send again"), peer,
-                                   node_id)  # fmt: skip
+                return self.reject(
+                    Rejected("busy", "the trainer cannot store batches right now; send again"), peer, node_id
+                )
         self.gate.admit(batch)
         key = (node_id, batch.version, batch.batch_index)
         self.envelopes[key] = data
@@ -270,8 +285,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         if self.admission.on_probation(node_id):
             mine = sum(1 for key in self.validating if key[0] == node_id)
             if mine >= a.probation_pending:
-                raise Rejected("busy", f"a new node may have {a.probation_pending} batch(es) judged at once until "
-                                       f"{a.probation_batches} passed")  # fmt: skip
+                raise Rejected(
+                    "busy",
+                    f"a new node may have {a.probation_pending} batch(es) judged at once until "
+                    f"{a.probation_batches} passed",
+                )
             if newcomers >= newcomer_slots:
                 raise Rejected("busy", "the trainer is judging many new nodes' batches; send again shortly")
         elif len(self.validating) - newcomers >= MAX_PENDING_BATCHES - newcomer_slots:
@@ -314,8 +332,12 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         stats = self.engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
         trim_freed()
         if self.engine.skipped > skipped:  # never publish weights a bad batch turned into NaN
-            self.metrics.inc("node_trainer_steps_skipped_total", self.engine.skipped - skipped,
-                             label="nonfinite_gradient", help="optimizer steps skipped")  # fmt: skip
+            self.metrics.inc(
+                "node_trainer_steps_skipped_total",
+                self.engine.skipped - skipped,
+                label="nonfinite_gradient",
+                help="optimizer steps skipped",
+            )
         seen, self._rewards_seen = self._rewards_seen, []  # every rollout accepted since the last step
         return {
             **stats,
@@ -326,13 +348,27 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
 
     def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         try:
-            write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
-                             epoch=self.spec.epoch)  # fmt: skip
+            write_checkpoint(
+                self.weights_root,
+                self.identity,
+                self.run_id,
+                version,
+                tensors,
+                self.cfg.shard_bytes,
+                epoch=self.spec.epoch,
+            )
         except Exception:
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             self._shed_disk()
-            write_checkpoint(self.weights_root, self.identity, self.run_id, version, tensors, self.cfg.shard_bytes,
-                             epoch=self.spec.epoch)  # fmt: skip
+            write_checkpoint(
+                self.weights_root,
+                self.identity,
+                self.run_id,
+                version,
+                tensors,
+                self.cfg.shard_bytes,
+                epoch=self.spec.epoch,
+            )
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
         if self.ckpt.keep == 1:  # the disk was full: the newest two (the validator may still need the older)
             keep = min(keep, 2)
@@ -401,14 +437,23 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             self.metrics.set("node_trainer_step", self.step)
             self.metrics.set("node_trainer_reward_mean", stats["reward_mean"])
             self.metrics.set("node_trainer_idle_seconds", self.idle_s, help="time the trainer waited for rollouts")
-            self.metrics.set("node_trainer_staleness_max", stats["staleness_max"],
-                             help="steps from a trained rollout's policy to its step (last step's max)")  # fmt: skip
+            self.metrics.set(
+                "node_trainer_staleness_max",
+                stats["staleness_max"],
+                help="steps from a trained rollout's policy to its step (last step's max)",
+            )
             self.metrics.set("node_trainer_staleness_mean", stats["staleness_mean"])
             logger.info(
                 "step=%d reward_mean=%.3f accuracy=%.3f loss=%.4f staleness_max=%d groups=%d seconds=%.2f idle=%.2f",
-                self.step, stats["reward_mean"], stats["accuracy"], stats["loss"],
-                stats["staleness_max"], len(groups), stats["seconds"], idle,
-            )  # fmt: skip
+                self.step,
+                stats["reward_mean"],
+                stats["accuracy"],
+                stats["loss"],
+                stats["staleness_max"],
+                len(groups),
+                stats["seconds"],
+                idle,
+            )
             print(f"STEP {self.step} reward_mean={stats['reward_mean']:.3f}", flush=True)
         if self._persisting is not None:
             await self._persisting
@@ -429,8 +474,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             "received_batches_by_node": dict(self.received_by_node),
             "accepted_groups_by_node": dict(self.accepted_by_node),
             "rejected_batches_by_node": dict(self.rejected_by_node),
-            "by_node_others": {"received": self.received_by_node.others, "accepted": self.accepted_by_node.others,
-                               "rejected": self.rejected_by_node.others},
+            "by_node_others": {
+                "received": self.received_by_node.others,
+                "accepted": self.accepted_by_node.others,
+                "rejected": self.rejected_by_node.others,
+            },
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
             "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
             "banned": self.banned,

@@ -78,9 +78,16 @@ completed). Lying high only costs the liar."""
 
 
 class ShardServer:
-    def __init__(self, store: WeightStore, metrics: Metrics, slots: int, upload_limit_bps: float | None = None,
-                 on_change: Callable[[], None] | None = None, node_id: str = "",
-                 members: Members | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: WeightStore,
+        metrics: Metrics,
+        slots: int,
+        upload_limit_bps: float | None = None,
+        on_change: Callable[[], None] | None = None,
+        node_id: str = "",
+        members: Members | None = None,
+    ) -> None:
         """``node_id``: this node's id, which children sign their slot requests for; ``members``: who belongs to
         the run (None: any signed key, for a standalone origin)."""
         self.store = store
@@ -198,8 +205,14 @@ class ShardServer:
             self.slots = origin_slots(records, self.upload_bps(), self.stripes)
         self.slots = max(self.slots, self.stripes)  # a slot for each stripe at least: else a stripe has no root
         self.shed()
-        return RelayInfo(depth=0, slots_total=self.slots, slots_free=self.slots_free(), upload_bps=self.upload_bps(),
-                         versions=versions[-16:], stripes=self.stripes)  # fmt: skip
+        return RelayInfo(
+            depth=0,
+            slots_total=self.slots,
+            slots_free=self.slots_free(),
+            upload_bps=self.upload_bps(),
+            versions=versions[-16:],
+            stripes=self.stripes,
+        )
 
     def shed(self) -> None:
         """Children past this node's slots (planned down since they attached; at the origin, past their stripe's
@@ -237,8 +250,10 @@ class ShardServer:
             silent = min(active, key=lambda c: active[c], default=None)
             if silent is not None and now - active[silent] >= CONTESTED_TTL_S:
                 logger.info("child %s silent %.1fs: its slot goes to %s", silent[:8], now - active[silent], child[:8])
-                self.metrics.inc("node_relay_silent_children_replaced_total",
-                                 help="slots of silent children given to a node that asked")  # fmt: skip
+                self.metrics.inc(
+                    "node_relay_silent_children_replaced_total",
+                    help="slots of silent children given to a node that asked",
+                )
                 self._release(silent)
         if child in active or self._room(child):
             new = child not in active
@@ -275,9 +290,10 @@ class ShardServer:
         if not self._admit(child, leaf=request.query.get("home") == "0" or said not in (None, stripe)):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(
-                text=json.dumps({"children": self.children()}), content_type="application/json",
+                text=json.dumps({"children": self.children()}),
+                content_type="application/json",
                 headers={"Retry-After": "1"},
-            )  # fmt: skip
+            )
         return web.json_response({"depth": self.depth(), "path": path[-MAX_PATH:], "token": self._token(child)})
 
     def _conflict(self, reason: str, error: str) -> web.HTTPConflict:
@@ -397,8 +413,15 @@ class ShardServer:
                     chunk = f.read(min(_CHUNK, growing.size - pos))
                     if not chunk:
                         break
-                    await self._write(request, resp, chunk, child, spare, (pos + len(chunk), growing.total),
-                                      growing.size - pos > len(chunk))  # fmt: skip
+                    await self._write(
+                        request,
+                        resp,
+                        chunk,
+                        child,
+                        spare,
+                        (pos + len(chunk), growing.total),
+                        growing.size - pos > len(chunk),
+                    )
                     pos += len(chunk)
                     continue
                 if growing.state == "failed":
@@ -446,8 +469,16 @@ class ShardServer:
             if self._sending == 0:
                 self.meter.idle(time.monotonic())
 
-    async def _write(self, request: web.Request, resp: web.StreamResponse, chunk: bytes, child: str | None,
-                     spare: bool = False, at: tuple[int, int] = (0, 1), ready: bool = True) -> None:  # fmt: skip
+    async def _write(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        chunk: bytes,
+        child: str | None,
+        spare: bool = False,
+        at: tuple[int, int] = (0, 1),
+        ready: bool = True,
+    ) -> None:
         """One chunk of a response, within the upload limit; the child's slot counts as in use. A response served
         on spare upload stops the moment a child is being sent anything (the receiver resumes it elsewhere).
         ``at``: the bytes of the shard written with this chunk, of its size (a child's place: pacing.FairShare)."""

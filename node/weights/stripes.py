@@ -120,8 +120,9 @@ def has_room(stripes_of_children: list[int], stripe: int, slots: int, stripes: i
     return stripes_of_children.count(stripe) < share(slots, stripes)
 
 
-def to_release(children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bool, slots: int,
-               stripes: int | None) -> T | None:  # fmt: skip
+def to_release(
+    children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bool, slots: int, stripes: int | None
+) -> T | None:
     """Which child gives up its slot to a newcomer in ``stripe`` when there is no room (``has_room``), if any.
     ``children``: child -> (its stripe here, whether it is a leaf there, when last heard from). A newcomer at home
     in the stripe (not ``leaf``) takes a leaf's slot, one of its own stripe first: interior nodes belong high in
@@ -207,8 +208,11 @@ def root_fanout(records: dict[str, NodeRecord], me: str, home: int, stripes: int
     children 22.1-24.5 s). With one child fewer it passes on a third more per child."""
     if slots < 2 or not 0 <= home < max(1, stripes):
         return slots
-    roots = 1 + sum(1 for nid, r in records.items() if nid != me and r.relay is not None and r.role != "trainer"
-                    and r.relay.stripe == home and r.relay.depth == 1)  # fmt: skip
+    roots = 1 + sum(
+        1
+        for nid, r in records.items()
+        if nid != me and r.relay is not None and r.role != "trainer" and r.relay.stripe == home and r.relay.depth == 1
+    )
     # every root of the stripe (a fast origin has many) may take one off at once: room for all of them
     spare = stripe_capacity(records, me, stripes, rate)[home] + slots - roots - stripe_need(records, stripes)
     return slots - 1 if spare >= 0 else slots

@@ -140,8 +140,9 @@ def test_a_child_of_the_origin_in_three_stripes_asking_in_the_fourth_keeps_its_s
 
     async def main() -> tuple[int, list[int], dict[int, str | None]]:
         metrics = Metrics()
-        origin = ShardServer(WeightStore(tmp_path / "origin", run.node_id), metrics, slots=stripes - 1,
-                             node_id=run.node_id)  # fmt: skip
+        origin = ShardServer(
+            WeightStore(tmp_path / "origin", run.node_id), metrics, slots=stripes - 1, node_id=run.node_id
+        )
         origin.stripes, origin.path = stripes, lambda: [run.node_id]
         kept = 0
         attach = origin._attach
@@ -156,10 +157,22 @@ def test_a_child_of_the_origin_in_three_stripes_asking_in_the_fourth_keeps_its_s
         http = HttpServer(metrics, lambda: {}, origin.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
         relay = RelayInfo(depth=0, slots_total=stripes - 1, slots_free=stripes - 1, stripes=stripes)
-        records = {run.node_id: NodeRecord(run_id=run.node_id, node_id=run.node_id, role="trainer", updated=0.0,
-                                           http_url=url, relay=relay)}  # fmt: skip
-        follower = WeightFollower(me, run.node_id, _Records(records), WeightStore(tmp_path / "me", run.node_id),  # type: ignore[arg-type]
-                                  Metrics(), None, 2, None, lambda: asyncio.sleep(0))  # fmt: skip
+        records = {
+            run.node_id: NodeRecord(
+                run_id=run.node_id, node_id=run.node_id, role="trainer", updated=0.0, http_url=url, relay=relay
+            )
+        }
+        follower = WeightFollower(
+            me,
+            run.node_id,
+            _Records(records),
+            WeightStore(tmp_path / "me", run.node_id),  # type: ignore[arg-type]
+            Metrics(),
+            None,
+            2,
+            None,
+            lambda: asyncio.sleep(0),
+        )
         left: list[int] = []
         drop = follower._drop_parent
 

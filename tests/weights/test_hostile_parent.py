@@ -97,14 +97,34 @@ def test_a_newcomer_below_a_parent_that_trickles_holds_every_version_within_the_
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
         runner, liar_url, asked = await _hostile_relay(liar, tmp_path / "origin" if true_manifest else None)
         records = {
-            RUN: NodeRecord(run_id=RUN, node_id=RUN, role="trainer", updated=0.0, http_url=url,
-                            relay=RelayInfo(depth=0, slots_total=STRIPES, slots_free=STRIPES, stripes=STRIPES)),
-            liar.node_id: NodeRecord(run_id=RUN, node_id=liar.node_id, role="relay", updated=0.0, http_url=liar_url,
-                                     relay=RelayInfo(depth=1, slots_total=64, slots_free=64, upload_bps=1e12,
-                                                     stripe=0, stripes=STRIPES)),
-        }  # fmt: skip
-        follower = WeightFollower(me, RUN, _Records(records), WeightStore(tmp_path / "me", RUN), Metrics(), None, 2,  # type: ignore[arg-type]
-                                  None, lambda: asyncio.sleep(0))  # fmt: skip
+            RUN: NodeRecord(
+                run_id=RUN,
+                node_id=RUN,
+                role="trainer",
+                updated=0.0,
+                http_url=url,
+                relay=RelayInfo(depth=0, slots_total=STRIPES, slots_free=STRIPES, stripes=STRIPES),
+            ),
+            liar.node_id: NodeRecord(
+                run_id=RUN,
+                node_id=liar.node_id,
+                role="relay",
+                updated=0.0,
+                http_url=liar_url,
+                relay=RelayInfo(depth=1, slots_total=64, slots_free=64, upload_bps=1e12, stripe=0, stripes=STRIPES),
+            ),
+        }
+        follower = WeightFollower(
+            me,
+            RUN,
+            _Records(records),
+            WeightStore(tmp_path / "me", RUN),
+            Metrics(),
+            None,
+            2,  # type: ignore[arg-type]
+            None,
+            lambda: asyncio.sleep(0),
+        )
         took: list[float] = []
         try:
             async with aiohttp.ClientSession() as session:

@@ -56,9 +56,13 @@ def _rec(
 ) -> NodeRecord:
     free = slots if free is None else free
     return NodeRecord(
-        run_id=ORIGIN, node_id=nid, role=role, updated=0.0, http_url=f"http://{nid[:4]}",  # type: ignore[arg-type]
+        run_id=ORIGIN,
+        node_id=nid,
+        role=role,
+        updated=0.0,
+        http_url=f"http://{nid[:4]}",  # type: ignore[arg-type]
         relay=RelayInfo(depth=1, slots_total=slots, slots_free=free, upload_bps=bps, stripe=stripe, stripes=4),
-    )  # fmt: skip
+    )
 
 
 def test_shards_go_round_robin_and_equal_links_give_each_node_k_children() -> None:
@@ -118,13 +122,17 @@ def test_each_stripe_gets_an_equal_share_of_the_origins_slots(tmp_path: Path) ->
         out: dict[str, object] = {}
         try:
             async with aiohttp.ClientSession() as session:
-                out["two"] = [await _attach(session, url, interior, "stripe=0"),
-                              await _attach(session, url, leaf, "stripe=0&home=0")]  # fmt: skip
+                out["two"] = [
+                    await _attach(session, url, interior, "stripe=0"),
+                    await _attach(session, url, leaf, "stripe=0&home=0"),
+                ]
                 out["third"] = await _attach(session, url, third, "stripe=0&home=0")
                 out["other"] = await _attach(session, url, s1, "stripe=1")
                 server.origin_info({}, [], None)  # from its upload (not measured yet): one slot per stripe
-                out["after"] = [await _attach(session, url, n, q) for n, q in
-                                ((interior, "stripe=0"), (leaf, "stripe=0&home=0"), (s1, "stripe=1"))]  # fmt: skip
+                out["after"] = [
+                    await _attach(session, url, n, q)
+                    for n, q in ((interior, "stripe=0"), (leaf, "stripe=0&home=0"), (s1, "stripe=1"))
+                ]
         finally:
             await http.close()
         return out
@@ -212,7 +220,6 @@ def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_
     assert sorted(after.count(s) for s in range(4)) == [1, 1, 2, 2]
     recs = {n: _rec(n, moves.get(n, 0)) for n in six} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
     assert rehome_moves(recs, 4, 1.0, stripe_need(recs, 4)) == {}
-
 
 
 def test_a_short_stripe_gets_a_node_with_children_when_no_childless_node_is_left() -> None:
@@ -316,8 +323,13 @@ def test_a_parent_in_one_stripe_without_an_alternates_slot_for_another_stays_the
                 store.epoch = 0
                 ok = await fetcher._one(1, shard, origin, stripe=0)
                 now = time.monotonic()
-                return (ok, origin.full, origin.away_until - now, pick_source([origin], set(), {}, now, False, 0),
-                        pick_source([origin], set(), {}, now, False, 1))  # fmt: skip
+                return (
+                    ok,
+                    origin.full,
+                    origin.away_until - now,
+                    pick_source([origin], set(), {}, now, False, 0),
+                    pick_source([origin], set(), {}, now, False, 1),
+                )
         finally:
             await http.close()
 
@@ -380,8 +392,10 @@ def test_leaves_give_their_slot_to_a_node_at_home_and_a_relay_takes_children_in_
                 out["children"] = server.children()
                 out["wrong_stripe"] = await _attach(session, relay_url, leaf, "stripe=0&home=0")
                 out["home_stripe"] = await _attach(session, relay_url, leaf, "stripe=1&home=0")
-                out["garbage"] = [await _attach(session, relay_url, leaf2, q)
-                                  for q in ("stripe=x", "stripe=64", "stripe=-1", "stripe=123")]  # fmt: skip
+                out["garbage"] = [
+                    await _attach(session, relay_url, leaf2, q)
+                    for q in ("stripe=x", "stripe=64", "stripe=-1", "stripe=123")
+                ]
         finally:
             await http.close()
             await relay_http.close()
@@ -452,8 +466,9 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
         run = Identity.generate()
         tensors = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}
         write_checkpoint(tmp_path, run, run.node_id, 1, tensors, 1 << 20)  # 8 shards of 1 MiB, two a stripe
-        server = ShardServer(WeightStore(tmp_path, run.node_id), Metrics(), slots=4, node_id=ORIGIN,
-                             upload_limit_bps=1e6)  # fmt: skip
+        server = ShardServer(
+            WeightStore(tmp_path, run.node_id), Metrics(), slots=4, node_id=ORIGIN, upload_limit_bps=1e6
+        )
         server.path, server.stripes = lambda: [ORIGIN], 4
         http = HttpServer(Metrics(), lambda: {}, server.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
@@ -469,8 +484,10 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
                         tokens[node] = (await r.json())["token"]
                 mine = {"X-Intellect-Node": grudge, "X-Intellect-Token": tokens[grudge]}
                 theirs = {"X-Intellect-Node": roots[1], "X-Intellect-Token": tokens[roots[1]]}
-                async with aiohttp.ClientSession() as other, \
-                        other.get(f"{url}/weights/1/shard-00001.safetensors", headers=theirs) as sent:  # fmt: skip
+                async with (
+                    aiohttp.ClientSession() as other,
+                    other.get(f"{url}/weights/1/shard-00001.safetensors", headers=theirs) as sent,
+                ):
                     await sent.content.readexactly(1024)  # stripe 1's root is being sent its shard (at 1 MB/s)
                     for index in (1, 2, 3, 0):  # shard i is in stripe i mod 4
                         async with session.get(f"{url}/weights/1/shard-{index:05d}.safetensors", headers=mine) as r:
