@@ -311,7 +311,8 @@ class Swarm:
         origin = self.visible.get(self.origin.nid)
         origin_bps = st.claim(origin) if origin is not None else self.origin.up
         ups = [st.claim(r) for r in recs if r.http_url]
-        self._planned = (self.clock.now, st.planned_rate(ups, origin_bps, max(1, len(recs)), self.k))
+        slots = origin.relay.slots_total if origin is not None and origin.relay is not None else None
+        self._planned = (self.clock.now, st.planned_rate(ups, origin_bps, max(1, len(recs)), self.k, slots))
         return self._planned[1]
 
     def plan_slots(self, n: Node) -> None:
@@ -320,8 +321,8 @@ class Swarm:
             return
         rate = self.plan_rate()
         n.kept = 0
-        if n.idx == ORIGIN:
-            n.slots = st.origin_fanout(n.up, rate, self.k)
+        if n.idx == ORIGIN:  # relay.ShardServer.origin_info: its own upload and the records' number, no claims
+            n.slots = st.origin_slots(sum(r.role != "trainer" for r in self.visible.values()), n.up, self.k)
         else:
             f = st.fanout(n.up, rate, self.k)
             n.slots = f + (f >= self.spare_min) if n.reachable else 0

@@ -44,6 +44,7 @@ from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
 from intellect_node.runtime import announce, trim_freed
+from intellect_node.weights.earned import Earned
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
@@ -116,6 +117,8 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.origin.home_of = lambda n: announced_home(self.registry.records, n)
         redemptions = node.data_dir / "admission" / f"{self.run_id}.json"  # kept across epochs and --fresh starts
         self.admission = Admission(self.spec.admission, self.run_id, redemptions, self.spec.epoch)
+        # who comes first for the origin's slots: keys past probation, and the relays they hang below
+        self.origin.earned = Earned(self._trusted, lambda: self.registry.records, self.run_id, lambda: self.spec.epoch)
         self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or partial(local_engine, device=node.device))(self.spec, self.tokenizer)
@@ -189,6 +192,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         except Rejected:
             return False
         return True
+
+    def _trusted(self, node_id: str) -> bool:
+        """Whether a key earned trust by itself: past probation (its batches passed), not banned. Such a key comes
+        first for the origin's slots, and vouches for the relay it hangs below (weights/earned.py)."""
+        return node_id not in self.banned and not self.admission.on_probation(node_id)
 
     def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
@@ -537,6 +545,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             )
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.membership.republish_forever(self.record, self.spec))
+                tasks.create_task(self.registry.refresh_forever())
                 tasks.create_task(self.train_forever())
                 tasks.create_task(self.validate_forever())
                 tasks.create_task(self.watch_validators())

@@ -2,7 +2,9 @@
 
 A batch from an unknown key triggers a DHT read, but a flood of unknown keys must cost the DHT only a few reads
 a second, and a new node's first batch must still get one: hence per-key and global spacing, one read at a time,
-and a cap on submissions waiting for a read. Trusted validators (``--validator``) are found here too, in turn.
+and a cap on submissions waiting for a read. Besides, the trainer reads every record once every
+``REGISTRY_PERIOD_S`` (the origin's slot rules go by who names whom as parent). Trusted validators
+(``--validator``) are found here too, in turn.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ MAX_TRACKED_LOOKUPS = 10_000
 MAX_REGISTRY_WAITERS = 4
 """Submissions from unknown keys waiting for a registry lookup at once; more are refused at once."""
 VALIDATOR_REFRESH_S = 5.0
+REGISTRY_PERIOD_S = 10.0
+"""The trainer reads every record at least this often: the origin's slots go to the relays that trusted nodes name
+as their parent (weights/earned.py), and a record that stopped naming one must count soon."""
 
 
 class NodeRegistry:
@@ -84,6 +89,12 @@ class NodeRegistry:
                 merged[node_id] = record
         oldest = time.time() - NODE_TTL_S - CLOCK_SKEW_S
         self.records = {n: r for n, r in merged.items() if r.updated >= oldest}
+
+    async def refresh_forever(self) -> None:
+        """Read the records again every REGISTRY_PERIOD_S (one DHT read; ``refresh`` never raises)."""
+        while True:
+            await asyncio.sleep(REGISTRY_PERIOD_S)
+            await self.refresh()
 
     async def validators(self, trusted: list[str]) -> list[NodeRecord]:
         """Registered validator nodes among ``trusted``, in turn (a different one first at each call)."""

@@ -181,11 +181,13 @@ class WeightFollower(Attachments):
         logger.info("stripes=%d home=%d", k, home)
 
     def _rate(self, records: dict[str, NodeRecord]) -> float:
-        """The planned per-stripe rate (stripes.planned_rate) from the records' upload claims."""
+        """The planned per-stripe rate (stripes.planned_rate) from the records' upload claims and the origin's
+        slots (its record: the run key's word)."""
         origin = records.get(self.run_id)
         ups = [claim(r) for n, r in records.items() if n != self.run_id and r.relay is not None]
         receivers = sum(1 for n in records if n != self.run_id)
-        return planned_rate(ups, claim(origin) if origin else 0.0, receivers, len(self.links))
+        slots = origin.relay.slots_total if origin is not None and origin.relay is not None else None
+        return planned_rate(ups, claim(origin) if origin else 0.0, receivers, len(self.links), slots)
 
     def _slots(self) -> int:
         """Children this node can serve in its home stripe: its upload over the planned stripe rate (stripes.py;

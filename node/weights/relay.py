@@ -11,7 +11,10 @@ child keeps the slot with the same signed request at least every ``CHILD_TTL_S``
 ``DELETE /relay/attach``. A node takes children only in its home stripe (stripes.py; the origin in every stripe,
 an equal share of its slots in each), only while it is itself connected to the origin (its path is known) and
 never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with
-its children, the places to look for one further down. Other nodes (alternates) are served only what this node
+its children that earned their place, the places to look for one further down. Keep-alives alone keep no slot: a
+child that receives nothing through its slot while this node holds something for it loses the slot to the next
+node that asks, and at the origin a node that earned a slot comes before one that has not (``earned.py``: the
+rules, and why a liar cannot pass for earned). Other nodes (alternates) are served only what this node
 already has, at once and while a slot is free, which each uses until its response ends, or on spare upload (no
 child is being sent anything), cut short the moment a child is; anonymous clients (curl, a mirror) too, and they
 wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a token
@@ -34,6 +37,7 @@ from aiohttp import web
 from intellect_node.aio import within
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
+from intellect_node.weights.earned import Feeding
 from intellect_node.weights.files import MANIFEST_NAME
 from intellect_node.weights.pacing import (
     FairShare,
@@ -77,6 +81,15 @@ child a few shards ahead left a leaf given up by the origin without a parent (th
 completed). Lying high only costs the liar."""
 
 
+_GIVEN = {
+    "unearned": ("node_relay_unearned_children_replaced_total", "it had not earned its slot, the asker had"),
+    "leaf": ("node_relay_leaves_preempted_total", "a leaf's, or past its stripe's share, for an interior node"),
+    "silent": ("node_relay_silent_children_replaced_total", "it fell silent"),
+    "idle": ("node_relay_idle_children_replaced_total", "it received nothing through its slot"),
+}
+"""Why a child gave its slot to a node that asked (ShardServer._make_room): the counter, and the words logged."""
+
+
 class ShardServer:
     def __init__(
         self,
@@ -101,6 +114,10 @@ class ShardServer:
         """The one stripe this node takes children in (None: every stripe, as the origin)."""
         self.home_of: Callable[[str], int | None] = lambda node: None
         """The stripe a node's record says it takes children in (None: no record; see _make_room)."""
+        self.earned: Callable[[str], bool] = lambda node: True
+        """Whether a node earned a slot here (the trainer's earned.Earned at the origin; every node elsewhere)."""
+        self.feeding = Feeding()
+        """Which child slots owe a fetch (earned.Feeding): idle ones go to the next node that asks."""
         self.on_change = on_change
         """Called when the set of children changes (the node then republishes its free slots)."""
         self.depth: Callable[[], int] = lambda: 0
@@ -143,6 +160,7 @@ class ShardServer:
         self._children = {c: t for c, t in self._children.items() if now - t < CHILD_TTL_S}
         if len(self._children) != before:
             self._tokens = {t: c for t, c in self._tokens.items() if c in self._children}
+            self.feeding.keep(self._children)
             self._leaves &= set(self._children)
             if self.on_change is not None:
                 self.on_change()
@@ -200,9 +218,11 @@ class ShardServer:
 
     def origin_info(self, records: dict[str, NodeRecord], versions: list[int], slots: int | None) -> RelayInfo:
         """What the origin announces of itself as a relay: its slots ``slots``, or by default from its measured
-        upload (stripes.origin_slots), and the stripes each version has."""
-        if slots is None:
-            self.slots = origin_slots(records, self.upload_bps(), self.stripes)
+        upload and the number of ``records`` (stripes.origin_slots), and the stripes each version has."""
+        if slots is None:  # the records' number only: what they say of their uploads is their word (origin_slots)
+            self.slots = origin_slots(
+                sum(r.role != "trainer" for r in records.values()), self.upload_bps(), self.stripes
+            )
         self.slots = max(self.slots, self.stripes)  # a slot for each stripe at least: else a stripe has no root
         self.shed()
         return RelayInfo(
@@ -231,33 +251,66 @@ class ShardServer:
         """Each child slot's stripe, whether it is a leaf there, and when it was last heard from (stripes.py)."""
         return {c: (int(c.split("/")[1]), c in self._leaves, t) for c, t in self._active_children().items()}
 
-    def _make_room(self, child: str, leaf: bool) -> None:
-        """No slot is free for ``child``: a child gives up its slot to it if stripes.to_release says so."""
-        stripe = int(child.split("/")[1])
-        out = to_release(self._child_info(), stripe, leaf, self.slots, self.stripes if self.home() is None else None)
-        if out is not None:
-            logger.info("child %s gives its slot to %s in stripe %d", out[:8], child[:8], stripe)
-            self.metrics.inc("node_relay_leaves_preempted_total", help="children moved for an interior one or a share")
-            self._release(out)
+    def _make_room(self, child: str, leaf: bool, lacks: bool) -> None:
+        """No slot is free for ``child``: at most one child gives its slot up to it, the first of these that applies
+        (each one whose leaving makes room for ``child``; ``earned.py`` says why):
 
-    def _admit(self, child: str, leaf: bool = False) -> bool:
+        1. to a node that earned a slot here, a child that has not earned its own: an idle one first, then a leaf,
+           then the one heard from longest ago (only where ``earned`` tells them apart: the origin);
+        2. ``stripes.to_release``: a leaf's slot to a node at home in the stripe, a slot of a stripe over its share;
+           never one of a child that earned its slot to a node that has not;
+        3. the slot of a child silent for ``CONTESTED_TTL_S``: a relay that died holds its slot only this long;
+        4. to a node that has something to fetch here (``lacks``), the slot of a child idle longest (it receives
+           nothing through it; earned.Feeding), a leaf first."""
+        now = time.monotonic()
+        stripe, k = int(child.split("/")[1]), self.stripes if self.home() is None else None
+        info = self._child_info()
+        mine = self.earned(child.split("/")[0])
+
+        held = [x[0] for x in info.values()]
+
+        def room_without(s: int) -> bool:
+            rest = list(held)
+            rest.remove(s)
+            return has_room(rest, stripe, self.slots, k)
+
+        room = {s: room_without(s) for s in set(held)}  # whether a child's leaving makes room: by its stripe only
+        movable = [c for c in info if room[info[c][0]]]
+
+        def earned(c: str) -> bool:
+            return self.earned(c.split("/")[0])
+
+        out, why = None, ""
+        if mine and (unearned := [c for c in movable if not earned(c)]):
+            out, why = (
+                min(unearned, key=lambda c: (not self.feeding.idle(c, now), not info[c][1], info[c][2])),
+                "unearned",
+            )
+        if out is None:
+            out, why = to_release(info, stripe, leaf, self.slots, k, None if mine else lambda c: not earned(c)), "leaf"
+        if out is None:
+            silent = [c for c in movable if now - info[c][2] >= CONTESTED_TTL_S]
+            out, why = min(silent, key=lambda c: info[c][2], default=None), "silent"
+        if out is None and lacks:
+            idle = [c for c in movable if self.feeding.idle(c, now)]
+            out, why = min(idle, key=lambda c: (not info[c][1], -self.feeding.idle_s(c, now)), default=None), "idle"
+        if out is None:
+            return
+        logger.info("child %s gives its slot to %s in stripe %d: %s", out[:8], child[:8], stripe, _GIVEN[why][1])
+        self.metrics.inc(_GIVEN[why][0], help=f"children's slots given to a node that asked: {_GIVEN[why][1]}")
+        self._release(out)
+
+    def _admit(self, child: str, leaf: bool = False, lacks: bool = False) -> bool:
+        """Give ``child`` (``node/stripe``) a slot, or keep it its own; ``lacks``: it has something to fetch here."""
         active = self._active_children()
         if child not in active and not self._room(child):
-            self._make_room(child, leaf)
+            self._make_room(child, leaf, lacks)
             active = self._active_children()
-        if child not in active and not self._room(child):
-            now = time.monotonic()
-            silent = min(active, key=lambda c: active[c], default=None)
-            if silent is not None and now - active[silent] >= CONTESTED_TTL_S:
-                logger.info("child %s silent %.1fs: its slot goes to %s", silent[:8], now - active[silent], child[:8])
-                self.metrics.inc(
-                    "node_relay_silent_children_replaced_total",
-                    help="slots of silent children given to a node that asked",
-                )
-                self._release(silent)
         if child in active or self._room(child):
             new = child not in active
             active[child] = time.monotonic()
+            if new:
+                self.feeding.attached(child, lacks, active[child])
             if leaf:
                 self._leaves.add(child)
             else:
@@ -266,6 +319,25 @@ class ShardServer:
                 self.on_change()
             return True
         return False
+
+    def _note_versions(self) -> None:
+        """The child slots of a stripe owe a fetch once the newest version here holds a shard of that stripe
+        (earned.Feeding); a stripe a version has no shard in owes nothing (a version of one shard, say)."""
+        self.feeding.epoch(self.store.epoch)
+        newest, home = self.store.newest(), self.home()
+        if newest < 0:
+            return
+        for s in range(self.stripes) if home is None else [home]:
+            if self.feeding.noted(s) < newest and self.store.held(newest, s, self.stripes) > 0:
+                slots = [c for c in self._children if c.endswith(f"/{s}")]
+                self.feeding.began(s, newest, slots, time.monotonic())
+
+    def _alternatives(self) -> list[str]:
+        """The children a node refused a slot is told to ask instead: those that earned their place here and hold
+        no idle slot. A node that only holds a slot is never named (it would send the asker nowhere)."""
+        now = time.monotonic()
+        idle = {c.split("/")[0] for c in self._active_children() if self.feeding.idle(c, now)}
+        return [n for n in self.children() if n not in idle and self.earned(n)]
 
     async def _attach(self, request: web.Request) -> web.Response:
         """Take (or keep) a slot as a child: answers this node's depth, its path from the origin and the child's
@@ -287,10 +359,12 @@ class ShardServer:
         # "home=0": it takes no children in this stripe (said on every keep-alive, so a change of home counts); a
         # node whose record says another home is a leaf here whatever it says (only a node at home moves leaves)
         said = self.home_of(node)
-        if not self._admit(child, leaf=request.query.get("home") == "0" or said not in (None, stripe)):
+        self._note_versions()
+        leaf = request.query.get("home") == "0" or said not in (None, stripe)
+        if not self._admit(child, leaf, lacks=new and self._lacks(request, stripe)):
             self.metrics.inc("node_relay_requests_refused_total", label="no_slot")
             raise web.HTTPServiceUnavailable(
-                text=json.dumps({"children": self.children()}),
+                text=json.dumps({"children": self._alternatives()}),
                 content_type="application/json",
                 headers={"Retry-After": "1"},
             )
@@ -300,12 +374,23 @@ class ShardServer:
         self.metrics.inc("node_relay_requests_refused_total", label=reason)
         return web.HTTPConflict(text=json.dumps({"reason": reason, "error": error}), content_type="application/json")
 
-    def _behind(self, request: web.Request, stripe: int) -> bool:
-        """Whether a new child's ``v`` and ``have`` (signed) say it holds over twice what this node does."""
+    @staticmethod
+    def _fetching(request: web.Request) -> tuple[int, int] | None:
+        """What a child's ``v`` and ``have`` (signed) say: the version it fetches and its shards of the stripe."""
         v, have = request.query.get("v", ""), request.query.get("have", "")
         if not (v.isdigit() and have.isdigit() and len(v) <= 10 and len(have) <= 7):
-            return False
-        return self.store.held(int(v), stripe, self.stripes) + BEHIND_SHARDS < int(have) // 2
+            return None
+        return int(v), int(have)
+
+    def _behind(self, request: web.Request, stripe: int) -> bool:
+        """Whether a new child says it holds over twice what this node does."""
+        said = self._fetching(request)
+        return said is not None and self.store.held(said[0], stripe, self.stripes) + BEHIND_SHARDS < said[1] // 2
+
+    def _lacks(self, request: web.Request, stripe: int) -> bool:
+        """Whether a child says it holds fewer shards of the version it fetches, in ``stripe``, than this node."""
+        said = self._fetching(request)
+        return said is not None and self.store.held(said[0], stripe, self.stripes) > said[1]
 
     async def _detach(self, request: web.Request) -> web.Response:
         """A child that moved elsewhere gives its slot back now (else after ``CHILD_TTL_S``); only itself can."""
@@ -315,6 +400,7 @@ class ShardServer:
 
     def _release(self, child: str) -> None:
         self._leaves.discard(child)
+        self.feeding.forget(child)
         self._tokens = {t: c for t, c in self._tokens.items() if c != child}
         if self._children.pop(child, None) is not None and self.on_change is not None:
             self.on_change()
@@ -505,6 +591,7 @@ class ShardServer:
             logger.info("upload measured at %.1f Mbit/s", self._told_bps * 8 / 1e6)
         if child is not None and child in self._children:
             self._children[child] = time.monotonic()
+            self.feeding.fed(child, v)
 
     async def _send(
         self, request: web.Request, f: BinaryIO, child: str | None, spare: bool = False

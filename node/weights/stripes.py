@@ -9,7 +9,8 @@ R / k, and uploads its home stripe to about ``upload / (R / k)`` children: with 
 and a node slower than a stripe (or unreachable) serves none and is a leaf everywhere. Trees stay logarithmic in
 depth. The common rate R is planned from the uploads nodes announce (capped as ``tree.MAX_CLAIMED_BPS``), a share
 ``SLACK`` below what they could carry on average, so that rounding and an uneven share of nodes between stripes
-still leave a slot for everyone.
+still leave a slot for everyone. Those announcements are a peer's word: they order and size a node's own plan, and
+never the origin's (``origin_slots`` reads the origin's own measured upload and how many receivers there are).
 
 Everything here is pure: the node (follower.py, relay.py) and the broadcast simulator (benchmarks/simulate.py)
 run the same functions.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from intellect_node.weights.tree import MAX_CLAIMED_BPS
@@ -51,13 +52,17 @@ def claim(r: NodeRecord) -> float:
     return min(max(r.relay.upload_bps, 0.0), MAX_CLAIMED_BPS)
 
 
-def planned_rate(uploads: Iterable[float], origin_bps: float, receivers: int, stripes: int) -> float:
+def planned_rate(
+    uploads: Iterable[float], origin_bps: float, receivers: int, stripes: int, origin_slots: int | None = None
+) -> float:
     """The per-stripe rate (bytes/s) the swarm can carry: ``SLACK`` of the mean upload over the receivers (the
     origin's included) or of the origin's upload, whichever is lower, over the stripes; lower still where the
     slots it gives (``fanout`` of every upload, the origin's ``max(k, ...)``) fall short of ``1 + SPARE`` times
     what the receivers need (one parent in every stripe each), down to a quarter of it. Unknown uploads (0)
     count as the mean of the known ones (their nodes serve k children: ``fanout``); with none known, as the
-    origin's. 0 when nothing at all is known.
+    origin's. 0 when nothing at all is known. ``origin_slots``: the children the origin says it serves (its
+    record, signed by the run key), when known: it plans them from its own upload alone (``origin_slots``), not
+    from the others' claims, so it may serve fewer than its upload would carry at this rate.
 
     The mean alone over-promised: each node rounds its children down, and with uploads from 10 Mbit/s to
     1 Gbit/s that lost 8% of the upload; a simulated swarm of 2,000 was left with 1-5% more slots than it
@@ -75,7 +80,11 @@ def planned_rate(uploads: Iterable[float], origin_bps: float, receivers: int, st
     unknown = (len(ups) - len(known)) * k
 
     def slots(r: float) -> int:
-        return sum(fanout(u, r, k) for u in known) + unknown + origin_fanout(origin, r, k)
+        return (
+            sum(fanout(u, r, k) for u in known)
+            + unknown
+            + (origin_fanout(origin, r, k) if origin_slots is None else origin_slots)
+        )
 
     if slots(rate) >= need:
         return rate
@@ -121,25 +130,34 @@ def has_room(stripes_of_children: list[int], stripe: int, slots: int, stripes: i
 
 
 def to_release(
-    children: dict[T, tuple[int, bool, float]], stripe: int, leaf: bool, slots: int, stripes: int | None
+    children: dict[T, tuple[int, bool, float]],
+    stripe: int,
+    leaf: bool,
+    slots: int,
+    stripes: int | None,
+    movable: Callable[[T], bool] | None = None,
 ) -> T | None:
     """Which child gives up its slot to a newcomer in ``stripe`` when there is no room (``has_room``), if any.
     ``children``: child -> (its stripe here, whether it is a leaf there, when last heard from). A newcomer at home
     in the stripe (not ``leaf``) takes a leaf's slot, one of its own stripe first: interior nodes belong high in
     a stripe's tree, leaves below them (with the origin's slot for a stripe taken by a leaf, that stripe's tree
     has no root). At the origin only a child of the same stripe, or one of a stripe over its share (slots planned
-    down leave two children in one stripe and none in another), at home or not, a leaf first."""
+    down leave two children in one stripe and none in another), at home or not, a leaf first. ``movable``: the
+    children the newcomer may move at all (the origin: none that earned its slot, for one that did not)."""
 
     def key(c: T) -> tuple[bool, bool, float]:
         return children[c][0] != stripe, not children[c][1], children[c][2]
 
+    def ok(c: T) -> bool:
+        return movable is None or movable(c)
+
     if stripes is not None:
         each = share(slots, stripes)
         count = Counter(x[0] for x in children.values())
-        over = [c for c, x in children.items() if count[x[0]] > each]
+        over = [c for c, x in children.items() if count[x[0]] > each and ok(c)]
         if count[stripe] < each and over:
             return min(over, key=key)
-    mine = [c for c, x in children.items() if x[1] and not (stripes is not None and x[0] != stripe)]
+    mine = [c for c, x in children.items() if x[1] and not (stripes is not None and x[0] != stripe) and ok(c)]
     return min(mine, key=key) if mine and not leaf else None
 
 
@@ -156,12 +174,15 @@ def over_share(children: dict[T, tuple[int, bool, float]], slots: int, stripes: 
     return out
 
 
-def origin_slots(records: dict[str, NodeRecord], origin_bps: float, stripes: int) -> int:
-    """Children the origin serves (``origin_fanout``) at the planned stripe rate (a datacenter origin among home
-    links serves many); no spare: a stripe's first hop sets its rate for the whole tree below."""
-    ups = [claim(r) for r in records.values() if r.relay is not None and r.role != "trainer"]
-    rate = planned_rate(ups, origin_bps, sum(1 for r in records.values() if r.role != "trainer"), stripes)
-    return origin_fanout(origin_bps, rate, stripes)
+def origin_slots(receivers: int, origin_bps: float, stripes: int) -> int:
+    """Children the origin serves (``origin_fanout``) at the planned stripe rate for ``receivers`` nodes; no spare:
+    a stripe's first hop sets its rate for the whole tree below. Only what the origin knows itself goes in: its
+    measured upload, and every other upload counted as unknown (as fast as the origin's, ``planned_rate``). The
+    uploads records announce are a peer's word: read here, one record claiming 10 Gbit/s among sixteen of 25 Mbit/s
+    cut a 250 Mbit/s origin from 28 slots to 4 (fewer slots for a few keys to hold), and 64 records claiming
+    1 byte/s made a 25 Mbit/s origin plan 256 children, each at a crawl. An operator whose origin is much faster
+    than its volunteers sets its slots (``--relay-slots``)."""
+    return origin_fanout(origin_bps, planned_rate([0.0] * receivers, origin_bps, receivers, stripes), stripes)
 
 
 def announced_home(records: dict[str, NodeRecord], node: str) -> int | None:

@@ -100,15 +100,26 @@ def test_fan_out_follows_the_measured_upload() -> None:
     assert planned_rate([], 0.0, 0, 4) == 0.0
 
 
-def test_the_origin_keeps_a_slot_per_stripe_and_a_fast_one_serves_more() -> None:
-    recs = {n: _rec(n, bps=25 * MBIT) for n in (_node() for _ in range(16))}
-    assert origin_slots(recs, 0.0, 4) == 4
-    assert origin_slots(recs, 25 * MBIT, 4) == 4
-    assert origin_slots(recs, 250 * MBIT, 4) >= 20 and origin_slots(recs, 250 * MBIT, 4) % 4 == 0
+def test_the_origin_keeps_a_slot_per_stripe_and_plans_from_its_own_upload() -> None:
+    """The origin counts every other upload as fast as its own (records' claims are their word): k slots for a
+    few receivers, whatever its upload; more, each slower, when many receivers need parents."""
+    assert origin_slots(16, 0.0, 4) == 4
+    assert origin_slots(16, 25 * MBIT, 4) == 4 and origin_slots(16, 250 * MBIT, 4) == 4
+    assert origin_slots(64, 25 * MBIT, 4) > 4 and origin_slots(64, 25 * MBIT, 4) % 4 == 0
     # an upload that carries five stripe rates serves four: a fifth child would give its stripe two fifths of
     # the origin's upload and every other stripe a fifth (the version 5/4 as long)
     assert origin_fanout(26 * MBIT, 5 * MBIT, 4) == 4 and origin_fanout(41 * MBIT, 5 * MBIT, 4) == 8
     assert origin_fanout(1 * MBIT, 5 * MBIT, 4) == 4 and origin_fanout(0.0, 5 * MBIT, 4) == 4
+
+
+def test_the_others_plan_the_rate_with_the_slots_the_origin_announces() -> None:
+    """A 10 Gbit/s origin among 300 nodes of 25 Mbit/s announces 16 slots (its plan counts no claims): the others
+    plan a rate at which they serve, with those 16, every receiver in every stripe, lower than if it served what
+    its upload carries (stripes short of parents in the simulated 200-node swarm)."""
+    ups = [25 * MBIT] * 300
+    told = planned_rate(ups, 10_000 * MBIT, 300, 4, origin_slots=16)
+    assert told < planned_rate(ups, 10_000 * MBIT, 300, 4)
+    assert 300 * fanout(25 * MBIT, told, 4) + 16 >= (1 + SPARE) * 4 * 300
 
 
 def test_each_stripe_gets_an_equal_share_of_the_origins_slots(tmp_path: Path) -> None:
