@@ -113,6 +113,8 @@ class ShardFetcher:
         """Per source: shards it passed through unverified that then failed verification."""
         self.slow: dict[str, float] = {}
         """Parents left for sending a shard too slowly, until when they are not used (``SLOW_PARENT_AVOID_S``)."""
+        self._lacking: dict[str, set[str]] = {}
+        """Per shard of the version being fetched, the parents that will not have it (``_one``)."""
 
     def _excluded(self) -> set[str]:
         """Sources not to use now, as parents or at all: banned for bad bytes, or too slow as a parent."""
@@ -163,10 +165,18 @@ class ShardFetcher:
             fresh[c.node_id] = src
         self.sources = fresh
 
-    def _pick(self, tried: set[str], stripe: int | None = None) -> Source | None:
+    def _pick(self, tried: set[str], stripe: int | None = None, lacking: set[str] | None = None) -> Source | None:
+        """``lacking``: parents that answered they will not have the shard; it is picked as if we had none in its
+        stripe, and from them again only when no other source is usable (a parent that does not know us yet, its
+        slot just taken, answers as a stranger: at once)."""
         self._picks += 1
-        probe = self._picks % PROBE_EVERY == 0
-        return pick_source(self.sources.values(), tried, self.banned, time.monotonic(), probe, stripe)
+        probe, now = self._picks % PROBE_EVERY == 0, time.monotonic()
+        if lacking:
+            others = [s for s in self.sources.values() if s.node_id not in lacking]
+            src = pick_source(others, tried, self.banned, now, probe, stripe)
+            if src is not None:
+                return src
+        return pick_source(self.sources.values(), tried, self.banned, now, probe, stripe)
 
     async def _manifest(self, version: int, deadline: float) -> bytes:
         while time.monotonic() < deadline:
@@ -207,6 +217,7 @@ class ShardFetcher:
     async def fetch(self, version: int, find: SourceFinder, timeout: float = 3600.0) -> Manifest:
         """Receive ``version`` into the store; returns its manifest once every shard is verified."""
         self._find = find
+        self._lacking = {}
         await self._refresh(force=True)
         deadline = time.monotonic() + timeout
         data = await self._manifest(version, min(deadline, time.monotonic() + MANIFEST_WAIT_S))
@@ -272,7 +283,9 @@ class ShardFetcher:
                             ),
                             None,
                         )
-                    src = spare or self._pick(tried.setdefault(shard.name, set()), stripe if k > 1 else None)
+                    src = spare or self._pick(
+                        tried.setdefault(shard.name, set()), stripe if k > 1 else None, self._lacking.get(shard.name)
+                    )
                 if src is None:
                     heapq.heappush(pending, (index, shard))
                     await self._refresh()
@@ -355,6 +368,11 @@ class ShardFetcher:
                         return False
                     src.full = resp.status == 503
                     src.away_until = time.monotonic() + (2.0 if src.full else 0.2)
+                    if resp.status == 404 and src.serves(stripe) and time.monotonic() - started < LONG_POLL_S / 2:
+                        # our parent answered at once, without a long poll: it holds or receives a newer version, or
+                        # dropped this one (relay.py), and will not have this shard. Another source sends it, as if
+                        # we had no parent in the stripe (else we asked it again and again until the version stalled)
+                        self._lacking.setdefault(shard.name, set()).add(src.node_id)
                     if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
                         # It waited a long poll and still had nothing: a parent that is stuck itself (say,
                         # cut off from the DHT) counts as failing, so twice of this moves us elsewhere.

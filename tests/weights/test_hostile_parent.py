@@ -1,8 +1,10 @@
-"""A hostile parent: a relay whose record offers the best place in a stripe (depth 1, free slots, a huge upload),
-that grants the slot and keeps it alive, then sends each shard (and the manifest, or a true copy of the manifest: it
-is the run key's to sign, anyone can pass it on) a byte a second. A newcomer attached below it must
-still hold every version, each within the stall budget (fetch.STALL_S) of a first fetch: it leaves the parent at
-the first shard cut for coming too slowly and does not take it again soon.
+"""A parent that serves nothing: a relay whose record offers the best place in a stripe (depth 1, free slots, a huge
+upload), that grants the slot and keeps it alive, then sends each shard (and the manifest, or a true copy of the
+manifest: it is the run key's to sign, anyone can pass it on) a byte a second; or one that answers every request at
+once with 404, as a node does that has moved past the version (an inference node fetches only the versions it
+needs). A newcomer attached below it must still hold every version, each within the stall budget (fetch.STALL_S) of
+a first fetch: it leaves a parent at the first shard cut for coming too slowly and does not take it again soon, and
+takes a shard its parent will not have from another source.
 
 Real shard servers on loopback (the origin, the hostile relay), the real follower choosing, holding and leaving
 parents from the records, and fetching as a relay does.
@@ -43,9 +45,10 @@ class _Records:
         return self.records
 
 
-async def _hostile_relay(liar: Identity, manifests: Path | None) -> tuple[web.AppRunner, str, list[str]]:
+async def _hostile_relay(liar: Identity, manifests: Path | None, past: bool) -> tuple[web.AppRunner, str, list[str]]:
     """Grants every slot with a path from the origin, has no news, and trickles every shard (and the manifest,
-    unless it passes on the true one from ``manifests``); returns the shards it was asked for."""
+    unless it passes on the true one from ``manifests``), or (``past``) answers each at once with 404. Returns the
+    shards it was asked for."""
     asked: list[str] = []
 
     async def attach(request: web.Request) -> web.Response:
@@ -58,6 +61,9 @@ async def _hostile_relay(liar: Identity, manifests: Path | None) -> tuple[web.Ap
         return web.Response(status=204)
 
     async def trickle(request: web.Request) -> web.StreamResponse:
+        if past:
+            asked.append(request.match_info["name"])
+            raise web.HTTPNotFound()
         if manifests is not None and request.match_info["name"] == MANIFEST_NAME:
             return web.Response(body=(manifests / request.match_info["version"] / MANIFEST_NAME).read_bytes())
         asked.append(request.match_info["name"])
@@ -82,9 +88,13 @@ async def _hostile_relay(liar: Identity, manifests: Path | None) -> tuple[web.Ap
     return runner, f"http://127.0.0.1:{port}", asked
 
 
-@pytest.mark.parametrize("true_manifest", [False, True])
-def test_a_newcomer_below_a_parent_that_trickles_holds_every_version_within_the_stall_budget(
-    tmp_path: Path, true_manifest: bool
+@pytest.mark.parametrize(
+    "true_manifest, past",
+    [(False, False), (True, False), (False, True)],
+    ids=["trickles-everything", "trickles-shards", "moved-past"],
+)
+def test_a_newcomer_below_a_parent_that_serves_nothing_holds_every_version_within_the_stall_budget(
+    tmp_path: Path, true_manifest: bool, past: bool
 ) -> None:
     liar, me = Identity.generate(), Identity.generate()
     g = torch.Generator().manual_seed(0)
@@ -95,7 +105,7 @@ def test_a_newcomer_below_a_parent_that_trickles_holds_every_version_within_the_
         origin.stripes, origin.path = STRIPES, lambda: [RUN]
         http = HttpServer(metrics, lambda: {}, origin.routes())
         url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
-        runner, liar_url, asked = await _hostile_relay(liar, tmp_path / "origin" if true_manifest else None)
+        runner, liar_url, asked = await _hostile_relay(liar, tmp_path / "origin" if true_manifest else None, past)
         records = {
             RUN: NodeRecord(
                 run_id=RUN,
@@ -147,7 +157,10 @@ def test_a_newcomer_below_a_parent_that_trickles_holds_every_version_within_the_
             await http.close()
 
     took, asked, parents = asyncio.run(main())
-    assert len(asked) >= 1  # it was chosen and asked for the first shard
+    assert len(asked) >= 1  # it was chosen and asked
     assert all(t < STALL_S for t in took), took
-    assert parents[0] == RUN and liar.node_id not in parents.values()
-    assert len(asked) == 1  # and not asked again for the next version
+    if past:  # a parent past a version may serve the next: kept, asked once for each shard it will not have
+        assert parents[0] == liar.node_id and asked.count("shard-00000.safetensors") == 2, (parents, asked)
+    else:  # left, and not asked again for the next version
+        assert parents[0] == RUN and liar.node_id not in parents.values()
+        assert len(asked) == 1
