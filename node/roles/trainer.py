@@ -355,28 +355,22 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         }
 
     def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        write = partial(
+            write_checkpoint,
+            self.weights_root,
+            self.identity,
+            self.run_id,
+            version,
+            tensors,
+            self.cfg.shard_bytes,
+            epoch=self.spec.epoch,
+        )
         try:
-            write_checkpoint(
-                self.weights_root,
-                self.identity,
-                self.run_id,
-                version,
-                tensors,
-                self.cfg.shard_bytes,
-                epoch=self.spec.epoch,
-            )
-        except Exception:
+            write()
+        except Exception:  # most often a full disk: shed old versions and checkpoints, then once more
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             self._shed_disk()
-            write_checkpoint(
-                self.weights_root,
-                self.identity,
-                self.run_id,
-                version,
-                tensors,
-                self.cfg.shard_bytes,
-                epoch=self.spec.epoch,
-            )
+            write()
         keep = self.cfg.keep_versions or self.spec.train.async_level + 1
         if self.ckpt.keep == 1:  # the disk was full: the newest two (the validator may still need the older)
             keep = min(keep, 2)
