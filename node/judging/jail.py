@@ -244,8 +244,6 @@ def jailed_command(
         "--clearenv",
         "--disable-userns",
         *_system_view(),
-        *[a for root in _python_roots() for a in ("--ro-bind", root, root)],
-        *[a for host, inside in binds for a in ("--ro-bind", host, inside)],
         "--proc",
         "/proc",
         # bubblewrap's /dev and root are tmpfs without a size: read-only once what they hold is in place
@@ -261,6 +259,9 @@ def jailed_command(
         str(limits.tmp_bytes),
         "--tmpfs",
         "/tmp",
+        # after the private /tmp, which would hide a Python installed under /tmp (a venv there, a CI checkout)
+        *[a for root in _python_roots() for a in ("--ro-bind", root, root)],
+        *[a for host, inside in binds for a in ("--ro-bind", host, inside)],
         "--remount-ro",
         "/",
         "--chdir",

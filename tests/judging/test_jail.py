@@ -76,8 +76,20 @@ for p in ("/usr/evil", {sys.base_prefix + "/evil"!r}):
     home = out.split("home ", 1)[1].splitlines()[0]
     # at most the folder that leads to the Python installation (e.g. .pyenv), bound read-only
     assert all(sys.base_prefix.startswith(str(Path.home() / name)) for name in ast.literal_eval(home)), home
-    assert "tmp []" in out and not Path("/tmp/scratch").exists()
+    tmp = ast.literal_eval(out.split("tmp ", 1)[1].splitlines()[0])
+    # empty, but for the folder that leads to a Python installed under /tmp (a venv there), bound read-only
+    assert all(sys.prefix.startswith(f"/tmp/{name}") for name in tmp), tmp
+    assert not Path("/tmp/scratch").exists()
     assert "wrote" not in out and out.count("read-only") == 2
+
+
+def test_the_jail_works_for_a_python_installed_under_tmp(tmp_path: Path) -> None:
+    """A newcomer's venv in /tmp: the jail's private /tmp must not hide the interpreter it runs."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    probe = "from intellect_node.judging import jail; s = jail.probe(); print(s.works, s.error)"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("True"), out.stdout + out.stderr
 
 
 def test_a_program_reaches_no_network() -> None:
