@@ -28,8 +28,11 @@ its standing with them, within a record refresh. Upload figures and depths in re
 At the origin (relay.ShardServer._make_room), an earned node that finds no free slot takes one from a child that
 has not earned its own; a node that has not earned one takes a free slot (so a new swarm, where nobody has earned
 anything yet, forms as before), an idle one, or one the tree's usual rules give it among children that have not
-earned theirs either (stripes.to_release); else it is sent down the tree, and the 503 names only children that
-earned their place and hold no idle slot.
+earned theirs either (stripes.to_release); else it is sent down the tree: the 503 names the children that hold no
+idle slot and earned their place or received shards through it. A node that only holds a slot is never named; a
+relay that fetched through its slot is, earned or not: in a swarm of relays alone nobody earns anything, and a
+node at home in a stripe whose nodes are all full finds the leaf slot it may take only through those names (six
+relays in a test, two of them never rooted in their home stripe while the 503 named nobody).
 
 ``vouched`` and ``Feeding`` are pure (the caller passes the clock); ``Earned`` caches ``vouched`` for
 ``VOUCH_REFRESH_S``: O(records x depth) at most once a second, however many slot requests ask.
@@ -157,6 +160,10 @@ class Feeding:
     def forget(self, slot: str) -> None:
         self._owed.pop(slot, None)
         self._fed.pop(slot, None)
+
+    def was_fed(self, slot: str) -> bool:
+        """Whether a shard byte ever went to ``slot`` (of this epoch, while it held the slot)."""
+        return slot in self._fed
 
     def idle_s(self, slot: str, now: float) -> float:
         """How long past ``FEED_GRACE_S`` the slot has owed a fetch (negative or 0: not idle)."""

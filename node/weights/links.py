@@ -52,6 +52,8 @@ ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
 """Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
 ASK_STAGGER_S = 0.5
+NO_PARENT_LOG_S = 30.0
+"""A stripe without a parent says whom it asked and what they answered at most this often (INFO)."""
 CHOOSE_BUDGET_S = 10.0
 """At most this long asking for a slot in one go (a fetch waits for it); the next round asks again."""
 ATTACH_BODY_LIMIT = 64 * 1024
@@ -82,6 +84,8 @@ class Link:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the parent changes (the keep-alive then checks the new parent's path at once)."""
     choosing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    unparented_said: float = -1e9
+    """When a round of asking that found no parent in this stripe was last logged (NO_PARENT_LOG_S)."""
 
     def attach_path(self) -> str:
         """Where to ask for (or keep, or give back) the slot; ``home=0``: this node takes no children in the
@@ -129,6 +133,7 @@ class Attachments:
             if link.parent is not None or self.session is None:
                 return
             tried: set[str] = set()
+            answers: list[str] = []
             stripe = link.stripe if len(self.links) > 1 else None
             queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding(), stripe, link.home)
             deadline = time.monotonic() + CHOOSE_BUDGET_S
@@ -149,6 +154,8 @@ class Attachments:
                     for task in done:
                         c = asking.pop(task)
                         status, body = task.result()
+                        reason = body.get("reason") if isinstance(body, dict) and status == 409 else None
+                        answers.append(f"{c.node_id[:8]}:{status}{'' if reason is None else f' {reason}'}")
                         if status == 200 and link.parent is None and self._adopt(c, body, link):
                             continue
                         if status is None or (status == 200 and link.parent and link.parent.node_id != c.node_id):
@@ -165,6 +172,15 @@ class Attachments:
                 for task, c in asking.items():  # still waiting on slower candidates: they may give a slot
                     task.cancel()
                     self._detach_soon(c, link)
+                now = time.monotonic()
+                if link.parent is None and now - link.unparented_said >= NO_PARENT_LOG_S:
+                    link.unparented_said = now
+                    logger.info(
+                        "no parent in stripe %d (%s here): asked %s",
+                        link.stripe,
+                        "home" if link.home else "a leaf",
+                        ", ".join(answers) or "nobody (no candidate in the records)",
+                    )
 
     def _adopt(self, c: Candidate, body: object, link: Link | None = None) -> bool:
         """Take ``c`` as the parent if its answer shows a path from the origin without us in it."""

@@ -11,11 +11,11 @@ child keeps the slot with the same signed request at least every ``CHILD_TTL_S``
 ``DELETE /relay/attach``. A node takes children only in its home stripe (stripes.py; the origin in every stripe,
 an equal share of its slots in each), only while it is itself connected to the origin (its path is known) and
 never one of its own ancestors, so the tree has no cycles to begin with; without a free slot it answers 503 with
-its children that earned their place, the places to look for one further down. Keep-alives alone keep no slot: a
-child that receives nothing through its slot while this node holds something for it loses the slot to the next
-node that asks, and at the origin a node that earned a slot comes before one that has not (``earned.py``: the
-rules, and why a liar cannot pass for earned). Other nodes (alternates) are served only what this node
-already has, at once and while a slot is free, which each uses until its response ends, or on spare upload (no
+its children that earned their place or receive through it, the places to look for one further down. Keep-alives
+alone keep no slot: a child that receives nothing through its slot while this node holds something for it loses
+the slot to the next node that asks, and at the origin a node that earned a slot comes before one that has not
+(``earned.py``: the rules, and why a liar cannot pass for earned). Other nodes (alternates) are served only what
+this node already has, at once and while a slot is free, which each uses until its response ends, or on spare upload (no
 child is being sent anything), cut short the moment a child is; anonymous clients (curl, a mirror) too, and they
 wait for what is arriving only while fewer than ``MAX_ANON_WAITS`` of them do. An optional upload limit (a token
 bucket over all responses) lets a volunteer cap what the node sends."""
@@ -333,11 +333,13 @@ class ShardServer:
                 self.feeding.began(s, newest, slots, time.monotonic())
 
     def _alternatives(self) -> list[str]:
-        """The children a node refused a slot is told to ask instead: those that earned their place here and hold
-        no idle slot. A node that only holds a slot is never named (it would send the asker nowhere)."""
-        now = time.monotonic()
-        idle = {c.split("/")[0] for c in self._active_children() if self.feeding.idle(c, now)}
-        return [n for n in self.children() if n not in idle and self.earned(n)]
+        """The children a node refused a slot is told to ask instead: those that hold no idle slot and earned their
+        place here or received shards through it (earned.py). A node that only holds a slot is never named (it
+        would send the asker nowhere)."""
+        now, slots = time.monotonic(), self._active_children()
+        idle = {c.split("/")[0] for c in slots if self.feeding.idle(c, now)}
+        fed = {c.split("/")[0] for c in slots if self.feeding.was_fed(c)}
+        return [n for n in self.children() if n not in idle and (n in fed or self.earned(n))]
 
     async def _attach(self, request: web.Request) -> web.Response:
         """Take (or keep) a slot as a child: answers this node's depth, its path from the origin and the child's

@@ -84,23 +84,32 @@ def parents(
     home: bool = True,
     limit: int | None = None,
 ) -> list[Candidate]:
-    """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin last.
-    ``stripe``: only relays whose home stripe it is (stripes.py). ``home``: whether it is ours too; in another
-    stripe we take no children, so no relay there can be our descendant and none is skipped as one. ``limit``:
-    the first this many relays only (a node asks a few dozen at most)."""
-    relays = [
+    """The nodes to ask for a slot, best first: relays with a free slot by depth, then speed; the origin; then,
+    for a node at home in ``stripe``, the full relays at home there, by depth. ``stripe``: only relays whose home
+    stripe it is (stripes.py). ``home``: whether it is ours too; in another stripe we take no children, so no
+    relay there can be our descendant and none is skipped as one. ``limit``: the first this many relays of each
+    kind only (a node asks a few dozen at most).
+
+    A full relay gives a leaf's slot to a node at home in its stripe (relay.ShardServer._make_room), so a node
+    that moved its home into a stripe whose serving nodes are all full finds its place there: the origin's 503
+    names no child that has not earned its slot or received through it, and a child that moved in between
+    versions has received nothing yet (six relays in a test: the stripe's root moved in after the version, and
+    two nodes had no parent there until the next version)."""
+    usable = [
         r
         for r in _usable(records, me, exclude)
         if r.node_id != origin
         and r.relay is not None
-        and r.relay.slots_free > 0
         and (stripe is None or r.relay.stripe == stripe)
         and not (home and _descends_from(records, r.node_id, me))
     ]
-    relays.sort(key=_order)
+    relays = sorted((r for r in usable if r.relay is not None and r.relay.slots_free > 0), key=_order)
     out = [_cand(r) for r in relays[:limit]]
     if origin in records and origin not in exclude and records[origin].http_url and records[origin].relay:
         out.append(_cand(records[origin]))
+    if home and stripe is not None:
+        full = sorted((r for r in usable if r.relay is not None and r.relay.slots_free <= 0), key=_order)
+        out += [_cand(r) for r in full[:limit]]
     return out
 
 

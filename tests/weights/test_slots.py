@@ -325,6 +325,40 @@ def test_a_503_names_no_child_that_has_not_earned_its_place(tmp_path: Path) -> N
     assert status == 503 and body == {"children": [relay_node]}
 
 
+def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned_one(tmp_path: Path) -> None:
+    """A swarm of relays alone, where nobody is past probation: the origin is full with a relay that fetched a
+    shard through its slot and a squatter that fetched nothing. A node refused a slot is told to ask the relay
+    (whose leaf slots a node at home in the stripe may take), never the squatter. Before, the 503 named nobody, and
+    two relays at home in a stripe whose only serving node was full never found a parent there."""
+    trust = _Trust()
+    relay_node, squatter, newcomer = (_key() for _ in range(3))
+    trust.members |= {relay_node, squatter, newcomer}
+    trust.records.update({relay_node: _rec(relay_node, parent=RUN), squatter: _rec(squatter, parent=RUN)})
+    root = tmp_path / "o"
+    _publish(root, 1)
+
+    async def main() -> tuple[list[int], int, int, object]:
+        server, http, url = await _origin(root, slots=2, stripes=1, trust=trust)
+        try:
+            async with aiohttp.ClientSession() as session:
+                status, body = await _ask(session, url, relay_node, "stripe=0&v=1&have=0")
+                held = [status, (await _ask(session, url, squatter, "stripe=0"))[0]]
+                assert isinstance(body, dict)
+                heads = {"X-Intellect-Node": relay_node, "X-Intellect-Token": body["token"]}
+                shard = WeightStore(root, RUN).manifest(1).shards[0].name  # type: ignore[union-attr]
+                async with session.get(f"{url}/weights/1/{shard}", headers=heads) as r:
+                    fetched = r.status
+                    await r.read()
+                status, body = await _ask(session, url, newcomer, "stripe=0")
+                return held, fetched, status, body
+        finally:
+            await http.close()
+
+    held, fetched, status, body = asyncio.run(main())
+    assert held == [200, 200] and fetched == 200
+    assert status == 503 and body == {"children": [relay_node]}
+
+
 def test_a_record_claiming_a_huge_upload_does_not_change_the_origins_plan(tmp_path: Path) -> None:
     """The origin sizes its slots from its own measured upload (250 Mbit/s here): sixteen records of 25 Mbit/s,
     the same with one claiming 10 Gbit/s, and 64 records claiming 1 byte/s all give the same plan."""

@@ -88,6 +88,17 @@ def test_relays_by_depth_then_speed_and_the_origin_last() -> None:
     assert [x.node_id for x in parents(recs, _id("e"), ORIGIN, exclude={c, ORIGIN})] == [b, a]
 
 
+def test_a_node_at_home_in_a_stripe_asks_its_full_relays_after_the_origin() -> None:
+    """A full relay gives a leaf's slot to a node at home in its stripe, so such a node asks the full relays at
+    home there last; a leaf there, or a node in a tree of one stripe, asks only relays with a free slot."""
+    free, full_deep, full = _id("a"), _id("b"), _id("f")
+    recs = _records(_rec(ORIGIN, 0, 0), _rec(free, 2, 1, full), _rec(full_deep, 2, 0, full), _rec(full, 1, 0, ORIGIN))
+    me = _id("e")
+    assert [x.node_id for x in parents(recs, me, ORIGIN, stripe=0, home=True)] == [free, ORIGIN, full, full_deep]
+    assert [x.node_id for x in parents(recs, me, ORIGIN, stripe=0, home=False)] == [free, ORIGIN]
+    assert [x.node_id for x in parents(recs, me, ORIGIN)] == [free, ORIGIN]
+
+
 def test_never_a_descendant_by_the_records() -> None:
     me, child, grandchild, other = _id("e"), _id("c"), _id("d"), _id("a")
     recs = _records(_rec(ORIGIN, 0, 0), _rec(child, 1, 2, me), _rec(grandchild, 2, 2, child), _rec(other, 3, 1, ORIGIN))
