@@ -381,7 +381,7 @@ def _submit_target(
 
     groups = []
     for slot in range(trainer.spec.task.tasks_per_batch):
-        prompt = encode_prompt(trainer.tokenizer, trainer.validator.task(probe, slot).prompt)
+        prompt = encode_prompt(trainer.tokenizer, trainer.judging.validator.task(probe, slot).prompt)
         n = trainer.spec.sampling.group_size
         groups.append(
             m.RolloutGroup(
@@ -396,9 +396,8 @@ def _submit_target(
     good_body = pack(good.model_dump(mode="python"))
 
     async def submit(data: bytes) -> None:
-        trainer.validating.clear()
-        trainer.pending = PendingBatches()
-        trainer.pending_by_node.clear()
+        trainer.inflight.clear()
+        trainer.judging.pending = PendingBatches()
         trainer.gate.next_index.clear()
         trainer.envelopes.clear()
         trainer.banned.clear()

@@ -6,6 +6,12 @@ Invariants:
   node; everything else is rejected with a reason, counted and logged, and the node keeps running.
 - Rewards are recomputed here from the completions; nothing the worker says about rewards is read.
 - Step ``n`` turns version ``n`` into ``n + 1`` in a thread: inference never waits for training or publishing.
+
+Parts: the door (``on_batch``: signature, registry, admission, capacity, header, contents, spool, here), the
+judging pipeline (``self.judging``, trainer_validation.Judging: its own state, handed what it shares), the
+learner (``train_forever``, ``_train_step``, ``_publish``, here), durability (trainer_checkpoint.Checkpoints) and
+gossip (``self.gossip``, trainer_gossip.TrainerGossip: its own state, handed what it reads). What they share is
+in ``self.shared`` (trainer_state.py). Durability is still a mixin of this class, reading its attributes.
 """
 
 from __future__ import annotations
@@ -15,13 +21,10 @@ import logging
 import shutil
 import threading
 import time
-from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from intellect_kernels.grpo import group_advantages, lr_factor
 from intellect_node import __version__
@@ -31,7 +34,7 @@ from intellect_node.judging.validator import Gate, Validator
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import EncodedList, HttpServer
 from intellect_node.p2p.keys import load_or_create
-from intellect_node.p2p.metrics import BoundedCounter, Metrics
+from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import announced
 from intellect_node.p2p.transport import Intake, RolloutServer, off_loop_if_large
 from intellect_node.policy.engine import BatchKey, EngineFactory, Group, Packed, local_engine, pack_sequences
@@ -42,7 +45,8 @@ from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Checkpoints, next_epoch
 from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
-from intellect_node.roles.trainer_validation import VERDICTS_KEPT, PendingBatches, ValidationPipeline
+from intellect_node.roles.trainer_state import InFlight, Ledger, RewardCurve, Shared, TrainQueue
+from intellect_node.roles.trainer_validation import Judging
 from intellect_node.runtime import announce, trim_freed
 from intellect_node.weights.earned import Earned
 from intellect_node.weights.files import write_checkpoint
@@ -60,13 +64,9 @@ more: what the trainer can use before they go stale."""
 MAX_PENDING_BATCHES = 64
 """Admitted batches waiting for a verdict, all nodes together; past this the trainer answers busy (producers
 resend). Keys on probation share ``admission.probation_share`` of it."""
-STATUS_NODES = 1024
-"""Node ids /status shows counts for (batches received, accepted, refused); the rest are summed as others."""
-REWARD_WORKERS = 2
-"""Threads that score completions (code tests and math checks run jailed programs)."""
 
 
-class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
+class Trainer(Checkpoints):
     def __init__(self, node: NodeConfig, run: RunConfig, make_engine: EngineFactory | None = None) -> None:
         self.cfg = node
         self.identity = load_or_create(node.data_dir / "node.key")
@@ -119,20 +119,17 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.admission = Admission(self.spec.admission, self.run_id, redemptions, self.spec.epoch)
         # who comes first for the origin's slots: keys past probation, and the relays they hang below
         self.origin.earned = Earned(self._trusted, lambda: self.registry.records, self.run_id, lambda: self.spec.epoch)
-        self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), web.get("/verdicts", self._verdicts)])
         self.tokenizer = build_tokenizer(self.spec.model)
         self.engine = (make_engine or partial(local_engine, device=node.device))(self.spec, self.tokenizer)
         self.step = 0
         """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
         self.published = -1
         """The newest version written, signed and announced."""
-        self.queue: list[Group] = []
-        self.queue_changed = asyncio.Event()
         self.gate = Gate(self.spec.train.async_level)
-        self.queued_by_node: Counter[str] = Counter()
-        self.accepted_by_node = BoundedCounter(STATUS_NODES)
-        self.rejected_by_node = BoundedCounter(STATUS_NODES)
-        self.received_by_node = BoundedCounter(STATUS_NODES)
+        # what the parts share (trainer_state.py): the door, the judging pipeline, the learner and durability
+        self.shared = Shared(TrainQueue(), InFlight(), RewardCurve(), Ledger(self.spec.epoch, lambda: self.step))
+        self.queue, self.inflight, self.ledger = self.shared.queue, self.shared.inflight, self.shared.ledger
+        self.banned = self.shared.banned
         self.history: list[dict[str, Any]] = EncodedList()
         self.idle_s = 0.0
         self.maddrs: list[str] = []
@@ -141,30 +138,47 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         # kept in the published dtype (policy/model.py stored_in)
         model = build_model(self.spec.model, self.tokenizer).to(resolve_device(node.device))
         model = stored_in(model, DTYPES[self.spec.model.dtype])
-        self.validator = Validator(self.spec, self.tokenizer, model)
-        self.validator_version = -1
-        self.pending = PendingBatches()
-        """Admitted batches waiting for their verdict, with the slots still due."""
-        self.pending_by_node = BoundedCounter()  # counts that fall to zero leave
-        self.banned: dict[str, str] = {}
-        """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``)."""
-        self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
+        self._store_lock = threading.Lock()
+        self.judging = Judging(
+            self.spec,
+            node.validators,
+            self.identity,
+            self.metrics,
+            self.registry,
+            self.admission,
+            self.store,
+            self._store_lock,
+            Validator(self.spec, self.tokenizer, model),
+            self.tokenizer,
+            self.shared,
+            self._fresh_floor,
+            self._acknowledge,
+        )
+        self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), self.judging.route()])
         self.p2p: Any = None
         self.intake = Intake()
         """Batch bodies on their way in, pushed or pulled: one budget for both."""
-        self._rewards_seen: list[float] = []
         self.envelopes: dict[BatchKey, bytes] = {}
         """Admitted batches that may still have groups to train: what a checkpoint keeps for a resume."""
-        self.validating: set[BatchKey] = set()
-        self._counted: set[BatchKey] = set()
         self._persisting: asyncio.Task[None] | None = None
         self.resume_info: dict[str, int] | None = None
-        self.validators_missing: list[str] = []
-        self.validators_present: list[str] = []
-        self._waiting: set[asyncio.Future[None]] = set()
-        self.validate_s = self.publish_s = 0.0
-        """Seconds this trainer spent judging batches itself, and publishing versions (the step split)."""
-        self._init_gossip()
+        self.publish_s = 0.0
+        """Seconds this trainer spent publishing versions (the step split)."""
+        self.gossip = TrainerGossip(
+            self.run_id,
+            self.spec.epoch,
+            self.identity,
+            self.metrics,
+            self.store,
+            self.registry,
+            self.admission,
+            self.banned,
+            self.intake,
+            node.validators,
+            self.judging.waits,
+            self.on_batch,
+            self._check_room,
+        )
         where = node.track_dir or node.data_dir / "tracking"
         self.tracker = (
             None if node.track == "none" else Tracker(node.track, where, self.run_id, self.spec.model_dump(mode="json"))
@@ -172,11 +186,6 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self._shed_at = -1e9
         if self.resumed is not None:
             self._restore(self.resumed)
-        self._store_lock = threading.Lock()
-        self.validation_pool = ThreadPoolExecutor(1, thread_name_prefix="validation")  # its model: a batch at a time
-        self.reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix="rewards")
-        """Scoring (code tests and math checks run jailed programs) has threads of its own: a slow batch never
-        holds up checkpointing and publishing, which use the default executor."""
 
     # ---- peer boundary -------------------------------------------------------------------------------
 
@@ -201,11 +210,16 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
     def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
         if node_id:
-            self.rejected_by_node[node_id] += 1
+            self.shared.rejected_by_node[node_id] += 1
         logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
         return SubmitReply(
             ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.step, next_index=next_index
         )
+
+    def _acknowledge(self, batch: RolloutBatch, envelope: bytes, judges: list[str], full: bool) -> str:
+        """The judging pipeline's acknowledgement of an admitted batch: gossip announces it (and serves it to the
+        judges named); returns its digest."""
+        return self.gossip.admitted(batch, envelope, judges, full)
 
     def _fresh_floor(self) -> int:
         return self.step - self.spec.train.async_level
@@ -224,7 +238,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 raise Rejected("banned", f"this node was caught cheating ({self.banned[node_id]}) and is banned")
             self.admission.check(record)
             self._check_room(node_id)  # before decoding: a flood costs a signature check per submission
-            self.received_by_node[node_id] += 1
+            self.shared.received_by_node[node_id] += 1
             batch = (await off_loop_if_large(len(body), decode_body, signer, body, RolloutBatch)).message
             if batch.run_id != self.run_id:
                 raise Rejected("wrong_run", f"batch for run {batch.run_id}")
@@ -237,7 +251,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                     "(it was started over): read the run spec again",
                 )
             self.gate.check(batch, self.step, newest=self.published)
-            queued = self.queued_by_node[node_id] + self.pending_by_node[node_id]
+            queued = self.queue.by_node[node_id] + self.inflight.groups_by_node[node_id]
             if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
                 raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
             # Reserved before the first await: the same batch on another stream, or this node's next one, is
@@ -245,7 +259,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             # await let one signed batch in 16 times).
             self.gate.reserve(batch)
             try:
-                slots = await off_loop_if_large(len(body), self._check_contents, batch)
+                slots = await off_loop_if_large(len(body), self.judging.check_contents, batch)
             except Rejected:
                 self.gate.release(batch)
                 raise
@@ -277,10 +291,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         self.gate.admit(batch)
         key = (node_id, batch.version, batch.batch_index)
         self.envelopes[key] = data
-        self.validating.add(key)
-        self.pending_by_node[node_id] += len(slots)
-        self.dispatch(batch, slots, data)
-        self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
+        self.inflight.add(key, len(slots))
+        self.judging.dispatch(batch, slots, data)
+        self.metrics.set("node_trainer_batches_pending_validation", self.judging.pending.qsize())
         self.ledger("acked", key, len(slots))
         return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.step, backlog=self._backlog())
 
@@ -289,9 +302,9 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         per-node backlog is checked after the header, so that a stale batch is told it is stale)."""
         a = self.spec.admission
         newcomer_slots = max(1, int(a.probation_share * MAX_PENDING_BATCHES))
-        newcomers = sum(1 for key in self.validating if self.admission.on_probation(key[0]))
+        newcomers = self.inflight.count(self.admission.on_probation)
         if self.admission.on_probation(node_id):
-            mine = sum(1 for key in self.validating if key[0] == node_id)
+            mine = self.inflight.of(node_id)
             if mine >= a.probation_pending:
                 raise Rejected(
                     "busy",
@@ -300,7 +313,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 )
             if newcomers >= newcomer_slots:
                 raise Rejected("busy", "the trainer is judging many new nodes' batches; send again shortly")
-        elif len(self.validating) - newcomers >= MAX_PENDING_BATCHES - newcomer_slots:
+        elif len(self.inflight) - newcomers >= MAX_PENDING_BATCHES - newcomer_slots:
             # trusted nodes together leave the newcomers' share free: a busy swarm still lets new nodes in
             raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
 
@@ -308,27 +321,18 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number
         cannot stall the run, since they are enough for a step and a step publishes the version it waits for.
         (Counting groups still being validated deadlocked small runs: the filter then dropped most of them.)"""
-        floor = self._fresh_floor()
-        return sum(1 for g in self.queue if g.version >= floor)
+        return self.queue.fresh(self._fresh_floor())
 
     # ---- training ------------------------------------------------------------------------------------
 
     def _take_batch(self) -> list[Group] | None:
         floor = self._fresh_floor()
-        stale = [g for g in self.queue if g.version < floor]
+        batch, stale = self.queue.take(self.spec.train.batch_groups, floor)
         if stale:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(stale))
             for g in stale:
                 self.ledger("stale", g.key, 1)
-        self.queue = [g for g in self.queue if g.version >= floor]
         self.gate.forget_before(floor)
-        n = self.spec.train.batch_groups
-        if len(self.queue) < n:
-            self.queued_by_node = Counter(g.node_id for g in self.queue)
-            return None
-        self.queue.sort(key=lambda g: g.version)  # oldest first: they go stale soonest
-        batch, self.queue = self.queue[:n], self.queue[n:]
-        self.queued_by_node = Counter(g.node_id for g in self.queue)
         return batch
 
     def _train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -346,7 +350,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 label="nonfinite_gradient",
                 help="optimizer steps skipped",
             )
-        seen, self._rewards_seen = self._rewards_seen, []  # every rollout accepted since the last step
+        seen = self.shared.curve.drain()  # every rollout accepted since the last step
         return {
             **stats,
             "reward_mean": sum(seen) / len(seen) if seen else float(rewards.mean()),
@@ -397,11 +401,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
         while max_steps is None or self.step < max_steps:
             waited = time.monotonic()
             while (groups := self._take_batch()) is None:
-                self.queue_changed.clear()
-                await self.queue_changed.wait()
+                self.queue.changed.clear()
+                await self.queue.changed.wait()
             idle = time.monotonic() - waited
             self.idle_s += idle
-            started, split = time.monotonic(), (self.validate_s, self.publish_s)
+            started, split = time.monotonic(), (self.judging.validate_s, self.publish_s)
             stats = await asyncio.to_thread(self._train_step, groups)
             for g in groups:  # logged with the step they went into (step + 1 once it is counted below)
                 self.ledger("trained", g.key, 1)
@@ -413,7 +417,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 step=self.step,
                 seconds=time.monotonic() - started,
                 idle_s=idle,
-                validate_s=self.validate_s - split[0],  # judging batches here meanwhile (on its own thread)
+                validate_s=self.judging.validate_s - split[0],  # judging batches here meanwhile (on its own thread)
                 publish_s=self.publish_s - split[1],  # the previous version's checkpoint and publication
                 time=time.time(),
                 staleness_max=float(self.step - 1 - min(versions)),
@@ -473,23 +477,41 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             "max_steps": self.cfg.max_steps,
             "queue_groups": len(self.queue),
             "idle_s": round(self.idle_s, 3),
-            "received_batches_by_node": dict(self.received_by_node),
-            "accepted_groups_by_node": dict(self.accepted_by_node),
-            "rejected_batches_by_node": dict(self.rejected_by_node),
+            "received_batches_by_node": dict(self.shared.received_by_node),
+            "accepted_groups_by_node": dict(self.shared.accepted_by_node),
+            "rejected_batches_by_node": dict(self.shared.rejected_by_node),
             "by_node_others": {
-                "received": self.received_by_node.others,
-                "accepted": self.accepted_by_node.others,
-                "rejected": self.rejected_by_node.others,
+                "received": self.shared.received_by_node.others,
+                "accepted": self.shared.accepted_by_node.others,
+                "rejected": self.shared.rejected_by_node.others,
             },
             "rejected_batches_by_reason": self.metrics.by_label("node_trainer_batches_rejected_total"),
             "validation_failures_by_reason": self.metrics.by_label("node_validator_rejected_total"),
             "banned": self.banned,
-            "validators_missing": self.validators_missing,
+            "validators_missing": self.judging.validators_missing,
             "verdicts_ok": int(self.metrics.counter("node_validator_accepted_total")),
-            "pending_validation": self.pending.qsize(),
-            "judging": len(self.validating),  # admitted, verdict not yet applied (here or by validators)
-            **self.gossip_status(),
-            "outstanding_groups": len(self.queue) + sum(self.pending_by_node.values()),
+            "pending_validation": self.judging.pending.qsize(),
+            "judging": len(self.inflight),  # admitted, verdict not yet applied (here or by validators)
+            "versions_held": self.store.complete_versions(),
+            "relay": {
+                "enabled": True,
+                "depth": 0,
+                "parent": None,
+                "children": self.origin.children(),
+                "slots_free": self.origin.slots_free(),
+                "fetching": -1,
+                "fetching_verified_shards": 0,
+                "bans": self.metrics.counter("node_relay_bans_total"),
+                "bytes_received": 0,
+                "bytes_sent": self.metrics.counter("node_relay_bytes_sent_total"),
+            },
+            "peers": len(self.registry.records),  # nodes with a record in the run, as last read
+            "validators_present": self.judging.validators_present,
+            "awaiting_verdicts": len(self.judging.waits),
+            "verdicts_remote": int(self.metrics.counter("node_trainer_remote_verdicts_total")),
+            "verdicts_self": int(self.metrics.counter("node_trainer_self_verdicts_total")),
+            **self.gossip.status(),
+            "outstanding_groups": len(self.queue) + self.inflight.groups(),
             "resumed": self.resume_info,
             "history": self.history,
         }
@@ -521,7 +543,7 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             await server.start()
             invites = InviteDoor(p2p, self.identity, self.run_id, self.admission, self.metrics)
             await invites.start()
-            await self.start_gossip()
+            await self.gossip.start(p2p)
             if not (
                 await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
             ):
@@ -541,11 +563,11 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
                 tasks.create_task(self.membership.republish_forever(self.record, self.spec))
                 tasks.create_task(self.registry.refresh_forever())
                 tasks.create_task(self.train_forever())
-                tasks.create_task(self.validate_forever())
-                tasks.create_task(self.watch_validators())
-                tasks.create_task(self.repeat_notices())
+                tasks.create_task(self.judging.validate_forever())
+                tasks.create_task(self.judging.watch_validators())
+                tasks.create_task(self.gossip.repeat_notices(self.published))
         finally:
-            await self.stop_gossip()
+            await self.gossip.stop()
             if self.tracker is not None:
                 self.tracker.close()
             if server is not None:
@@ -556,5 +578,4 @@ class Trainer(ValidationPipeline, Checkpoints, TrainerGossip):
             await self.membership.close()
             self.ckpt.close()
             self.engine.close()
-            self.reward_pool.shutdown(wait=False, cancel_futures=True)
-            self.validation_pool.shutdown(wait=False, cancel_futures=True)
+            self.judging.close()

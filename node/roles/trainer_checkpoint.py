@@ -34,7 +34,6 @@ import shutil
 import struct
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -46,10 +45,12 @@ from intellect_node.judging.validator import Gate
 from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import EncodedList
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.policy.engine import BatchKey, Group, PolicyEngine
+from intellect_node.policy.engine import BatchKey, PolicyEngine
 from intellect_node.roles.admission import Admission
+from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_registry import NodeRegistry
-from intellect_node.roles.trainer_validation import PendingBatches
+from intellect_node.roles.trainer_state import InFlight, Ledger, Shared, TrainQueue
+from intellect_node.roles.trainer_validation import Judging
 from intellect_node.weights.files import fsync_dir
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
@@ -306,18 +307,16 @@ class Checkpoints:
     banned: dict[str, str]
     idle_s: float
     publish_s: float
-    queue: list[Group]
-    pending: PendingBatches
-    pending_by_node: Counter[str]
-    validating: set[BatchKey]
+    shared: Shared
+    queue: TrainQueue
+    inflight: InFlight
+    judging: Judging
+    gossip: TrainerGossip
     envelopes: dict[BatchKey, bytes]
     resume_info: dict[str, int] | None
-    _rewards_seen: list[float]
-    _counted: set[BatchKey]
 
     _fresh_floor: Callable[[], int]
-    _check_contents: Callable[[RolloutBatch], list[int]]
-    ledger: Callable[[str, BatchKey, int], None]
+    ledger: Ledger
     published: int
     store: WeightStore
     _publish: Callable[[int, dict[str, torch.Tensor]], None]
@@ -335,8 +334,8 @@ class Checkpoints:
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """Everything but the engine, on the event loop (consistent with the queue and the spool rotation)."""
-        due: dict[BatchKey, list[int] | None] = {key: None for key in self.validating}
-        for g in self.queue:
+        due: dict[BatchKey, list[int] | None] = {key: None for key in self.inflight.keys}
+        for g in self.queue.groups:
             slots = due.setdefault(g.key, [])
             if slots is not None:
                 slots.append(g.slot)
@@ -349,7 +348,7 @@ class Checkpoints:
             "banned": dict(self.banned),
             "gate": dict(self.gate.next_index),
             "idle_s": self.idle_s,
-            "rewards_seen": list(self._rewards_seen),
+            "rewards_seen": list(self.shared.curve.seen),
             "admission": self.admission.state(),
             "peers": self.registry.peer_addresses(self.run_id),
             "batches": {k: self.envelopes[k] for k in due if k in self.envelopes},
@@ -360,10 +359,11 @@ class Checkpoints:
         self.engine.load_state(saved["engine"])
         self.step = int(saved["step"])
         self.history = EncodedList(saved["history"])
-        self.banned = dict(saved["banned"])
+        self.banned.clear()
+        self.banned.update(saved["banned"])
         self.gate.next_index = dict(saved["gate"])
         self.idle_s = float(saved["idle_s"])
-        self._rewards_seen = list(saved["rewards_seen"])
+        self.shared.curve.seen = list(saved["rewards_seen"])
         self.admission.restore(saved.get("admission", {}))
         self._saved_peers: list[str] = list(saved["peers"])
         logger.info("resuming run %s from its checkpoint at step %d", self.run_id, self.step)
@@ -383,7 +383,7 @@ class Checkpoints:
                 batch = decode_body(signer, body, RolloutBatch).message
                 if batch.epoch != self.spec.epoch:
                     raise Rejected("wrong_epoch", f"a batch of run epoch {batch.epoch}")
-                due = self._check_contents(batch)
+                due = self.judging.check_contents(batch)
             except Exception as e:  # it passed these checks once: only a changed task set (or a bad disk) fails
                 unreadable += 1
                 self.metrics.inc("node_trainer_replay_failures_total", help="spooled batches not replayable")
@@ -395,7 +395,7 @@ class Checkpoints:
             seen.add(key)
             if slots is not None:
                 due = [slot for slot in due if slot in slots]
-                self._counted.add(key)
+                self.shared.curve.replayed(key)
             if batch.version < self._fresh_floor():
                 stale += len(due)
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(due))
@@ -405,10 +405,9 @@ class Checkpoints:
                 self.gate.next_index.get((batch.node_id, batch.version), 0), batch.batch_index + 1
             )
             self.envelopes[key] = data
-            self.validating.add(key)
+            self.inflight.add(key, len(due))
             # not spooled again: it stays in its spool, which is kept until a checkpoint holding it is taken
-            self.pending.put_nowait((batch, due, data))
-            self.pending_by_node[batch.node_id] += len(due)
+            self.judging.submit(batch, due, data)
             replayed += len(due)
         if saved is not None or replayed or stale or unreadable:
             self.resume_info = {
@@ -513,7 +512,7 @@ class Checkpoints:
         self.published = version
         self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
         self.publish_s += time.monotonic() - began
-        await self.announce_version(version)  # type: ignore[attr-defined]
+        await self.gossip.announce_version(version)
         self.metrics.set("node_trainer_weight_version", version)
         try:
             await self.membership.publish_record(self.record())

@@ -21,7 +21,11 @@ announced batches and ``MAX_PULLS`` of everybody's wait to be fetched, and each 
 trainer's ``Intake``, the budget pushes draw on too: however many keys announce, the bodies in memory stay
 bounded. Each fetch pulls at most one batch and is made once per digest.
 
-This is a mixin of ``Trainer`` (node/roles/trainer.py).
+``TrainerGossip`` is one part of the trainer (node/roles/trainer.py wires it), with its own state (the digests it
+knows, the envelopes it serves, the pulls under way, the newest notice); it is handed what it reads of the other
+parts (the registry, the admission policy, the bans, the intake budget, the judging pipeline's verdict waits) and
+the two door calls a pulled batch goes through (``door``: the trainer's ``on_batch``; ``check_room``: its capacity
+check, made before a pull as before a push).
 """
 
 from __future__ import annotations
@@ -29,18 +33,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import random
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from intellect_node.aio import raise_if_cancelled
 from intellect_node.p2p.batches import BatchServer, fetch_batch
 from intellect_node.p2p.gossip import LIMITS, Gossip
+from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import DialBackServer
+from intellect_node.p2p.transport import Intake
+from intellect_node.roles.admission import Admission
+from intellect_node.roles.trainer_registry import NodeRegistry
+from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
-from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, Verdict, VersionNotice
+from intellect_protocol.identity import Identity
+from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, SubmitReply, Verdict, VersionNotice
 
 logger = logging.getLogger(__name__)
 NOTICE_REPEAT_S = 5.0
@@ -87,36 +97,57 @@ class VerdictWait:
 
 
 class TrainerGossip:
-    # what this mixin uses of the trainer
-    cfg: Any
-    spec: Any
-    run_id: str
-    identity: Any
-    metrics: Any
-    store: Any
-    registry: Any
-    admission: Any
-    banned: dict[str, str]
-    intake: Any
-    p2p: Any
-    envelopes: dict[Any, bytes]
-    validators_present: list[str]
+    """The trainer on the run's gossip topics (module docstring): ``start`` once the libp2p daemon is up,
+    ``repeat_notices`` for the trainer's lifetime, ``announce_version`` for each version published, ``admitted``
+    for each batch the door admits (its acknowledgement names the judges)."""
 
-    def _init_gossip(self) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        epoch: int,
+        identity: Identity,
+        metrics: Metrics,
+        store: WeightStore,
+        registry: NodeRegistry,
+        admission: Admission,
+        banned: dict[str, str],
+        intake: Intake,
+        validators: list[str],
+        waits: dict[str, VerdictWait],
+        door: Callable[[bytes, str], Awaitable[SubmitReply]],
+        check_room: Callable[[str], None],
+    ) -> None:
+        self.run_id = run_id
+        self.epoch = epoch
+        self.identity = identity
+        self.metrics = metrics
+        self.store = store
+        self.registry = registry
+        self.admission = admission
+        self.banned = banned
+        self.intake = intake
+        """Batch bodies on their way in: pulls draw on the budget pushes use."""
+        self.validators = validators
+        """The keys named with ``--validator``: the only ones whose verdicts count."""
+        self.waits = waits
+        """The judging pipeline's: by digest, the batches named validators are judging."""
+        self.door = door
+        self.check_room = check_room
+        self.p2p: Any = None
         self.gossip: Gossip | None = None
         self.batch_server: BatchServer | None = None
+        self.dialback: DialBackServer | None = None
         self.known: OrderedDict[str, Known] = OrderedDict()
         """Admitted batches, and announced ones being fetched, by digest."""
         self.held: OrderedDict[str, bytes] = OrderedDict()
         """Admitted batches' envelopes by digest, the newest ``KNOWN``: served to the validators that judge them."""
-        self.waits: dict[str, VerdictWait] = {}
         self._notice: bytes = b""
         self._pulling: Counter[str] = Counter()
         """Announced batches being fetched, by producer: at most PULLS_PER_NODE each (a producer announcing made-up
         digests gets one fetch at a time, each read only up to the size it announced)."""
-        self._turn = 0
 
-    async def start_gossip(self) -> None:
+    async def start(self, p2p: Any) -> None:
+        self.p2p = p2p
         self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
         self.gossip.subscribe("rollouts", self._on_announce)
         self.gossip.subscribe("verdicts", self._on_verdict)
@@ -125,9 +156,10 @@ class TrainerGossip:
         self.dialback = DialBackServer(self.p2p, self.identity, self.run_id, self.metrics)  # joiners' reachability
         await self.dialback.start()
 
-    async def stop_gossip(self) -> None:
+    async def stop(self) -> None:
         if self.batch_server is not None:
             await self.batch_server.close()
+        if self.dialback is not None:
             await self.dialback.close()
         if self.gossip is not None:
             await self.gossip.close()
@@ -148,7 +180,7 @@ class TrainerGossip:
             return
         notice = VersionNotice(
             run_id=self.run_id,
-            epoch=self.spec.epoch,
+            epoch=self.epoch,
             version=version,
             checkpoint_sha256=manifest.checkpoint_sha256,
             issued=time.time(),
@@ -156,37 +188,19 @@ class TrainerGossip:
         self._notice = seal(self.identity, notice)
         await self._gossip_out("versions", self._notice)
 
-    async def repeat_notices(self) -> None:
-        """The newest notice again every NOTICE_REPEAT_S (gossip loses messages sent before a mesh forms)."""
-        await self.announce_version(self.published)  # type: ignore[attr-defined]
+    async def repeat_notices(self, published: int) -> None:
+        """Announce ``published`` now, then the newest notice again every NOTICE_REPEAT_S (gossip loses messages
+        sent before a mesh forms)."""
+        await self.announce_version(published)
         while True:
             await asyncio.sleep(NOTICE_REPEAT_S)
             if self._notice:
                 await self._gossip_out("versions", self._notice)
 
-    def gossip_status(self) -> dict[str, Any]:
-        """The trainer's /status fields about its peers: gossip, verdicts, and its place as the relay tree's root."""
+    def status(self) -> dict[str, Any]:
+        """The trainer's /status fields about gossip: duplicates heard, pulls by outcome, messages received."""
         m = self.metrics
-        origin = self.origin  # type: ignore[attr-defined]
         return {
-            "versions_held": self.store.complete_versions(),
-            "relay": {
-                "enabled": True,
-                "depth": 0,
-                "parent": None,
-                "children": origin.children(),
-                "slots_free": origin.slots_free(),
-                "fetching": -1,
-                "fetching_verified_shards": 0,
-                "bans": m.counter("node_relay_bans_total"),
-                "bytes_received": 0,
-                "bytes_sent": m.counter("node_relay_bytes_sent_total"),
-            },
-            "peers": len(self.registry.records),  # nodes with a record in the run, as last read
-            "validators_present": self.validators_present,
-            "awaiting_verdicts": len(self.waits),
-            "verdicts_remote": int(m.counter("node_trainer_remote_verdicts_total")),
-            "verdicts_self": int(m.counter("node_trainer_self_verdicts_total")),
             "duplicates": {
                 "announcement": int(m.counter("node_trainer_duplicates_total", "announcement")),
                 "body": int(m.by_label("node_trainer_batches_rejected_total").get("duplicate", 0)),
@@ -200,15 +214,6 @@ class TrainerGossip:
         self.known.move_to_end(digest)
         while len(self.known) > KNOWN:
             self.known.popitem(last=False)
-
-    def choose_judges(self) -> list[str]:
-        """The validators to judge the next batch: one in turn, two for the ``second_opinion`` share."""
-        present = self.validators_present
-        if not present:
-            return []
-        self._turn += 1
-        n = 2 if len(present) >= 2 and random.random() < self.spec.verify.second_opinion else 1
-        return [present[(self._turn + i) % len(present)] for i in range(n)]
 
     def admitted(self, batch: RolloutBatch, envelope: bytes, judges: list[str], full: bool = False) -> str:
         """Record an admitted batch and acknowledge it on gossip (the push's reply already told its producer)."""
@@ -224,7 +229,7 @@ class TrainerGossip:
     async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str], full: bool = False) -> None:
         ack = BatchAck(
             run_id=self.run_id,
-            epoch=self.spec.epoch,
+            epoch=self.epoch,
             node_id=batch.node_id,
             version=batch.version,
             batch_index=batch.batch_index,
@@ -238,7 +243,7 @@ class TrainerGossip:
     async def _on_announce(self, data: bytes, peer: str) -> None:
         signed = open_signed(data, BatchAnnounce)
         a = signed.message
-        if a.run_id != self.run_id or a.epoch != self.spec.epoch:
+        if a.run_id != self.run_id or a.epoch != self.epoch:
             raise Rejected("wrong_run", f"announcement for run {a.run_id} epoch {a.epoch}")
         if signed.signer_id != a.node_id:
             raise Rejected("signer_mismatch", "an announcement of another node's batch")
@@ -262,7 +267,7 @@ class TrainerGossip:
         if a.node_id in self.banned:
             raise Rejected("banned", "an announcement from a banned node")
         self.admission.check(record)  # the run's policy and proof of work, as for a push
-        self._check_room(a.node_id)  # type: ignore[attr-defined]  # the probation limits, as for a push
+        self.check_room(a.node_id)  # the probation limits, as for a push
         if self._pulling[a.node_id] >= PULLS_PER_NODE or sum(self._pulling.values()) >= MAX_PULLS:
             self.metrics.inc("node_trainer_pulls_total", label="busy")
             return  # its batch is being fetched, or many are: it announces this one again later
@@ -309,7 +314,7 @@ class TrainerGossip:
             self.known.pop(a.batch_sha256, None)
             self.metrics.inc("node_trainer_pulls_total", label="missing")
             return
-        reply = await self.on_batch(body, peer)  # type: ignore[attr-defined]
+        reply = await self.door(body, peer)
         self.metrics.inc("node_trainer_pulls_total", label="ok" if reply.ok else reply.reason)
         if not reply.ok:
             self.known.pop(a.batch_sha256, None)
@@ -318,7 +323,7 @@ class TrainerGossip:
         if kind_of(data, LIMITS["verdicts"]) != Verdict.KIND:
             return  # an acknowledgement (ours, or a replay): nothing to do here
         signed = open_signed(data, Verdict)
-        if signed.signer_id not in self.cfg.validators:
+        if signed.signer_id not in self.validators:
             raise Rejected("untrusted_validator", f"verdict signed by {signed.signer_id}")
         v = signed.message
         wait = self.waits.get(v.batch_sha256)

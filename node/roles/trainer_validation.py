@@ -1,12 +1,15 @@
-"""The trainer's validation pipeline: every admitted batch judged against the exact version it claims.
+"""The trainer's judging pipeline: every admitted batch judged against the exact version it claims.
 
 A batch waits in ``pending`` until it is judged: by a trusted validator node (``--validator``), whose signed
 verdict must be about exactly these bytes, or here on a second copy of the model when none answers. A batch that
 fails is refused and, with ``verify.ban``, its producer banned for the run (its queued groups dropped); one that
-passes and is still fresh enough goes to the training queue. Nothing a batch does stops the loop.
+passes and is still fresh enough is scored here and goes to the training queue. Nothing a batch does stops the loop.
 
-This is a mixin of ``Trainer`` (node/roles/trainer.py): it reads and updates the trainer's queues and counters,
-declared below.
+``Judging`` is one part of the trainer (node/roles/trainer.py wires it): it holds its own state (the batches
+pending, the verdict waits, the validators present, the validator's model) and is handed what it shares with the
+other parts (trainer_state.py: the training queue, the batches in flight, the reward curve, the ledger; the bans
+and per-node counts) and the few things it asks of them: the freshness floor, and ``acknowledge``, which
+announces an admitted batch with the judges named (trainer_gossip.py).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,14 +28,14 @@ from typing import Any
 from aiohttp import web
 
 from intellect_node.aio import within
-from intellect_node.config import NodeConfig
 from intellect_node.judging.validator import Finding, Validator, task_reward
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.policy.engine import BatchKey, Group
+from intellect_node.policy.engine import Group
 from intellect_node.policy.model import encode_prompt, load_weights
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_gossip import VerdictWait
 from intellect_node.roles.trainer_registry import VALIDATOR_REFRESH_S, NodeRegistry
+from intellect_node.roles.trainer_state import Shared
 from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
 from intellect_node.weights.store import WeightStore
@@ -40,11 +44,9 @@ from intellect_protocol.identity import Identity
 from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
 
 logger = logging.getLogger(__name__)
-ledger_log = logging.getLogger("intellect_node.ledger")
-"""One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
-unscorable): ``LEDGER <event> <epoch> <node> <version> <index> <groups> <step>``. benchmarks/chaos.py adds these up
-across a trainer's lives to find accepted rollouts that were lost."""
 VERDICTS_KEPT = 256
+REWARD_WORKERS = 2
+"""Threads that score completions (code tests and math checks run jailed programs)."""
 VALIDATE_TIMEOUT_S = 120.0
 VALIDATOR_WARN_S = 30.0
 MAX_DEFER_S = 2.0
@@ -83,40 +85,77 @@ class PendingBatches:
         return self._items.pop(at)[1]
 
 
-class ValidationPipeline:
-    # what the pipeline uses of the trainer (set in Trainer.__init__, or its methods)
-    cfg: NodeConfig
-    spec: RunSpec
-    run_id: str
-    identity: Identity
-    metrics: Metrics
-    registry: NodeRegistry
-    admission: Admission
-    store: WeightStore
-    p2p: Any
-    validator: Validator
-    validator_version: int
-    pending: PendingBatches
-    reward_pool: ThreadPoolExecutor
-    validation_pool: ThreadPoolExecutor
-    pending_by_node: Counter[str]
-    validating: set[BatchKey]
-    queue: list[Group]
-    queue_changed: asyncio.Event
-    queued_by_node: Counter[str]
-    accepted_by_node: Counter[str]
-    rejected_by_node: Counter[str]
-    banned: dict[str, str]
-    verdicts: deque[bytes]
-    _rewards_seen: list[float]
-    _counted: set[BatchKey]
-    _store_lock: threading.Lock
+class Judging:
+    """The judging pipeline (module docstring). ``dispatch`` takes an admitted batch; ``validate_forever`` and
+    ``watch_validators`` run for the trainer's lifetime; ``route`` serves the newest verdicts."""
 
-    tokenizer: Any
+    def __init__(
+        self,
+        spec: RunSpec,
+        validators: list[str],
+        identity: Identity,
+        metrics: Metrics,
+        registry: NodeRegistry,
+        admission: Admission,
+        store: WeightStore,
+        store_lock: threading.Lock,
+        validator: Validator,
+        tokenizer: Any,
+        shared: Shared,
+        fresh_floor: Callable[[], int],
+        acknowledge: Callable[[RolloutBatch, bytes, list[str], bool], str],
+    ) -> None:
+        self.spec = spec
+        self.validators = validators
+        """The validator nodes named with ``--validator``: the only keys whose verdicts count."""
+        self.identity = identity
+        self.metrics = metrics
+        self.registry = registry
+        self.admission = admission
+        self.store = store
+        self.store_lock = store_lock
+        """Held while the validator reads a version (the trainer prunes old versions under it)."""
+        self.validator = validator
+        self.tokenizer = tokenizer
+        self.queue = shared.queue
+        self.inflight = shared.inflight
+        self.curve = shared.curve
+        self.ledger = shared.ledger
+        self.banned = shared.banned
+        self.accepted_by_node = shared.accepted_by_node
+        self.rejected_by_node = shared.rejected_by_node
+        self.fresh_floor = fresh_floor
+        self.acknowledge = acknowledge
+        self.pending = PendingBatches()
+        """Admitted batches waiting to be judged here, with the slots still due."""
+        self.waits: dict[str, VerdictWait] = {}
+        """By digest: the batches the named validators are judging."""
+        self.verdicts: deque[bytes] = deque(maxlen=VERDICTS_KEPT)
+        self.validators_present: list[str] = []
+        self.validators_missing: list[str] = []
+        self.validator_version = -1
+        """The version the validator's model holds (-1: none, or a load that failed half-way)."""
+        self.validate_s = 0.0
+        """Seconds spent judging batches here (the step split)."""
+        self._waiting: set[asyncio.Future[None]] = set()
+        self._turn = 0
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="validation")  # its model: a batch at a time
+        self.reward_pool = ThreadPoolExecutor(REWARD_WORKERS, thread_name_prefix="rewards")
+        """Scoring (code tests and math checks run jailed programs) has threads of its own: a slow batch never
+        holds up checkpointing and publishing, which use the default executor."""
 
-    _fresh_floor: Callable[[], int]
+    def close(self) -> None:
+        self.reward_pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _check_contents(self, batch: RolloutBatch) -> list[int]:
+    def route(self) -> web.RouteDef:
+        return web.get("/verdicts", self._verdicts)
+
+    def submit(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
+        """Judge ``batch`` here (a batch replayed after a restart, or one no validator judged in time)."""
+        self.pending.put_nowait((batch, slots, envelope))
+
+    def check_contents(self, batch: RolloutBatch) -> list[int]:
         """Shape (node/judging/validator.py) and assignment: cheap, no untrusted program runs. Returns the slots."""
         self.validator.check_shape(batch)
         for g in batch.groups:
@@ -153,33 +192,29 @@ class ValidationPipeline:
             )
         return groups
 
-    validators_missing: list[str]
-    validators_present: list[str]
-    waits: dict[str, VerdictWait]
-    _waiting: set[asyncio.Future[None]]
-    validate_s: float
-    step: int
-    choose_judges: Callable[[], list[str]]
-    admitted: Callable[[RolloutBatch, bytes, list[str], bool], str]
-
-    def ledger(self, event: str, key: BatchKey, groups: int) -> None:
-        if groups > 0 and ledger_log.isEnabledFor(logging.INFO):
-            ledger_log.info("LEDGER %s %d %s %d %d %d %d", event, self.spec.epoch, *key, groups, self.step)
+    def choose_judges(self) -> list[str]:
+        """The validators to judge the next batch: one in turn, two for the ``second_opinion`` share."""
+        present = self.validators_present
+        if not present:
+            return []
+        self._turn += 1
+        n = 2 if len(present) >= 2 and random.random() < self.spec.verify.second_opinion else 1
+        return [present[(self._turn + i) % len(present)] for i in range(n)]
 
     async def watch_validators(self) -> None:
         """Say loudly, and keep saying it, when validators named with ``--validator`` are not in the run (the
         trainer then validates every batch itself): a log line every VALIDATOR_WARN_S, a gauge, /status."""
-        if not self.cfg.validators:
+        if not self.validators:
             return
         warned = -VALIDATOR_WARN_S
         while True:
             await asyncio.sleep(0 if warned < 0 else VALIDATOR_REFRESH_S)  # who is present decides who judges
             try:
-                found = {r.node_id for r in await self.registry.validators(self.cfg.validators)}
+                found = {r.node_id for r in await self.registry.validators(self.validators)}
             except Exception as e:  # a DHT that does not answer: say so next time
                 logger.debug("could not read the validators' records: %r", e)
                 found = set()
-            self.validators_missing = sorted(set(self.cfg.validators) - found)
+            self.validators_missing = sorted(set(self.validators) - found)
             self.validators_present = sorted(found)
             self.metrics.set(
                 "node_trainer_validators_missing",
@@ -198,7 +233,7 @@ class ValidationPipeline:
 
     def _load_validator(self, version: int) -> None:
         self.validator_version = -1  # a load that fails half-way leaves mixed weights: never label them
-        with self._store_lock:  # _publish prunes old versions: not while one is being read
+        with self.store_lock:  # the trainer prunes old versions: not while one is being read
             manifest = self.store.manifest(version)
             if manifest is None or version not in self.store.complete_versions():
                 raise Rejected("stale_version", f"version {version} is no longer held here")
@@ -230,8 +265,7 @@ class ValidationPipeline:
                     batch.batch_index,
                 )
             finally:
-                self.validating.discard((batch.node_id, batch.version, batch.batch_index))
-                self.pending_by_node[batch.node_id] -= len(slots)
+                self.inflight.done((batch.node_id, batch.version, batch.batch_index), len(slots))
                 self.metrics.set("node_trainer_batches_pending_validation", self.pending.qsize())
 
     def dispatch(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
@@ -240,7 +274,7 @@ class ValidationPipeline:
         validator is present."""
         newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
         judges = self.choose_judges()
-        digest = self.admitted(batch, envelope, judges, newcomer)
+        digest = self.acknowledge(batch, envelope, judges, newcomer)
         if not judges:
             self.pending.put_nowait((batch, slots, envelope))
             return
@@ -290,8 +324,7 @@ class ValidationPipeline:
         finally:
             self.waits.pop(digest, None)
             if not handed_over:
-                self.validating.discard(key)
-                self.pending_by_node[batch.node_id] -= len(slots)
+                self.inflight.done(key, len(slots))
 
     async def _validate_one(self, batch: RolloutBatch, slots: list[int], envelope: bytes) -> None:
         key = (batch.node_id, batch.version, batch.batch_index)
@@ -299,7 +332,7 @@ class ValidationPipeline:
             self.metrics.inc("node_trainer_groups_dropped_banned_total", len(slots))
             self.ledger("banned", key, len(slots))
             return
-        if batch.version < self._fresh_floor():
+        if batch.version < self.fresh_floor():
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             self.ledger("stale", key, len(slots))
             return
@@ -308,7 +341,7 @@ class ValidationPipeline:
         newcomer = self.admission.on_probation(batch.node_id) and self.spec.verify.check_fraction < 1.0
         try:
             loop = asyncio.get_running_loop()
-            finding = await loop.run_in_executor(self.validation_pool, self._validate, batch, newcomer)
+            finding = await loop.run_in_executor(self.pool, self._validate, batch, newcomer)
         except Rejected as e:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             self.ledger("stale", key, len(slots))
@@ -344,9 +377,7 @@ class ValidationPipeline:
             )
             if self.spec.verify.ban and batch.node_id not in self.banned:
                 self.banned[batch.node_id] = verdict.reason
-                dropped = [g for g in self.queue if g.node_id == batch.node_id]
-                self.queue = [g for g in self.queue if g.node_id != batch.node_id]
-                self.queued_by_node.pop(batch.node_id, None)
+                dropped = self.queue.drop_node(batch.node_id)
                 self.metrics.inc("node_trainer_nodes_banned_total", help="nodes banned for cheating")
                 self.metrics.inc("node_trainer_groups_dropped_banned_total", len(dropped))
                 for g in dropped:
@@ -358,7 +389,7 @@ class ValidationPipeline:
                     len(dropped),
                 )
             return
-        if batch.version < self._fresh_floor():  # went stale while it was being judged
+        if batch.version < self.fresh_floor():  # went stale while it was being judged
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             self.ledger("stale", key, len(slots))
             return
@@ -366,7 +397,7 @@ class ValidationPipeline:
         if groups is None:
             self.ledger("unscorable", key, len(slots))
             return
-        if batch.version < self._fresh_floor():  # went stale while it was being scored
+        if batch.version < self.fresh_floor():  # went stale while it was being scored
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(groups))
             self.ledger("stale", key, len(groups))
             return
@@ -374,11 +405,7 @@ class ValidationPipeline:
         self.admission.batch_passed(batch.node_id)
         self.accepted_by_node[batch.node_id] += len(groups)
         self.metrics.inc("node_trainer_groups_accepted_total", len(groups), help="rollout groups accepted")
-        if key in self._counted:  # replayed after a resume: its rewards are already in the curve
-            self._counted.discard(key)
-        else:
-            for g in groups:
-                self._rewards_seen.extend(g.rewards)
+        self.curve.accepted(key, groups)  # (a batch replayed after a resume is already in the curve)
         if self.spec.train.online_filter:  # all rewards equal: zero advantage, nothing to learn from
             kept = [g for g in groups if max(g.rewards) > min(g.rewards)]
             self.metrics.inc(
@@ -388,9 +415,7 @@ class ValidationPipeline:
             )
             self.ledger("filtered", key, len(groups) - len(kept))
             groups = kept
-        self.queue.extend(groups)
-        self.queued_by_node[batch.node_id] += len(groups)
-        self.queue_changed.set()
+        self.queue.add(batch.node_id, groups)
 
     async def _scored(self, batch: RolloutBatch, slots: list[int]) -> list[Group] | None:
         """Rewards, recomputed here only now that the batch passed validation, on the reward pool and within the
