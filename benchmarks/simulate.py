@@ -6,7 +6,7 @@ Runs the project's own tree code (benchmarks/simswarm.py: ``stripes``, ``tree.pa
 weight per connection for TCP's uneven sharing (``--tcp-spread``), cut-through relaying with a per-hop lag,
 latency per node, nodes that vanish mid-transfer). No packets: 1,000 nodes take under a
 minute, 2,000 two and a half (`--coarse`), 10,000 about 20 minutes without churn and under an hour with it
-(`--coarse`; the formation is 7-8 minutes of it: README).
+(`--coarse`; the formation is 7-8 minutes of it: docs/weights.md).
 
 Population (``--dc-share``, ``--nat``): volunteers are residential (upload log-uniform 10-300 Mbit/s, download 10x
 that within 100-1,000 Mbit/s, one-way latency 5-40 ms) or in a datacenter (upload 500-1,000 Mbit/s, download

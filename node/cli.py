@@ -38,7 +38,7 @@ def _node_args(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=("transformers", "vllm", "auto"),
         help="inference: generation engine, the same as --set inference.backend=... (default "
-        "transformers; vllm: see the README's 'Inference on vLLM'; auto: vLLM where it is installed "
+        "transformers; vllm: see docs/inference.md; auto: vLLM where it is installed "
         "and a GPU is present)",
     )
     p.add_argument(

@@ -110,7 +110,7 @@ class InferenceSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     backend: Literal["transformers", "vllm", "auto"] = "transformers"
-    """The generation engine. ``vllm`` needs vLLM installed (README: "Inference on vLLM"); ``auto`` takes vLLM where
+    """The generation engine. ``vllm`` needs vLLM installed (docs/inference.md); ``auto`` takes vLLM where
     it is installed and a CUDA device is present, transformers otherwise."""
 
 

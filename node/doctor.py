@@ -208,7 +208,7 @@ def checks(data_dir: Path, config: Path | None, backend: str) -> list[Check]:
                 "backend",
                 has,
                 "vllm installed" if has else "vllm is not installed",
-                "pip install -e '.[vllm]' (GPU) or see the README's 'Inference on vLLM' (CPU)",
+                "pip install -e '.[vllm]' (GPU) or see docs/inference.md (CPU)",
             )
         )
     else:

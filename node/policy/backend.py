@@ -107,8 +107,8 @@ def make_backend(
     if backend == "vllm":
         if not vllm_available():
             raise SystemExit(
-                "--backend vllm: vLLM is not installed in this environment; see the README's "
-                "'Inference on vLLM' for the install command (or use --backend transformers)"
+                "--backend vllm: vLLM is not installed in this environment; see docs/inference.md "
+                "for the install command (or use --backend transformers)"
             )
         from intellect_node.policy.vllm_backend import VLLMBackend
 
