@@ -276,7 +276,7 @@ class Judging:
         judges = self.choose_judges()
         digest = self.acknowledge(batch, envelope, judges, newcomer)
         if not judges:
-            self.pending.put_nowait((batch, slots, envelope))
+            self.submit(batch, slots, envelope)
             return
         wait = self.waits[digest] = VerdictWait(judges, (batch.node_id, batch.version, batch.batch_index))
         task = asyncio.ensure_future(self._await_verdicts(batch, slots, envelope, digest, wait))
@@ -311,7 +311,7 @@ class Judging:
                 ",".join(j[:8] for j in wait.judges),
                 self.spec.verify.verdict_wait_s,
             )
-            self.pending.put_nowait((batch, slots, envelope))
+            self.submit(batch, slots, envelope)
             handed_over = True
         except Exception:
             self.metrics.inc("node_trainer_validation_errors_total", help="batches dropped by an internal error")

@@ -339,7 +339,8 @@ class ShardServer:
         now, slots = time.monotonic(), self._active_children()
         idle = {c.split("/")[0] for c in slots if self.feeding.idle(c, now)}
         fed = {c.split("/")[0] for c in slots if self.feeding.was_fed(c)}
-        return [n for n in self.children() if n not in idle and (n in fed or self.earned(n))]
+        nodes = sorted({c.split("/")[0] for c in slots})  # self.children(), from the slots already read
+        return [n for n in nodes if n not in idle and (n in fed or self.earned(n))]
 
     async def _attach(self, request: web.Request) -> web.Response:
         """Take (or keep) a slot as a child: answers this node's depth, its path from the origin and the child's

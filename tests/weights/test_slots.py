@@ -113,6 +113,15 @@ async def _ask(session: aiohttp.ClientSession, url: str, node: str, query: str) 
         return r.status, body
 
 
+async def _fetch_shard(session: aiohttp.ClientSession, url: str, root: Path, node: str, token: str) -> int:
+    """``node`` fetches the first shard of version 1 through the slot ``token`` names: the status."""
+    heads = {"X-Intellect-Node": node, "X-Intellect-Token": token}
+    shard = WeightStore(root, RUN).manifest(1).shards[0].name  # type: ignore[union-attr]
+    async with session.get(f"{url}/weights/1/{shard}", headers=heads) as r:
+        await r.read()
+        return r.status
+
+
 async def _until(condition: Callable[[], bool], timeout: float) -> None:
     async def poll() -> None:
         while not condition():
@@ -269,11 +278,7 @@ def test_a_child_that_never_fetches_loses_its_slot_after_the_grace(
                 out["children"] = server.children()
                 if status != 200 or not isinstance(body, dict):
                     return out
-                heads = {"X-Intellect-Node": contender, "X-Intellect-Token": body["token"]}
-                shard = WeightStore(root, RUN).manifest(1).shards[0].name  # type: ignore[union-attr]
-                async with session.get(f"{url}/weights/1/{shard}", headers=heads) as r:
-                    out["fetch"] = r.status
-                    await r.read()
+                out["fetch"] = await _fetch_shard(session, url, root, contender, body["token"])
                 await wait_out_grace(contender)
                 out["fed_kept"] = (await _ask(session, url, third, "stripe=0&v=1&have=0"))[0]
                 _publish(root, 2)  # a new version: the child fetches none of it
@@ -344,11 +349,7 @@ def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned
                 status, body = await _ask(session, url, relay_node, "stripe=0&v=1&have=0")
                 held = [status, (await _ask(session, url, squatter, "stripe=0"))[0]]
                 assert isinstance(body, dict)
-                heads = {"X-Intellect-Node": relay_node, "X-Intellect-Token": body["token"]}
-                shard = WeightStore(root, RUN).manifest(1).shards[0].name  # type: ignore[union-attr]
-                async with session.get(f"{url}/weights/1/{shard}", headers=heads) as r:
-                    fetched = r.status
-                    await r.read()
+                fetched = await _fetch_shard(session, url, root, relay_node, body["token"])
                 status, body = await _ask(session, url, newcomer, "stripe=0")
                 return held, fetched, status, body
         finally:
