@@ -371,7 +371,8 @@ def _submit_target(
     trainer.registry.records[node_id] = m.NodeRecord(
         run_id=trainer.run_id, node_id=node_id, role="inference", updated=time.time() + 10**6
     )
-    trainer.published = 0
+    trainer.progress.published = 0
+    trainer.door.newcomers.admitted(node_id)  # past the newcomers' rate: every input reaches the decoder
     # a well-formed batch of the tasks assigned to this node (it passes the header and content checks)
     first = m.RolloutGroup(slot=0, prompt_ids=[1], completions=[[2]], logprobs=[[-1.0]], proofs=[[b"\x00\x01"]])
     probe = m.RolloutBatch(
@@ -396,13 +397,13 @@ def _submit_target(
     good_body = pack(good.model_dump(mode="python"))
 
     async def submit(data: bytes) -> None:
-        trainer.inflight.clear()
+        trainer.shared.inflight.clear()
         trainer.judging.pending = PendingBatches()
         trainer.gate.next_index.clear()
-        trainer.envelopes.clear()
+        trainer.door.envelopes.clear()
         trainer.banned.clear()
         frame = signed("rollout_batch", data[1:]) if data[:1] != b"R" else data[1:]
-        reply = await asyncio.wait_for(trainer.on_batch(frame, "fuzz"), 30)
+        reply = await asyncio.wait_for(trainer.door.on_batch(frame, "fuzz"), 30)
         if not isinstance(reply, m.SubmitReply):
             raise AssertionError(f"on_batch answered {type(reply).__name__}")
 

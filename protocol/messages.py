@@ -220,6 +220,9 @@ class AdmissionSpec(BaseModel):
     probation_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.25
     """Of the trainer's pending validation capacity, the share all keys on probation may hold together."""
     pow_bits: Annotated[int, Field(ge=0, le=32)] = 0
+    newcomers_per_min: Annotated[float, Field(gt=0.0, le=1_000_000.0)] = 12.0
+    """New keys that may start probation a minute, all together (8 at once on top): each costs a judged batch,
+    and keys are free. A run that expects a crowd at its start raises it."""
 
 
 class Invite(WireModel):

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import itertools
 import json
 import logging
 import os
@@ -34,27 +32,20 @@ import shutil
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from intellect_node.config import NodeConfig
-from intellect_node.judging.validator import Gate
-from intellect_node.p2p.dht import Membership
 from intellect_node.p2p.http import EncodedList
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.policy.engine import BatchKey, PolicyEngine
-from intellect_node.roles.admission import Admission
-from intellect_node.roles.trainer_gossip import TrainerGossip
-from intellect_node.roles.trainer_registry import NodeRegistry
-from intellect_node.roles.trainer_state import InFlight, Ledger, Shared, TrainQueue
-from intellect_node.roles.trainer_validation import Judging
-from intellect_node.weights.files import fsync_dir
+from intellect_node.roles.trainer_state import Progress
+from intellect_node.weights.files import fsync_dir, write_checkpoint
 from intellect_node.weights.store import WeightStore
-from intellect_protocol.envelope import Rejected, decode_body, open_envelope
-from intellect_protocol.messages import NodeRecord, RolloutBatch, RunSpec
+from intellect_protocol.identity import Identity
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{8})\.pt$")
@@ -289,183 +280,148 @@ class CheckpointDir:
                 self._spool = None
 
 
-class Checkpoints:
-    """The trainer's side of checkpoints (a mixin of ``Trainer``): what a checkpoint holds besides the engine,
-    restoring it, and replaying the batches accepted before a restart."""
+class Durability:
+    """The trainer's durable side (module docstring): ``spool`` each accepted batch before it is acknowledged,
+    ``after_step`` to checkpoint (when due) and publish each version in order while training goes on,
+    ``publish_current`` at start. It owns the checkpoint directory and the publication of versions; the learner
+    hands it what a step produced, and the trainer the rest of a checkpoint (``meta``) and how a published
+    version is announced (``announce``: gossip and the trainer's DHT record)."""
 
-    # what this uses of the trainer (set in Trainer.__init__, or its methods)
-    spec: RunSpec
-    run_id: str
-    step: int
-    engine: PolicyEngine
-    ckpt: CheckpointDir
-    metrics: Metrics
-    registry: NodeRegistry
-    admission: Admission
-    gate: Gate
-    history: list[dict[str, Any]]
-    banned: dict[str, str]
-    idle_s: float
-    publish_s: float
-    shared: Shared
-    queue: TrainQueue
-    inflight: InFlight
-    judging: Judging
-    gossip: TrainerGossip
-    envelopes: dict[BatchKey, bytes]
-    resume_info: dict[str, int] | None
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        identity: Identity,
+        epoch: int,
+        async_level: int,
+        ckpt: CheckpointDir,
+        store: WeightStore,
+        store_lock: threading.Lock,
+        metrics: Metrics,
+        progress: Progress,
+        announce: Callable[[int], Awaitable[None]],
+    ) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.run_id = identity.node_id
+        self.epoch = epoch
+        self.async_level = async_level
+        self.ckpt = ckpt
+        self.store = store
+        self.store_lock = store_lock
+        self.weights_root = store.root
+        self.metrics = metrics
+        self.progress = progress
+        self.announce = announce
+        self.publish_s = 0.0
+        """Seconds spent publishing versions (the step split)."""
+        self._persisting: asyncio.Task[None] | None = None
+        self._shed_at = -1e9
 
-    _fresh_floor: Callable[[], int]
-    ledger: Ledger
-    published: int
-    store: WeightStore
-    _publish: Callable[[int, dict[str, torch.Tensor]], None]
-    _store_lock: threading.Lock
-    _shed_at: float
-    cfg: NodeConfig
-    weights_root: Path
-    membership: Membership
-    record: Callable[[], NodeRecord]
-
-    def _snapshot(self, checkpoint: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """The weights to publish and (when a checkpoint is due) a private copy of the engine's state, taken
-        between steps so that the next step can run while they are written."""
-        return self.engine.export_state(), copy.deepcopy(self.engine.state()) if checkpoint else None
-
-    def _checkpoint_meta(self) -> dict[str, Any]:
-        """Everything but the engine, on the event loop (consistent with the queue and the spool rotation)."""
-        due: dict[BatchKey, list[int] | None] = {key: None for key in self.inflight.keys}
-        for g in self.queue.groups:
-            slots = due.setdefault(g.key, [])
-            if slots is not None:
-                slots.append(g.slot)
-        self.envelopes = {k: v for k, v in self.envelopes.items() if k in due}
-        return {
-            "spec": self.spec.model_dump_json(),
-            "step": self.step,
-            "history": self.history,  # new lines only go to history.jsonl (CheckpointDir.write)
-            "history_len": len(self.history),
-            "banned": dict(self.banned),
-            "gate": dict(self.gate.next_index),
-            "idle_s": self.idle_s,
-            "rewards_seen": list(self.shared.curve.seen),
-            "admission": self.admission.state(),
-            "peers": self.registry.peer_addresses(self.run_id),
-            "batches": {k: self.envelopes[k] for k in due if k in self.envelopes},
-            "due": due,
-        }
-
-    def _restore(self, saved: dict[str, Any]) -> None:
-        self.engine.load_state(saved["engine"])
-        self.step = int(saved["step"])
-        self.history = EncodedList(saved["history"])
-        self.banned.clear()
-        self.banned.update(saved["banned"])
-        self.gate.next_index = dict(saved["gate"])
-        self.idle_s = float(saved["idle_s"])
-        self.shared.curve.seen = list(saved["rewards_seen"])
-        self.admission.restore(saved.get("admission", {}))
-        self._saved_peers: list[str] = list(saved["peers"])
-        logger.info("resuming run %s from its checkpoint at step %d", self.run_id, self.step)
-
-    def _replay(self, saved: dict[str, Any] | None) -> None:
-        """Batches accepted before a restart go through validation again: those of the checkpoint (only their
-        groups still due) and every one spooled since. What went stale meanwhile is counted and logged."""
-        todo: Iterator[tuple[bytes, list[int] | None]] = itertools.chain(
-            ((env, saved["due"].get(key)) for key, env in saved["batches"].items()) if saved is not None else (),
-            ((env, None) for env in self.ckpt.spooled_since(self.step)),
-        )
-        seen: set[BatchKey] = set()
-        replayed = stale = unreadable = 0
-        for data, slots in todo:
+    async def spool(self, envelope: bytes) -> None:
+        """Make an accepted batch durable (fsynced) before it is acknowledged; raises OSError when it cannot be
+        (disk full after shedding, out of file handles). Nothing to do without checkpoints (no resume)."""
+        if not self.cfg.checkpoint_every:
+            return
+        try:
             try:
-                signer, body = open_envelope(data, RolloutBatch)
-                batch = decode_body(signer, body, RolloutBatch).message
-                if batch.epoch != self.spec.epoch:
-                    raise Rejected("wrong_epoch", f"a batch of run epoch {batch.epoch}")
-                due = self.judging.check_contents(batch)
-            except Exception as e:  # it passed these checks once: only a changed task set (or a bad disk) fails
-                unreadable += 1
-                self.metrics.inc("node_trainer_replay_failures_total", help="spooled batches not replayable")
-                logger.warning("could not replay a spooled batch: %r", e)
-                continue
-            key = (batch.node_id, batch.version, batch.batch_index)
-            if key in seen or batch.node_id in self.banned:
-                continue
-            seen.add(key)
-            if slots is not None:
-                due = [slot for slot in due if slot in slots]
-                self.shared.curve.replayed(key)
-            if batch.version < self._fresh_floor():
-                stale += len(due)
-                self.metrics.inc("node_trainer_groups_stale_dropped_total", len(due))
-                self.ledger("stale", key, len(due))
-                continue
-            self.gate.next_index[(batch.node_id, batch.version)] = max(
-                self.gate.next_index.get((batch.node_id, batch.version), 0), batch.batch_index + 1
-            )
-            self.envelopes[key] = data
-            self.inflight.add(key, len(due))
-            # not spooled again: it stays in its spool, which is kept until a checkpoint holding it is taken
-            self.judging.submit(batch, due, data)
-            replayed += len(due)
-        if saved is not None or replayed or stale or unreadable:
-            self.resume_info = {
-                "from_step": self.step,
-                "replayed_groups": replayed,
-                "stale_groups": stale,
-                "unreadable_batches": unreadable,
-            }
-            logger.info("replayed %d accepted groups from before the restart; %d had gone stale", replayed, stale)
+                written = await asyncio.to_thread(self.ckpt.append, envelope)
+            except OSError:
+                await asyncio.to_thread(self.shed_disk)
+                written = await asyncio.to_thread(self.ckpt.append, envelope)
+            while written != self.ckpt.spool_step:  # a checkpoint was taken meanwhile, without this batch
+                written = await asyncio.to_thread(self.ckpt.append, envelope)
+        except OSError as e:
+            self.metrics.inc("node_trainer_spool_failures_total", help="accepted batches that could not be spooled")
+            logger.error("cannot spool a batch: %r; free disk space under %s", e, self.ckpt.root)
+            raise
 
-    async def _join_dht(self) -> list[str]:
-        """The first DHT peer of a new run; a resumed trainer rejoins through the peers it knew (or ``--peers``)."""
-        peers = self.cfg.peers or getattr(self, "_saved_peers", [])
-        state = self.cfg.data_dir
-        if not self.cfg.peers and peers:
-            try:
-                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, peers, state, fresh_process=True)
-            except SystemExit as e:
-                logger.warning(
-                    "could not rejoin the DHT through the peers known at the checkpoint (%s); starting "
-                    "alone: nodes reconnect to this address (kept across restarts)",
-                    e,
-                )
-        return await self.membership.start(
-            self.cfg.host, self.cfg.p2p_port, peers if self.cfg.peers else [], state, fresh_process=True
+    def start(self) -> None:
+        """Batches accepted from now on go to the spool of the current step (none without checkpoints)."""
+        if self.cfg.checkpoint_every:
+            self.ckpt.start_spool(self.progress.step)
+
+    async def after_step(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        engine_state: dict[str, Any] | None,
+        meta: Callable[[], dict[str, Any]],
+    ) -> None:
+        """Version ``step`` is made: checkpoint it when ``engine_state`` is given (with ``meta``, everything but
+        the engine, read now on the event loop, consistent with the queue and the spool rotation), then publish
+        it, after the version before it and without waiting for either."""
+        checkpoint = None
+        if engine_state is not None:
+            try:  # batches accepted from now on go to the next spool; if it cannot be made, no checkpoint now
+                self.ckpt.start_spool(step)
+                checkpoint = {**meta(), "engine": engine_state}
+            except OSError as e:
+                self.metrics.inc("node_trainer_persist_failures_total", label="spool")
+                logger.error("cannot start a new spool (%r): checkpoint %d skipped", e, step)
+        previous = self._persisting
+        if previous is not None:  # versions go out in order; the step did not wait for this
+            await previous
+        self._persisting = asyncio.create_task(self._persist(step, tensors, checkpoint))
+
+    async def drain(self) -> None:
+        """Wait until the last version handed over is checkpointed and published."""
+        if self._persisting is not None:
+            await self._persisting
+
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write, sign and make visible ``version`` (blocking: run it in a thread), then prune old versions."""
+        write = partial(
+            write_checkpoint,
+            self.weights_root,
+            self.identity,
+            self.run_id,
+            version,
+            tensors,
+            self.cfg.shard_bytes,
+            epoch=self.epoch,
         )
+        try:
+            write()
+        except Exception:  # most often a full disk: shed old versions and checkpoints, then once more
+            shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
+            self.shed_disk()
+            write()
+        keep = self.cfg.keep_versions or self.async_level + 1
+        if self.ckpt.keep == 1:  # the disk was full: the newest two (the validator may still need the older)
+            keep = min(keep, 2)
+        with self.store_lock:
+            self.store.prune(keep, int(self.cfg.max_disk_gb * 1e9) if self.cfg.max_disk_gb else None)
 
-    async def _publish_current(self) -> None:
+    async def publish_current(self, export: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Version ``step`` on disk: version 0 of a new run, or, after a resume, the checkpoint's step (unless it
         was published before the restart). Versions a previous life published beyond the checkpoint (possible
         with checkpoint_every > 1) keep their numbers: training continues from the checkpoint as the next one."""
+        progress = self.progress
         newest = max(self.store.complete_versions(), default=-1)
-        if newest > self.step:
-            lost = newest - self.step
+        if newest > progress.step:
             logger.warning(
                 "versions %d..%d were published after the last checkpoint (step %d); their %d steps of "
                 "training are lost and the next version is %d",
-                self.step + 1,
+                progress.step + 1,
                 newest,
-                self.step,
-                lost,
+                progress.step,
+                newest - progress.step,
                 newest + 1,
             )
-            self.step = newest
-            self.published = newest
+            progress.step = progress.published = newest
             return
-        if newest < self.step:
-            await asyncio.to_thread(self._publish, self.step, self.engine.export_state())
-        self.published = self.step
+        if newest < progress.step:
+            await asyncio.to_thread(self.publish, progress.step, export())
+        progress.published = progress.step
 
-    def _shed_disk(self) -> None:
+    def shed_disk(self) -> None:
         """A full disk: keep one published version and one checkpoint, so that training can go on in what we
         already use (a disk filled by something else gives back nothing)."""
         if time.monotonic() - self._shed_at < SHED_EVERY_S:
             return
         self._shed_at = time.monotonic()
         self.ckpt.keep = 1  # from now on: one checkpoint and one version, so the room freed here stays ours
-        with self._store_lock:
+        with self.store_lock:
             self.store.prune(1)
         freed = self.ckpt.shed()
         self.metrics.inc("node_trainer_disk_sheds_total", help="times a full disk made the trainer drop old files")
@@ -476,17 +432,17 @@ class Checkpoints:
             freed,
         )
 
-    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None) -> None:
+    async def _persist(self, version: int, tensors: dict[str, torch.Tensor], checkpoint: dict[str, Any] | None) -> None:
         """Checkpoint (when due), then publish and announce ``version``, in order, while training goes on."""
         began = time.monotonic()
-        if meta is not None:
+        if checkpoint is not None:
             started = time.monotonic()
             try:
                 try:
-                    await asyncio.to_thread(self.ckpt.write, version, meta)
+                    await asyncio.to_thread(self.ckpt.write, version, checkpoint)
                 except Exception:
-                    await asyncio.to_thread(self._shed_disk)
-                    await asyncio.to_thread(self.ckpt.write, version, meta)
+                    await asyncio.to_thread(self.shed_disk)
+                    await asyncio.to_thread(self.ckpt.write, version, checkpoint)
                 self.metrics.inc("node_trainer_checkpoint_seconds_total", time.monotonic() - started)
                 self.metrics.set("node_trainer_checkpoint_step", version)
             except Exception as e:  # disk full (torch.save says RuntimeError): the spools since the last stay
@@ -498,7 +454,7 @@ class Checkpoints:
                     self.ckpt.root,
                 )
         try:
-            await asyncio.to_thread(self._publish, version, tensors)
+            await asyncio.to_thread(self.publish, version, tensors)
         except Exception as e:  # disk full, say: the swarm keeps generating on the last version; the next step retries
             self.metrics.inc("node_trainer_persist_failures_total", label="publish")
             logger.error(
@@ -509,12 +465,8 @@ class Checkpoints:
             )
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             return
-        self.published = version
+        self.progress.published = version
         self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
         self.publish_s += time.monotonic() - began
-        await self.gossip.announce_version(version)
         self.metrics.set("node_trainer_weight_version", version)
-        try:
-            await self.membership.publish_record(self.record())
-        except Exception as e:  # timeouts, daemon errors: the periodic republish will try again
-            logger.warning("could not announce version %d in the DHT: %r", version, e)
+        await self.announce(version)

@@ -7,6 +7,8 @@
 - ``RewardCurve``: the rewards of every rollout accepted since the last step (the learner's reported reward, not
   only the trained groups'); batches replayed after a restart are not counted twice.
 - ``Ledger``: one log line per accepted batch and per outcome of its groups, for accounting across restarts.
+- ``Progress``: the step the learner reached and the newest version published. The learner counts steps,
+  durability publishes; the door, the judging pipeline and gossip read them.
 
 None of them knows the trainer (node/roles/trainer.py), which wires them into its parts.
 """
@@ -133,6 +135,14 @@ class RewardCurve:
         return seen
 
 
+@dataclass
+class Progress:
+    step: int = 0
+    """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
+    published: int = -1
+    """The newest version written, signed and announced."""
+
+
 class Ledger:
     """``LEDGER`` lines (``ledger_log``) for run epoch ``epoch``, each with the step ``step`` returns."""
 
@@ -153,6 +163,7 @@ class Shared:
     inflight: InFlight
     curve: RewardCurve
     ledger: Ledger
+    progress: Progress = field(default_factory=Progress)
     banned: dict[str, str] = field(default_factory=dict)
     """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``). The judging pipeline
     bans; the door, gossip and the origin's slots refuse a banned key. Changed in place, never replaced."""
