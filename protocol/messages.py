@@ -212,13 +212,14 @@ class AdmissionSpec(BaseModel):
     Keys are free, so bans alone deter nobody: under ``open`` anyone may join but a new key is on probation (every
     completion checked, one batch pending at a time, all newcomers together a small share of the trainer's queue)
     until ``probation_batches`` of its batches passed; ``allowlist`` admits the node ids listed; ``invite`` admits
-    nodes whose record carries an invite signed by the run key (``intellect-node invite``), valid until it
-    expires and for at most its number of distinct nodes. ``pow_bits`` > 0 asks every new identity for a
-    proof of work: SHA-256 of ``"<run id>/<epoch>/<node id>/<nonce>"`` with that many leading zero bits, made again
-    for each epoch of the run."""
+    nodes that redeemed an invite signed by the run key (``intellect-node invite``), valid until it expires and for
+    at most its number of distinct nodes; another name is a policy registered on the trainer. ``pow_bits`` > 0
+    asks every new identity for a proof of work: SHA-256 of ``"<run id>/<epoch>/<node id>/<nonce>"`` with that many
+    leading zero bits, made again for each epoch of the run."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    policy: Literal["open", "allowlist", "invite"] = "open"
+    policy: RegisteredName = "open"
+    """Built in: ``open``, ``allowlist``, ``invite``; the trainer's ``intellect_node.roles.admission.POLICIES``."""
     allowlist: Annotated[list[NodeId], Field(max_length=200)] = []
     probation_batches: Annotated[int, Field(ge=0, le=100_000)] = 4
     probation_pending: Annotated[int, Field(ge=1, le=64)] = 1
