@@ -19,6 +19,9 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 U31 = Annotated[int, Field(ge=0, lt=2**31)]
 U63 = Annotated[int, Field(ge=0, lt=2**63)]
 Role = Literal["trainer", "inference", "validator", "relay"]
+RegisteredName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+"""The name of a part a node looks up in its registry (a task family, an admission policy): a short identifier.
+Which names exist is the node's business; a node refuses a run naming one it does not have, saying so."""
 
 
 class WireModel(BaseModel):
@@ -61,10 +64,12 @@ class TaskSpec(BaseModel):
     ``dataset``: rows of a file or Hugging Face dataset in INTELLECT-2's shape (``prompt``, ``task_type``,
     ``verification_info``, an optional pass-rate column). Every node must build the same task set, so a local
     file should be pinned with ``source_sha256``. Every field has a default, so older configs stay valid.
+    ``family`` may name any registered family: a node that has no family of that name refuses the run, saying so.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    family: Literal["arithmetic", "addition", "dataset"] = "arithmetic"
+    family: RegisteredName = "arithmetic"
+    """Built in: ``arithmetic``, ``addition``, ``dataset``; the node's ``intellect_node.judging.tasks.FAMILIES``."""
     max_operand: Annotated[int, Field(ge=1, le=10**6)] = 9
     """``arithmetic`` only: operands in ``[0, max_operand]``."""
     tasks_per_batch: Annotated[int, Field(ge=1, le=256)] = 4
@@ -207,13 +212,14 @@ class AdmissionSpec(BaseModel):
     Keys are free, so bans alone deter nobody: under ``open`` anyone may join but a new key is on probation (every
     completion checked, one batch pending at a time, all newcomers together a small share of the trainer's queue)
     until ``probation_batches`` of its batches passed; ``allowlist`` admits the node ids listed; ``invite`` admits
-    nodes whose record carries an invite signed by the run key (``intellect-node invite``), valid until it
-    expires and for at most its number of distinct nodes. ``pow_bits`` > 0 asks every new identity for a
-    proof of work: SHA-256 of ``"<run id>/<epoch>/<node id>/<nonce>"`` with that many leading zero bits, made again
-    for each epoch of the run."""
+    nodes that redeemed an invite signed by the run key (``intellect-node invite``), valid until it expires and for
+    at most its number of distinct nodes; another name is a policy registered on the trainer. ``pow_bits`` > 0
+    asks every new identity for a proof of work: SHA-256 of ``"<run id>/<epoch>/<node id>/<nonce>"`` with that many
+    leading zero bits, made again for each epoch of the run."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    policy: Literal["open", "allowlist", "invite"] = "open"
+    policy: RegisteredName = "open"
+    """Built in: ``open``, ``allowlist``, ``invite``; the trainer's ``intellect_node.roles.admission.POLICIES``."""
     allowlist: Annotated[list[NodeId], Field(max_length=200)] = []
     probation_batches: Annotated[int, Field(ge=0, le=100_000)] = 4
     probation_pending: Annotated[int, Field(ge=1, le=64)] = 1

@@ -226,7 +226,7 @@ class Validator:
             rewards = []
             # a worker's own rewards are informational (never used); they are compared where scoring is exact and
             # cheap: code runs under time limits and may score differently on a slower machine
-            deterministic = task.kind == "integer"
+            deterministic = self.source.exact_reward(task)
             for j, c in enumerate(g.completions):
                 terminated = c[-1] == self.eos
                 rewards.append(task_reward(self.tokenizer, task, c, terminated, s.task) if deterministic else 0.0)

@@ -1,10 +1,12 @@
 """The trainer's admission policy (the run spec's ``admission``): who may submit, and how much a newcomer may ask.
 
 ``check(record)`` runs at the door on every batch, announcement and relay slot request, after the signature and the
-registry lookup and before any work: the policy (open, allowlist, invite), then the proof of work. ``on_probation``
-says whether a key has yet to earn trust: the trainer then checks every one of its completions itself and holds at
-most ``probation_pending`` of its batches at once, and all keys on probation together at most ``probation_share``
-of the pending capacity, so a flood of fresh keys cannot crowd out the nodes that already proved honest.
+registry lookup and before any work: the policy, then the proof of work. The policy is the ``AdmissionPolicy``
+(``admission_policies.py``) that ``POLICIES`` registers under the spec's name (``open``, ``allowlist``, ``invite``;
+adding one is a module and one line in ``POLICIES``). ``on_probation`` says whether a key has yet to earn trust:
+the trainer then checks every one of its completions itself and holds at most ``probation_pending`` of its batches
+at once, and all keys on probation together at most ``probation_share`` of the pending capacity, so a flood of
+fresh keys cannot crowd out the nodes that already proved honest.
 
 Invites are redeemed, not shown: a node sends its invite once, in a ``Redeem`` request signed by its own key
 (``redeem``, over the trainer's redeem protocol), and the trainer binds one of the invite's uses to that node id.
@@ -24,10 +26,30 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from intellect_node.roles.admission_policies import AdmissionPolicy, Allowlist, InviteOnly, Open
 from intellect_protocol.admission import invite_text, pow_ok
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import AdmissionSpec, Invite, NodeRecord
+
+POLICIES: dict[str, type[AdmissionPolicy]] = {
+    "open": Open,
+    "allowlist": Allowlist,
+    "invite": InviteOnly,
+}
+"""Admission policies by the name a run spec's ``admission.policy`` gives: one line per policy."""
+
+
+def make_policy(spec: AdmissionSpec) -> AdmissionPolicy:
+    """The policy ``spec`` names; raises ``ValueError`` naming the policies this node knows."""
+    policy = POLICIES.get(spec.policy)
+    if policy is None:
+        raise ValueError(
+            f"admission.policy {spec.policy!r} is not one this node knows ({', '.join(sorted(POLICIES))}): "
+            "set one of those, or run a version of intellect-node that has it (a policy is registered in "
+            "POLICIES, intellect_node.roles.admission)"
+        )
+    return policy(spec)
 
 
 class Redemptions:
@@ -69,17 +91,14 @@ class Admission:
         self.passed: Counter[str] = Counter()
         """Batches of each node that passed validation."""
         self.redemptions = Redemptions(redemptions)
+        self.policy = make_policy(spec)
 
     def check(self, record: NodeRecord) -> None:
         """Raise Rejected('not_admitted' | 'pow') unless the run's policy admits this node."""
         node_id = record.node_id
         if node_id == self.run_id:
             return
-        policy = self.spec.policy
-        if policy == "allowlist" and node_id not in self.spec.allowlist:
-            raise Rejected("not_admitted", "this run admits listed node ids only; ask its operator to list yours")
-        if policy == "invite" and node_id not in self.redemptions.by_node:
-            raise Rejected("not_admitted", "this run admits invited nodes only: join with --invite TOKEN")
+        self.policy.check(node_id, node_id in self.redemptions.by_node)
         if not pow_ok(self.run_id, self.epoch, node_id, record.pow_nonce, self.spec.pow_bits):
             raise Rejected("pow", f"this run asks every new identity for {self.spec.pow_bits} bits of proof of work")
 
@@ -87,7 +106,7 @@ class Admission:
         """Admit ``node_id`` with the invite ``envelope`` (its signer was checked by the caller), or say why not:
         Rejected('not_admitted' | 'bad_invite' | 'invite_expired' | 'invite_used_up'). A node admitted before is
         admitted again, with or without an invite. Blocks while the redemption is written."""
-        if node_id == self.run_id or node_id in self.redemptions.by_node or self.spec.policy != "invite":
+        if node_id == self.run_id or node_id in self.redemptions.by_node or not self.policy.takes_invites:
             return
         if not envelope:
             raise Rejected("not_admitted", "this run admits invited nodes only: join with --invite TOKEN")
