@@ -1,7 +1,7 @@
 """Broadcast benchmark: time until every receiver holds a verified new checkpoint, ours against shardcast 0.3.2.
 
 Topology: an origin and N receiver hosts, each in its own Linux network namespace on one bridge, each host's
-upload shaped by tc (tbf) to ``--mbit``. Ours: the origin is benchmarks/broadcast_origin.py (the trainer's
+upload shaped by tc (tbf) to ``--mbit``. Ours: the origin is benchmarks/harness/broadcast_origin.py (the trainer's
 publishing path), every receiver an `intellect-node join --role relay` process; the relay tree forms on a tiny
 version 0, then ``--warmup`` full-size versions (``--size-mb``) go out (default one: a run's volunteers get a
 version every step, and the first after a mass join is the stampede of N joins, with no node's upload measured
@@ -35,13 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from intellect_node.launch import NodeProcess
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
+
+from harness.netns import Topology, available
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from netns import Topology, available  # noqa: E402
-
-from intellect_node.launch import NodeProcess  # noqa: E402
-from intellect_node.weights.files import MANIFEST_NAME, verify_manifest  # noqa: E402
 
 
 def _stamp(line: str, key: str = "at") -> float:
@@ -105,7 +104,7 @@ def run_ours(
                     str(shard_mb),
                 ],
                 work / "logs",
-                command=[sys.executable, str(HERE / "broadcast_origin.py")],
+                command=[sys.executable, str(HERE / "harness" / "broadcast_origin.py")],
                 prefix=origin_host.prefix,
                 stdin=subprocess.PIPE,
             )

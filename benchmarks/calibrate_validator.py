@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intellect_kernels.grpo import group_advantages
+from intellect_node.config import RunConfig
+from intellect_node.judging.validator import Finding, Validator
+from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
+from intellect_node.policy.model import load_weights
+from intellect_node.roles.inference import generate_batch
+from intellect_protocol.messages import RunSpec, VerifySpec
 
-from intellect_kernels.grpo import group_advantages  # noqa: E402
-from intellect_node.config import RunConfig  # noqa: E402
-from intellect_node.judging.validator import Finding, Validator  # noqa: E402
-from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402
-from intellect_node.policy.model import build_model, build_tokenizer, load_weights  # noqa: E402
-from intellect_node.roles.inference import generate_batch  # noqa: E402
-from intellect_protocol.messages import RunSpec, SamplingSpec, TaskSpec, VerifySpec  # noqa: E402
+from harness.models import checkpoint_dtype, load, make_spec, perturb_layer
 
 MEASURE = VerifySpec(
     max_exp_mismatches=10**9,
@@ -53,58 +53,6 @@ MEASURE = VerifySpec(
 def run_topk(model: str) -> int:
     """The ``verify.topk`` the model's runs use: the tiny run's (node/configs/tiny.toml), SmolLM2's configs' 128."""
     return RunConfig().verify.topk if model == "tiny" else 128
-
-
-def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
-    """The model and tokenizer. SmolLM2's weights are the bf16 checkpoint; ``compute`` fp32 upcasts them
-    (exactly) so producer and validator compute in fp32, bf16 computes in bf16, fp16 in fp16 (GPUs without bf16;
-    proofs are then over fp16 activations). The tiny model is fp32, or fp16 with ``compute`` fp16."""
-    if model == "tiny":
-        run = RunConfig()
-        tok = build_tokenizer(run.model)
-        tiny = build_model(run.model, tok)
-        return (tiny.half() if compute == "fp16" else tiny), tok
-    from intellect_node.policy.hf import load_causal_lm
-
-    m, tok = load_causal_lm("smollm2")
-    return {"fp32": m.float(), "bf16": m, "fp16": m.half()}[compute], tok
-
-
-def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 4) -> RunSpec:
-    run = RunConfig()
-    if model == "tiny":
-        sampling = SamplingSpec(temperature=1.0, max_new_tokens=12, group_size=8)
-    else:
-        sampling = SamplingSpec(temperature=1.0, max_new_tokens=64, group_size=8)
-    return RunSpec(
-        run_id="c" * 32,
-        created=0.0,
-        seed=seed,
-        model=run.model,
-        task=TaskSpec(tasks_per_batch=tasks_per_batch, max_operand=99),
-        sampling=sampling,
-        train=run.train,
-        verify=verify,
-    )
-
-
-def perturb_layer(model: Any, rel: float, layer: int = -1, seed: int = 0, weights: torch.dtype | None = None) -> Any:
-    """A copy with every weight matrix of one decoder layer (default: the last) multiplied elementwise by
-    (1 + rel * N(0, 1)), computed in fp32 and rounded once to the checkpoint's dtype ``weights`` (a perturbed
-    checkpoint is still a checkpoint of that dtype)."""
-    other = copy.deepcopy(model)
-    chosen = other.model.layers[layer]
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in chosen.parameters():
-            if p.dim() == 2:
-                new = p.float() * (1 + rel * torch.randn(p.shape, generator=g))
-                p.copy_(new.to(weights or p.dtype).to(p.dtype))
-    return other
-
-
-def checkpoint_dtype(model: str) -> torch.dtype:
-    return torch.float32 if model == "tiny" else torch.bfloat16
 
 
 def rollouts(

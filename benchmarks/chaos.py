@@ -51,11 +51,11 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netns  # noqa: E402
+from intellect_node.launch import NodeProcess
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 
-from intellect_node.launch import NodeProcess  # noqa: E402
-from intellect_node.weights.files import MANIFEST_NAME, verify_manifest  # noqa: E402
+from harness import netns
+from harness.docs import write_doc
 
 SETTINGS = ["--set", "train.online_filter=false", "--set", "train.async_level=4"]
 """No online filter: the tiny run's rate stays stationary (see benchmarks/adversary.py); async level 4: a
@@ -629,16 +629,6 @@ def summary(results: list[Result]) -> str:
         f"versions_reused={sum(r.reused for r in results)} "
         f"crashes={sum(len(r.crashes) for r in results)}"
     )
-
-
-def write_doc(path: Path, text: str, marker: str) -> None:
-    doc = path.read_text()
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
-    if begin not in doc or end not in doc:
-        raise SystemExit(f"{path} has no {begin} ... {end} block to replace")
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def main() -> int:

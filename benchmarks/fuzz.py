@@ -519,7 +519,7 @@ def main() -> None:
     lines += ["", f"fuzz targets={len(rows)} inputs={total} crashes={crashes} hangs={hangs}"]
     print("\n".join(lines), flush=True)
     if args.write_doc:
-        from chaos import write_doc
+        from harness.docs import write_doc
 
         write_doc(args.write_doc, "\n".join(lines), "fuzz")
     sys.exit(1 if crashes or hangs else 0)

@@ -6,7 +6,7 @@ and two validator hosts on it; ``--producers`` inference hosts, all but ``--natt
 others each behind its own home router (a gateway namespace with ``ip_forward`` and an iptables MASQUERADE rule,
 no port forward: nothing on the bridge can dial them). Every producer's link has ``--loss`` % packet loss each way
 (iptables ``statistic`` DROP rules on its veth, in and out) and ``--delay-ms`` of delay each way on each of its TCP
-connections (benchmarks/delay_proxy.py, a transparent proxy that iptables REDIRECT rules send its connections
+connections (benchmarks/harness/delay_proxy.py, a transparent proxy that iptables REDIRECT rules send its connections
 through: this kernel has no netem qdisc). Every host uses the same fixed libp2p port,
 and an iptables rule in each host counts the bytes it sends on libp2p connections (pushes, gossip, batch fetches,
 the DHT): that is "bytes on the wire", set against the batches' own size (what a direct push alone would send).
@@ -36,13 +36,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from intellect_node.launch import NodeProcess, join_argv
+from intellect_node.p2p.keys import load_or_create
+
+from harness.netns import available, run
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from netns import available, run  # noqa: E402
-
-from intellect_node.launch import NodeProcess, join_argv  # noqa: E402
-from intellect_node.p2p.keys import load_or_create  # noqa: E402
 
 PREFIX = "igs"
 P2P_PORT, HTTP_PORT, PROXY_PORT, MARK = 4001, 8001, 15001, 1
@@ -258,7 +257,7 @@ def main() -> None:
                 f"proxy-{name}",
                 ["--port", str(PROXY_PORT), "--delay-ms", f"{args.delay_ms:g}", "--mark", str(MARK)],
                 logs,
-                command=[sys.executable, str(HERE / "delay_proxy.py")],
+                command=[sys.executable, str(HERE / "harness" / "delay_proxy.py")],
                 prefix=net.prefix(name),
             )
             proxy.wait_ready(timeout=60)

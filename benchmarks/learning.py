@@ -52,20 +52,19 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from intellect_kernels.grpo import group_advantages  # noqa: E402
-from intellect_node.config import load_run_config  # noqa: E402
-from intellect_node.demo import Curve, plot  # noqa: E402
-from intellect_node.judging.evaluate import accuracy, load_folder, newest_version  # noqa: E402
-from intellect_node.judging.tasks import task_source  # noqa: E402
-from intellect_node.judging.validator import task_reward  # noqa: E402
-from intellect_node.launch import NodeProcess, join_argv  # noqa: E402
-from intellect_node.p2p.keys import load_or_create  # noqa: E402
-from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences  # noqa: E402  # noqa: E402
-from intellect_node.policy.generate import sample_groups  # noqa: E402
-from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights  # noqa: E402
-from intellect_protocol.messages import RunSpec  # noqa: E402
-from intellect_protocol.tasks import sampling_seed  # noqa: E402
+from intellect_kernels.grpo import group_advantages
+from intellect_node.config import load_run_config
+from intellect_node.demo import Curve, plot
+from intellect_node.judging.evaluate import accuracy, load_folder, newest_version
+from intellect_node.judging.tasks import task_source
+from intellect_node.judging.validator import task_reward
+from intellect_node.launch import NodeProcess, join_argv
+from intellect_node.p2p.keys import load_or_create
+from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
+from intellect_node.policy.generate import sample_groups
+from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
+from intellect_protocol.messages import RunSpec
+from intellect_protocol.tasks import sampling_seed
 
 CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-addition.toml"
 SPLIT = {"waiting": "idle_s", "judging": "validate_s", "training": "seconds", "publishing": "publish_s"}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MB = 2**20
 

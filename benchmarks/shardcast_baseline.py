@@ -11,8 +11,8 @@ distribution.txt) in the origin's data dir; end = the moment the last client
 has returned from ClientNode.download_version() with a blake3-verified file.
 
 Usage (loopback):
-  python3 run_shardcast.py --size-mb 64 --middles 1 --clients 4
-  python3 run_shardcast.py --size-mb 64 --middles 1 --clients 4 --check-interval 1   # NOT baseline
+  python benchmarks/shardcast_baseline.py --size-mb 64 --middles 1 --clients 4
+  python benchmarks/shardcast_baseline.py --size-mb 64 --middles 1 --clients 4 --check-interval 1   # NOT baseline
 Topology file (for network namespaces), JSON:
   {"origin":  {"ip": "10.0.0.1", "port": 8100, "prefix": ["ip","netns","exec","o"]},
    "middles": [{"ip": "10.0.0.2", "port": 8101, "prefix": [...], "upstream": ["origin"]}],

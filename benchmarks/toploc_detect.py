@@ -36,17 +36,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intellect_node.config import RunConfig
+from intellect_node.judging.validator import Gate, Validator
+from intellect_node.policy.backend import GenerationBackend
+from intellect_node.policy.model import state_dict_for_export
+from intellect_node.roles.inference import generate_batch
+from intellect_protocol.envelope import Rejected
+from intellect_protocol.messages import RolloutBatch, VerifySpec
 
-from calibrate_validator import checkpoint_dtype, load, make_spec, perturb_layer  # noqa: E402
-
-from intellect_node.config import RunConfig  # noqa: E402
-from intellect_node.judging.validator import Gate, Validator  # noqa: E402
-from intellect_node.policy.backend import GenerationBackend  # noqa: E402
-from intellect_node.policy.model import state_dict_for_export  # noqa: E402
-from intellect_node.roles.inference import generate_batch  # noqa: E402
-from intellect_protocol.envelope import Rejected  # noqa: E402
-from intellect_protocol.messages import RolloutBatch, VerifySpec  # noqa: E402
+from harness.models import checkpoint_dtype, load, make_spec, perturb_layer
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = 3

@@ -21,18 +21,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intellect_kernels import toploc
+from intellect_kernels.sampling import position_keys, sampling_gaps
+from intellect_node.policy.generate import HiddenCapture, ProofSettings, sample_groups
 
-from calibrate_validator import load  # noqa: E402
-
-from intellect_kernels import toploc  # noqa: E402
-from intellect_kernels.sampling import position_keys, sampling_gaps  # noqa: E402
-from intellect_node.policy.generate import HiddenCapture, ProofSettings, sample_groups  # noqa: E402
+from harness.models import load
 
 
 def best_of(n: int, fn: Callable[[], Any]) -> float:

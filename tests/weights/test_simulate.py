@@ -1,22 +1,19 @@
-"""The broadcast simulator (benchmarks/simulate.py) on a small swarm: 200 volunteers, a quarter of them behind NAT,
-10% leaving mid-broadcast and as many joining, a 2 GB checkpoint in four stripes. What its figures rely on: the
-project's tree code chose every parent, every node that stays ends with the whole version, no faster than the
-bound allows, no node ever took a child past its slots, and every node whose parent left found another."""
+"""The broadcast simulator (benchmarks/sim, as benchmarks/simulate.py runs it) on a small swarm: 200 volunteers, a
+quarter of them behind NAT, 10% leaving mid-broadcast and as many joining, a 2 GB checkpoint in four stripes. What
+its figures rely on: the project's tree code chose every parent, every node that stays ends with the whole version,
+no faster than the bound allows, no node ever took a child past its slots, and every node whose parent left found
+another."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import simswarm  # noqa: E402
-import simulate  # noqa: E402
+from benchmarks.sim import runs, scenario
+from benchmarks.sim import swarm as simswarm
 
 ARGS = argparse.Namespace(
     seed=3,
@@ -67,10 +64,10 @@ def test_a_small_swarm_with_churn_and_nat_gets_the_whole_version_through_the_pro
         return real(*a, **k)
 
     monkeypatch.setattr(simswarm, "parents", parents)
-    monkeypatch.setattr(simulate, "Swarm", Checked)
-    sc = simulate.scale_scenario(ARGS, 200, 0.1)
+    monkeypatch.setattr(runs, "Swarm", Checked)
+    sc = scenario.scale_scenario(ARGS, 200, 0.1)
     assert len(sc.leave) == len(sc.joiners) == 20 and sum(not p.reachable for p in sc.peers) > 20
-    r = simulate.run_ours(sc)
+    r = runs.run_ours(sc)
     swarm = r.swarm
     assert isinstance(swarm, Checked)
     net = swarm.net

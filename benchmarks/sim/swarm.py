@@ -1,10 +1,10 @@
-"""The control plane of benchmarks/simulate.py: simulated nodes that choose parents with the project's own code.
+"""The control plane of the broadcast simulator: simulated nodes that choose parents with the project's own code.
 
-What runs as the node runs it (imported): ``stripes.choose_home``, ``planned_rate``, ``fanout``, ``claim`` (home
-stripe and slots), ``tree.parents`` and ``tree.below`` (whom to ask for a slot, and whom next after a 503), and the
-timing constants of follower.py and relay.py; the fetching side is benchmarks/simfetch.py. Records are real
-``NodeRecord``/``RelayInfo`` objects, published on change and seen by others ``dht_lag`` seconds later; a departed
-node's record stays until ``NODE_TTL_S`` after its last publish.
+What runs as the node runs it (imported): ``stripes.choose_home``, ``announced_home``, ``planned_rate``,
+``fanout``, ``claim`` (home stripe and slots), ``tree.parents`` and ``tree.below`` (whom to ask for a slot, and
+whom next after a 503), and the timing constants of follower.py and relay.py; the fetching side is fetch.py.
+Records are real ``NodeRecord``/``RelayInfo`` objects, published on change and seen by others ``dht_lag`` seconds
+later; a departed node's record stays until ``NODE_TTL_S`` after its last publish.
 
 Mirrored here (the decision lives in async code that cannot be imported; each is marked MIRROR below):
 attaching (``follower._choose``: ask in order, an answer per round trip, a silent one costs ``ASK_STAGGER_S``, a
@@ -22,8 +22,6 @@ import random
 from collections.abc import Iterator, Mapping
 
 import numpy as np
-from simfetch import ORIGIN, Fetcher, Node, Stats
-from simnet import Clock, Net
 
 from intellect_node.weights import stripes as st
 from intellect_node.weights.follower import REHOME_HOLD_S, REHOME_IDLE_S, REHOME_JOIN_S, REHOME_S
@@ -38,13 +36,15 @@ from intellect_node.weights.links import (
     REFUSED_AVOID_S,
     SILENT_KEEPALIVES,
     UNREACHABLE_AVOID_S,
-    _home,
 )
 from intellect_node.weights.relay import BEHIND_SHARDS, CHILD_TTL_S, CONTESTED_TTL_S
 from intellect_node.weights.tree import Candidate, below, parents
 from intellect_node.weights.tree import _order as tree_order
 from intellect_protocol.messages import NodeRecord, RelayInfo
 from intellect_protocol.records import NODE_TTL_S
+
+from .fetch import ORIGIN, Fetcher, Node, Stats
+from .net import Clock, Net
 
 PLAN_S = 5.0
 """The planned stripe rate is computed again this often (a pass over every record)."""
@@ -406,7 +406,7 @@ class Swarm:
         if len(path) < 4 or path[-1] != ORIGIN or n.climb_after.get(path[2], -1e18) > now or path[2] in n.avoid:
             return
         t = self.nodes[path[2]]
-        if _home(self.visible.get(t.nid)) != s:
+        if st.announced_home(self.visible, t.nid) != s:
             return
         self.clock.at(now + self.rtt(n, t), self._climbed, n, s, t, n.parent[s])
 
@@ -541,7 +541,7 @@ class Swarm:
         self.stats.refused += 1
         if status == 503 and kids:  # only those at home in the stripe take children in it (links._choose)
             found = below(self.visible, [self.nodes[i].nid for i in kids], tried | {n.nid})
-            queue[:0] = [c for c in found if self.k < 2 or _home(self.visible.get(c.node_id)) == s]
+            queue[:0] = [c for c in found if self.k < 2 or st.announced_home(self.visible, c.node_id) == s]
         self._ask(n, s, queue, tried, deadline)
 
     def adopt(self, n: Node, s: int, t: Node) -> None:

@@ -1,4 +1,4 @@
-"""The fetching side of benchmarks/simulate.py's nodes: where each stripe's shards come from.
+"""The fetching side of the simulated nodes (benchmarks/simulate.py): where each stripe's shards come from.
 
 Runs ``fetch.pick_source`` on real ``fetch.Source`` objects for every shard (the stripe's parent preferred, an
 alternate probed one pick in ``PROBE_EVERY``), plans the sources as ``fetch.ShardFetcher._refresh`` with
@@ -18,7 +18,7 @@ node two levels below the stripe's root takes from the slot the root keeps (``so
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -26,9 +26,9 @@ from intellect_node.weights.fetch import PROBE_EVERY, REPLAN_S, SPARE_AGAIN_S
 from intellect_node.weights.follower import REFUSED_AVOID_S
 from intellect_node.weights.sources import ABOVE_EVERY, Source, above_due, faster_than_parent, pick_source, pick_spare
 from intellect_node.weights.tree import holders
+from intellect_protocol.messages import NodeRecord
 
-if TYPE_CHECKING:
-    from simswarm import Swarm
+from .net import Clock, Net
 
 ORIGIN = 0
 
@@ -92,6 +92,30 @@ class Stats:
     spare_yielded: int = 0
     climbs: int = 0
     above_shards: int = 0
+
+
+class Swarm(Protocol):
+    """What the fetcher reads and calls of the swarm it serves (swarm.Swarm): the network, the clock, the nodes
+    and the records they published."""
+
+    net: Net
+    clock: Clock
+    k: int
+    nodes: list[Node]
+    ids: dict[str, int]
+    holding: dict[str, NodeRecord]
+    stats: Stats
+
+    @property
+    def origin(self) -> Node: ...
+
+    def rtt(self, a: Node, b: Node) -> float: ...
+
+    def active(self, t: Node) -> dict[tuple[int, int], float]: ...
+
+    def depth(self, n: Node, s: int) -> int: ...
+
+    def publish(self, n: Node, force: bool = False) -> None: ...
 
 
 class Fetcher:

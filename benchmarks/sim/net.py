@@ -1,4 +1,4 @@
-"""The network model and clock of benchmarks/simulate.py: a fluid (flow-level) model, no packets.
+"""The network model and clock of the broadcast simulator: a fluid (flow-level) model, no packets.
 
 Every receiver fetches each stripe of the version as one stream (the real fetcher's two workers per stripe take
 the stripe's shards in manifest order, so they pipeline and hide each request's round trip; modelled as one

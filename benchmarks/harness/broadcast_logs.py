@@ -1,7 +1,7 @@
 """Where a netns broadcast's time went: reads the folder ``benchmarks/broadcast.py --keep`` leaves.
 
     sudo python benchmarks/broadcast.py --n 16 --skip-shardcast --keep --node-log-level DEBUG
-    python benchmarks/broadcast_logs.py /tmp/bcast-ours-16-auto-XXXXXXXX
+    python benchmarks/harness/broadcast_logs.py /tmp/bcast-ours-16-auto-XXXXXXXX
 
 The per-shard lines the fetcher logs (``shard=... source=... waited_and_received_s=...``) are DEBUG. For the
 timed version (the last one published), in seconds from its publish: when the origin had it written; each node's

@@ -6,7 +6,7 @@ in nat OUTPUT, incoming in nat PREROUTING) to ``--port``: each connection is rel
 side is written to the other ``--delay-ms`` later, in order. Throughput is unchanged; each direction gains the
 delay. Used by benchmarks/gossip.py.
 
-    ip netns exec NS python benchmarks/delay_proxy.py --port 15001 --delay-ms 50 --mark 1
+    ip netns exec NS python benchmarks/harness/delay_proxy.py --port 15001 --delay-ms 50 --mark 1
 """
 
 from __future__ import annotations
