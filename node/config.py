@@ -1,6 +1,8 @@
 """One typed config tree: the run (what the trainer signs into the RunSpec) and the node (this process).
 
-Loaded from a TOML file (``--config``; see ``node/configs/tiny.toml``) with dotted overrides
+The run: ``RunConfig`` is ``intellect_protocol.messages.RunSettings`` (each run setting's default, bounds and doc)
+plus the checks a run must pass before it starts; ``RunConfig.spec`` adds what the trainer fills in at start and
+gives the RunSpec. Loaded from a TOML file (``--config``; see ``node/configs/tiny.toml``) with dotted overrides
 (``--set train.lr=1e-3``). Environment variables are read here and nowhere else.
 """
 
@@ -13,54 +15,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import (
-    AdmissionSpec,
-    ModelSpec,
-    RunSpec,
-    SamplingSpec,
-    TaskSpec,
-    TrainSpec,
-    VerifySpec,
-)
-from intellect_protocol.tasks import ARITHMETIC_ALPHABET
-
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+from intellect_protocol.messages import SPECIAL_TOKENS, RunSettings, RunSpec, tiny_model
 
 
-def default_model() -> ModelSpec:
-    return ModelSpec(vocab=SPECIAL_TOKENS + list(ARITHMETIC_ALPHABET))
+class RunConfig(RunSettings):
+    """The run a trainer starts: the run settings (their defaults, bounds and docs are RunSettings', in
+    protocol/messages.py) and the checks a run must pass before it starts. It becomes the signed RunSpec every node
+    follows."""
 
-
-class RunConfig(BaseModel):
-    """The run a trainer starts. It becomes the signed RunSpec every node follows."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(max_length=128)] = "intellect-demo"
-    """A human-readable name for the run."""
-    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
-    """Seeds task assignment and sampling; with the run key it fixes what every node must do."""
-    model: ModelSpec = Field(default_factory=default_model)
-    task: TaskSpec = TaskSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    train: TrainSpec = TrainSpec()
-    verify: VerifySpec = VerifySpec()
-    """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
-    admission: AdmissionSpec = AdmissionSpec()
-    """Who may take part (open with probation, allowlist, invite) and the proof of work asked of new keys."""
+    model_config = ConfigDict(frozen=False)
 
     def spec(self, run_id: str, created: float = 0.0) -> RunSpec:
         """The signed-to-be RunSpec of this run under ``run_id`` (the trainer's key; any id for local use)."""
         return RunSpec(
-            run_id=run_id,
-            name=self.name,
-            created=created,
-            seed=self.seed,
-            model=self.model,
-            task=self.task,
-            sampling=self.sampling,
-            train=self.train,
-            verify=self.verify,
-            admission=self.admission,
+            run_id=run_id, created=created, **{name: getattr(self, name) for name in RunSettings.model_fields}
         )
 
     @model_validator(mode="after")
@@ -264,5 +232,5 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
         _set_dotted(tree, *parse_override(item))
     _reject_unknown(tree, RunConfig)
     if "model" in tree and "vocab" not in tree["model"] and tree["model"].get("kind", "tiny-llama") == "tiny-llama":
-        tree["model"]["vocab"] = default_model().vocab
+        tree["model"]["vocab"] = tiny_model().vocab
     return RunConfig.model_validate(tree)
