@@ -1,6 +1,11 @@
 """The ``intellect-node`` command: ``bootstrap`` a run, ``join`` one, run the local ``demo``; ``status``,
 ``doctor``, ``id`` and ``invite``.
 
+The node flags of ``bootstrap`` and ``join`` are made from NodeConfig's fields (node/config.py): name, type,
+choices, default, bounds and help come from the field, so a node setting is declared once; a few flags keep an older
+spelling (``FLAG_NAMES``). Given nowhere, a setting takes the field's default; ``--set key=value`` reaches the same
+settings and wins over a flag.
+
 Arguments are parsed before torch or hivemind is imported, so ``--help`` is instant.
 """
 
@@ -20,43 +25,120 @@ if TYPE_CHECKING:
 
 ROLES_AVAILABLE = ("inference", "relay", "validator")
 
+FLAG_NAMES = {
+    "inference.backend": "--backend",
+    "join_timeout_s": "--join-timeout",
+    "relay": "--no-relay",
+    "shard_bytes": "--shard-mb",
+    "validators": "--validator",
+}
+"""Node settings whose flag is not ``--`` and the field's name with dashes (kept from before the flags were made
+from the fields: scripts and docs use them)."""
+METAVARS = {"announce": "ADDRESS", "device": "auto|cpu|cuda[:N]", "peers": "MULTIADDR", "validators": "NODE_ID"}
+UNITS = {"shard_bytes": (2**20, "MB")}
+"""Settings whose flag counts in a larger unit than the field: ``--shard-mb`` is MB, ``shard_bytes`` bytes."""
+NODE = "node."
+"""Prefix of the parsed arguments that are NodeConfig fields (``node.threads``, ``node.inference.backend``)."""
 
-def _node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--data-dir", type=Path, help="key and checkpoints (default: $INTELLECT_NODE_HOME or ~/.intellect-node)"
+
+def _plain(text: str) -> str:
+    """A field's docstring as flag help: no reST markup, one paragraph, ``%`` escaped for argparse."""
+    return " ".join(text.replace("``", "").split()).replace("%", "%%")
+
+
+def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
+    """(type, constraints) of an annotation such as ``Annotated[int, Field(ge=1)] | None``."""
+    import types
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *extra = typing.get_args(annotation)
+        return base, [c for e in extra for c in getattr(e, "metadata", [e])]
+    return annotation, []
+
+
+def _bounds(constraints: list[Any]) -> str:
+    """What pydantic accepts, for the help: ``1 to 1024``, ``> 0``."""
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    limits = {a: getattr(c, a) for c in constraints for a in signs if hasattr(c, a)}
+    if "ge" in limits and "le" in limits:
+        return f"{limits['ge']} to {limits['le']}"
+    return ", ".join(f"{signs[a]} {value}" for a, value in limits.items())
+
+
+def _add_field_flag(p: Any, path: str, field: Any, required: bool = False) -> None:
+    """One flag for the NodeConfig field at ``path``: its type, choices, default and bounds (for the help; pydantic
+    enforces them) and its docstring as help. Given nowhere, a setting takes the field's default."""
+    import typing
+
+    kind, inner = _unwrap(field.annotation)
+    constraints = [*inner, *field.metadata]
+    factor, unit = UNITS.get(path, (1, ""))
+    flag = FLAG_NAMES.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
+    default = field.get_default(call_default_factory=False)
+    notes = [f"in {unit}"] if unit else []
+    if not (default is None or isinstance(default, bool) or default == [] or field.default_factory):
+        notes.append(f"default {default / factor:g}" if isinstance(default, int | float) else f"default {default}")
+    if constraints and not unit:
+        notes.append(_bounds(constraints))
+    notes = [n for n in notes if n]
+    kwargs: dict[str, Any] = dict(
+        dest=NODE + path,
+        default=argparse.SUPPRESS,
+        help=_plain(field.description or "") + (f" ({'; '.join(notes)})" if notes else ""),
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default 127.0.0.1)")
-    p.add_argument(
-        "--announce",
-        metavar="ADDRESS",
-        help="address peers should dial, when not --host (a router forwarding the ports, or 0.0.0.0)",
-    )
-    p.add_argument("--p2p-port", type=int, default=0, help="libp2p TCP port (default: any free port)")
-    p.add_argument("--http-port", type=int, default=0, help="HTTP port for weights and status (default: any free port)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument(
-        "--backend",
-        choices=("transformers", "vllm", "auto"),
-        help="inference: generation engine, the same as --set inference.backend=... (default "
-        "transformers; vllm: see docs/inference.md; auto: vLLM where it is installed "
-        "and a GPU is present)",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        metavar="auto|cpu|cuda[:N]",
-        help="where the transformers backend, the trainer and the validator compute (default auto: the "
-        "first GPU where one is present, else the CPU)",
-    )
+    if required:
+        kwargs["required"] = True
+    if kind is bool:
+        kwargs["action"] = "store_false" if default else "store_true"
+    elif typing.get_origin(kind) is list:
+        kwargs.update(action="append", metavar=METAVARS.get(path, "VALUE"))
+    elif typing.get_origin(kind) is typing.Literal:
+        kwargs["choices"] = typing.get_args(kind)
+    else:
+        metavar = METAVARS.get(path, flag.removeprefix("--").replace("-", "_").upper())
+        kwargs.update(type=float if unit else kind, metavar=metavar)
+    p.add_argument(flag, **kwargs)
+
+
+def _node_flags(p: argparse.ArgumentParser, role: str, required: tuple[str, ...] = ()) -> None:
+    """A flag for every node setting the role takes (ROLE_SETTINGS in node/config.py), grouped as there."""
+    from pydantic import BaseModel
+
+    from intellect_node.config import ROLE_SETTINGS
+
+    p.set_defaults(node_role=role)
+    for model in ROLE_SETTINGS[role]:
+        title = model.__name__.removesuffix("Settings").lower() + " settings"
+        group = p.add_argument_group(title, _plain(model.__doc__ or ""))
+        for name, field in model.model_fields.items():
+            section = field.annotation
+            if isinstance(section, type) and issubclass(section, BaseModel):
+                for key, sub in section.model_fields.items():
+                    _add_field_flag(group, f"{name}.{key}", sub, f"{name}.{key}" in required)
+            else:
+                _add_field_flag(group, name, field, name in required)
+
+
+def node_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The NodeConfig fields given as flags, nested (``{"inference": {"backend": "vllm"}}``), in the fields' units."""
+    fields: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        if dest.startswith(NODE):
+            path = dest.removeprefix(NODE)
+            *sections, name = path.split(".")
+            at = fields
+            for section in sections:
+                at = at.setdefault(section, {})
+            at[name] = int(value * UNITS[path][0]) if path in UNITS else value
+    return fields
+
+
+def _log_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
-    p.add_argument(
-        "--relay-slots",
-        type=int,
-        help="nodes that may fetch weights from this one at once (default: from the measured upload)",
-    )
-    p.add_argument("--upload-limit-mbps", type=float, help="cap on weight upload, Mbit/s (default: none)")
-    p.add_argument("--keep-versions", type=int, help="weight versions kept on disk (default: async_level + 1)")
-    p.add_argument("--max-disk-gb", type=float, help="disk budget for weights (the newest version is always kept)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +149,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a run setting, e.g. --set train.lr=1e-3 (repeatable)",
+        help="a run setting, e.g. --set train.lr=1e-3, or a node setting, e.g. --set threads=2 (repeatable)",
     )
 
 
@@ -80,77 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     boot = sub.add_parser("bootstrap", help="start a run: trainer role, first DHT peer, weight origin")
-    _node_args(boot)
+    _log_args(boot)
     _run_args(boot)
-    boot.add_argument("--max-steps", type=int, help="stop training after this many steps (keeps serving)")
-    boot.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=1,
-        help="checkpoint every N steps (default 1; 0: never). Rerunning bootstrap with the same "
-        "--data-dir resumes from the newest checkpoint",
-    )
-    boot.add_argument(
-        "--track",
-        choices=("none", "tensorboard", "wandb"),
-        default="none",
-        help="log each step's metrics to TensorBoard event files or W&B (offline mode)",
-    )
-    boot.add_argument("--track-dir", type=Path, help="where --track writes (default: <data dir>/tracking)")
-    boot.add_argument("--fresh", action="store_true", help="discard this key's checkpoints and start the run over")
-    boot.add_argument(
-        "--peers",
-        action="append",
-        default=[],
-        metavar="MULTIADDR",
-        help="rejoin a running swarm's DHT through this peer (a restarted trainer otherwise uses the "
-        "peers it saved in its checkpoint)",
-    )
-    boot.add_argument("--shard-mb", type=float, default=64.0, help="largest weight shard in MB (default 64)")
-    boot.add_argument(
-        "--stripes",
-        type=int,
-        default=4,
-        help="stripes per version, each spread by its own relay tree (default 4; 1: a single tree)",
-    )
-    boot.add_argument(
-        "--validator",
-        action="append",
-        default=[],
-        metavar="NODE_ID",
-        help="take verdicts from this validator (repeatable); else the trainer validates",
-    )
-    boot.add_argument(
-        "--invite-uses",
-        type=int,
-        default=100,
-        help='invite-only runs (admission.policy = "invite"): nodes the printed invite admits',
-    )
-    boot.add_argument("--invite-days", type=float, default=7.0, help="invite-only runs: days the printed invite lasts")
+    _node_flags(boot, "trainer")
 
     join = sub.add_parser("join", help="join a run as a volunteer")
-    _node_args(join)
+    _log_args(join)
     join.add_argument("--role", required=True, choices=ROLES_AVAILABLE, help="what this node does")
-    join.add_argument(
-        "--peers",
-        action="append",
-        default=[],
-        required=True,
-        metavar="MULTIADDR",
-        help="a DHT peer to join through, as printed by `bootstrap` (repeatable)",
-    )
-    join.add_argument("--run-id", required=True, help="the run to join, as printed by `bootstrap`")
-    join.add_argument("--join-timeout", type=float, default=60.0, help="seconds to look for the run (default 60)")
-    join.add_argument("--no-relay", action="store_true", help="inference: do not serve weights to other nodes")
-    join.add_argument("--invite", help="the invite an invite-only run asks for (from its operator)")
     join.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a node setting, e.g. --set inference.backend=vllm (repeatable)",
+        help="a node setting, e.g. --set inference.backend=vllm or --set threads=2 (repeatable)",
     )
+    _node_flags(join, "volunteer", required=("peers", "run_id"))
 
     ident = sub.add_parser(
         "id",
@@ -253,7 +280,7 @@ def _main(args: argparse.Namespace) -> None:
 
             args.config = SMOLLM2_CONFIG
         run_config = load_run_config(args.config, args.overrides)  # validate before starting anything
-        node_settings(split_overrides(args.overrides)[1])
+        node_settings(split_overrides(args.overrides)[1], role="volunteer")  # the inference nodes'
         sys.exit(run_demo(args, run_config))
 
     if args.command == "invite":
@@ -288,73 +315,37 @@ def _main(args: argparse.Namespace) -> None:
         print(load_or_create((args.data_dir or default_data_dir()) / "node.key").node_id)
         return
     _setup_logging(args.log_level)
-    fields: dict[str, Any] = dict(
-        host=args.host,
-        announce=args.announce,
-        p2p_port=args.p2p_port,
-        http_port=args.http_port,
-        threads=args.threads,
-        device=args.device,
-        relay_slots=args.relay_slots,
-        upload_limit_mbps=args.upload_limit_mbps,
-        keep_versions=args.keep_versions,
-        max_disk_gb=args.max_disk_gb,
-    )
-    if args.data_dir is not None:
-        fields["data_dir"] = args.data_dir
-    _writable(fields.get("data_dir"))
-    if args.backend is not None:
-        fields["inference"] = {"backend": args.backend}
     run_overrides, node_overrides = split_overrides(args.overrides)
     if args.command == "join" and run_overrides:
         sys.exit(
             f"intellect-node: join --set {run_overrides[0]}: that is a run setting, which the run's trainer "
-            "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend"
+            "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend or threads"
         )
-    fields = node_settings(node_overrides, fields)  # --set inference.*: this node's
+    fields = node_settings(node_overrides, node_fields(args), role=args.node_role)  # --set wins over a flag
+    _writable(Path(fields["data_dir"]) if "data_dir" in fields else None)
     from intellect_node.policy.model import resolve_device
 
-    resolve_device(args.device)  # no GPU where one was asked for: say so now, not once the node has joined
+    # no GPU where one was asked for: say so now, not once the node has joined
+    resolve_device(str(fields.get("device", NodeConfig.model_fields["device"].default)))
     from intellect_node.runtime import run_until_signalled
 
     if args.command == "bootstrap":
         run = load_run_config(args.config, args.overrides)
-        node = NodeConfig(
-            **fields,
-            max_steps=args.max_steps,
-            shard_bytes=int(args.shard_mb * 2**20),
-            stripes=args.stripes,
-            validators=args.validator,
-            checkpoint_every=args.checkpoint_every,
-            fresh=args.fresh,
-            track=args.track,
-            track_dir=args.track_dir,
-            peers=args.peers,
-            invite_uses=args.invite_uses,
-            invite_days=args.invite_days,
-        )
-        _bootstrap(node, run)
-    elif args.command == "join":
-        node = NodeConfig(
-            **fields,
-            peers=args.peers,
-            run_id=args.run_id,
-            join_timeout_s=args.join_timeout,
-            relay=not args.no_relay,
-            invite=args.invite,
-        )
-        if args.role == "relay":
-            from intellect_node.roles.relay_node import RelayNode
+        _bootstrap(NodeConfig(**fields), run)
+        return
+    node = NodeConfig(**fields)
+    if args.role == "relay":
+        from intellect_node.roles.relay_node import RelayNode
 
-            run_until_signalled(RelayNode(node).run())
-        elif args.role == "validator":
-            from intellect_node.roles.validator_node import ValidatorNode
+        run_until_signalled(RelayNode(node).run())
+    elif args.role == "validator":
+        from intellect_node.roles.validator_node import ValidatorNode
 
-            run_until_signalled(ValidatorNode(node).run())
-        else:
-            from intellect_node.roles.inference import InferenceNode
+        run_until_signalled(ValidatorNode(node).run())
+    else:
+        from intellect_node.roles.inference import InferenceNode
 
-            run_until_signalled(InferenceNode(node).run())
+        run_until_signalled(InferenceNode(node).run())
 
 
 def _writable(data_dir: Path | None) -> None:

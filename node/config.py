@@ -1,7 +1,14 @@
 """One typed config tree: the run (what the trainer signs into the RunSpec) and the node (this process).
 
-Loaded from a TOML file (``--config``; see ``node/configs/tiny.toml``) with dotted overrides
-(``--set train.lr=1e-3``). Environment variables are read here and nowhere else.
+The run: ``RunConfig`` is ``intellect_protocol.messages.RunSettings`` (each run setting's default, bounds and doc)
+plus the checks a run must pass before it starts; ``RunConfig.spec`` adds what the trainer fills in at start and
+gives the RunSpec. Loaded from a TOML file (``--config``; see ``node/configs/tiny.toml``) with dotted overrides
+(``--set train.lr=1e-3``).
+
+The node: ``NodeConfig``, its settings grouped by the roles that take them (``ROLE_SETTINGS``); the CLI makes its
+flags from these fields (node/cli.py), and ``--set threads=2`` or ``--set inference.backend=vllm`` reaches them too.
+
+Environment variables are read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,54 +20,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import (
-    AdmissionSpec,
-    ModelSpec,
-    RunSpec,
-    SamplingSpec,
-    TaskSpec,
-    TrainSpec,
-    VerifySpec,
-)
-from intellect_protocol.tasks import ARITHMETIC_ALPHABET
-
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+from intellect_protocol.messages import SPECIAL_TOKENS, RunSettings, RunSpec, tiny_model
 
 
-def default_model() -> ModelSpec:
-    return ModelSpec(vocab=SPECIAL_TOKENS + list(ARITHMETIC_ALPHABET))
+class RunConfig(RunSettings):
+    """The run a trainer starts: the run settings (their defaults, bounds and docs are RunSettings', in
+    protocol/messages.py) and the checks a run must pass before it starts. It becomes the signed RunSpec every node
+    follows."""
 
-
-class RunConfig(BaseModel):
-    """The run a trainer starts. It becomes the signed RunSpec every node follows."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(max_length=128)] = "intellect-demo"
-    """A human-readable name for the run."""
-    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
-    """Seeds task assignment and sampling; with the run key it fixes what every node must do."""
-    model: ModelSpec = Field(default_factory=default_model)
-    task: TaskSpec = TaskSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    train: TrainSpec = TrainSpec()
-    verify: VerifySpec = VerifySpec()
-    """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
-    admission: AdmissionSpec = AdmissionSpec()
-    """Who may take part (open with probation, allowlist, invite) and the proof of work asked of new keys."""
+    model_config = ConfigDict(frozen=False)
 
     def spec(self, run_id: str, created: float = 0.0) -> RunSpec:
         """The signed-to-be RunSpec of this run under ``run_id`` (the trainer's key; any id for local use)."""
         return RunSpec(
-            run_id=run_id,
-            name=self.name,
-            created=created,
-            seed=self.seed,
-            model=self.model,
-            task=self.task,
-            sampling=self.sampling,
-            train=self.train,
-            verify=self.verify,
-            admission=self.admission,
+            run_id=run_id, created=created, **{name: getattr(self, name) for name in RunSettings.model_fields}
         )
 
     @model_validator(mode="after")
@@ -108,18 +81,19 @@ DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]{1,2})?)$"
 class InferenceSettings(BaseModel):
     """Inference nodes: how rollouts are generated (``--set inference.backend=vllm``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     backend: Literal["transformers", "vllm", "auto"] = "transformers"
-    """The generation engine. ``vllm`` needs vLLM installed (docs/inference.md); ``auto`` takes vLLM where
+    """Inference: the generation engine. ``vllm`` needs vLLM installed (docs/inference.md); ``auto`` takes vLLM where
     it is installed and a CUDA device is present, transformers otherwise."""
 
 
-class NodeConfig(BaseModel):
-    """This process: where it keeps its key and files, where it listens, whom it first contacts."""
+class CommonSettings(BaseModel):
+    """Every node: where it keeps its key and files, where it listens, whom it first contacts, what it computes on."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     data_dir: Path = Field(default_factory=default_data_dir)
-    """Holds node.key (the identity) and downloaded or published checkpoints."""
+    """Holds node.key (the identity) and downloaded or published checkpoints (default: $INTELLECT_NODE_HOME or
+    ~/.intellect-node)."""
     host: str = "127.0.0.1"
     """Address to listen on and announce (libp2p and HTTP). Use a public address to serve other machines."""
     announce: str | None = None
@@ -130,20 +104,41 @@ class NodeConfig(BaseModel):
     http_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """HTTP port for weights, /health, /status and /metrics (0: any free port)."""
     peers: list[str] = []
-    """Multiaddrs of DHT peers to join through (the line `bootstrap` prints)."""
-    run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
-    """The run to join; pins the run key, so a spec signed by any other key is ignored."""
+    """Multiaddr of a DHT peer to join through, as `bootstrap` prints it (repeatable). A restarted trainer
+    without one uses the peers it saved in its checkpoint."""
     threads: Annotated[int, Field(ge=1, le=1024)] = 1
     """torch threads for generation or training."""
     inference: InferenceSettings = InferenceSettings()
     device: Annotated[str, Field(pattern=DEVICE_PATTERN)] = "auto"
     """Where the transformers backend, the trainer's engine and the validator compute: ``cpu``, ``cuda`` or
     ``cuda:N``; ``auto`` takes the first CUDA device where one is present, else the CPU."""
+
+
+class WeightSettings(BaseModel):
+    """Every node: how it keeps the weight versions it holds and serves them to others (its place in the relay
+    tree, node/weights/)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    relay_slots: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """How many downstream nodes may fetch from this node at once (its fan-out in its stripe's relay tree); by
+    default, from its measured upload against the rate the swarm's uploads can carry (weights/stripes.py)."""
+    upload_limit_mbps: Annotated[float, Field(gt=0)] | None = None
+    """Cap on what the node uploads, in Mbit/s (none by default)."""
+    keep_versions: Annotated[int, Field(ge=1, le=64)] | None = None
+    """Weight versions kept on disk (default: the run's async_level + 1)."""
+    max_disk_gb: Annotated[float, Field(gt=0)] | None = None
+    """Disk budget for weights; older versions go first, the newest is always kept."""
+
+
+class TrainerSettings(BaseModel):
+    """The trainer's (``bootstrap``): how long it trains, how it checkpoints, tracks and publishes."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     max_steps: Annotated[int, Field(ge=0)] | None = None
     """Trainer: stop training after this many steps (the node keeps serving until stopped)."""
     checkpoint_every: Annotated[int, Field(ge=0)] = 1
-    """Trainer: checkpoint every this many steps (0: never). A restarted trainer resumes from its newest one;
-    with N > 1 a crash loses up to N - 1 steps of training (version numbers still never repeat)."""
+    """Trainer: checkpoint every this many steps (0: never). A restarted trainer (the same --data-dir) resumes from
+    its newest one; with N > 1 a crash loses up to N - 1 steps of training (version numbers still never repeat)."""
     track: Literal["none", "tensorboard", "wandb"] = "none"
     """Trainer: log every step's metrics to TensorBoard event files or a W&B run in offline mode."""
     track_dir: Path | None = None
@@ -152,29 +147,46 @@ class NodeConfig(BaseModel):
     """Trainer: delete this run key's checkpoints and weights and start the run over."""
     shard_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Trainer: the largest safetensors shard it writes."""
-    join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    """How long `join` looks for the run in the DHT before giving up with advice."""
     validators: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = []
-    """Trainer: validator nodes whose signed verdicts it takes (it validates itself when none answers)."""
-    relay: bool = True
-    """Serve the weights this node holds to other nodes (inference nodes; `--no-relay` turns it off)."""
-    relay_slots: Annotated[int, Field(ge=1, le=1024)] | None = None
-    """How many downstream nodes may fetch from this node at once (its fan-out in its stripe's relay tree); by
-    default, from its measured upload against the rate the swarm's uploads can carry (weights/stripes.py)."""
+    """Trainer: a validator node whose signed verdicts it takes (repeatable; it validates itself when none
+    answers)."""
     stripes: Annotated[int, Field(ge=1, le=64)] = 4
-    """Trainer: stripes each version is split into, each spread by its own relay tree (weights/stripes.py)."""
-    upload_limit_mbps: Annotated[float, Field(gt=0)] | None = None
-    """Cap on what the node uploads, in Mbit/s (none by default)."""
-    keep_versions: Annotated[int, Field(ge=1, le=64)] | None = None
-    """Weight versions kept on disk (default: the run's async_level + 1)."""
-    max_disk_gb: Annotated[float, Field(gt=0)] | None = None
-    """Disk budget for weights; older versions go first, the newest is always kept."""
-    invite: Annotated[str, Field(max_length=1024)] | None = None
-    """Join: the invite (from the run's operator) a run with ``admission.policy = "invite"`` asks for."""
+    """Trainer: stripes each version is split into, each spread by its own relay tree (1: a single tree;
+    weights/stripes.py)."""
     invite_uses: Annotated[int, Field(ge=1, le=1_000_000)] = 100
-    """Bootstrap of an invite-only run: how many nodes the printed join line's invite admits."""
+    """Bootstrap of an invite-only run (``admission.policy = "invite"``): how many nodes the printed join line's
+    invite admits."""
     invite_days: Annotated[float, Field(gt=0, le=3650)] = 7.0
-    """Bootstrap of an invite-only run: how long the printed invite is valid."""
+    """Bootstrap of an invite-only run: how many days the printed invite is valid."""
+
+
+class VolunteerSettings(BaseModel):
+    """A volunteer's (``join``: inference, relay, validator): which run it joins and how."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
+    """The run to join, as `bootstrap` prints it; pins the run key, so a spec signed by any other key is ignored."""
+    join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """Seconds `join` looks for the run in the DHT before giving up with advice."""
+    relay: bool = True
+    """Serve the weights this node holds to other nodes (inference nodes; ``--no-relay`` turns it off)."""
+    invite: Annotated[str, Field(max_length=1024)] | None = None
+    """The invite (from the run's operator) a run with ``admission.policy = "invite"`` asks for."""
+
+
+class NodeConfig(VolunteerSettings, TrainerSettings, WeightSettings, CommonSettings):
+    """This process: every node setting, grouped above by the roles that read them; the attributes stay flat
+    (``node.threads``, ``node.checkpoint_every``) for the code that reads them."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+ROLE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
+    "trainer": (CommonSettings, WeightSettings, TrainerSettings),
+    "volunteer": (CommonSettings, WeightSettings, VolunteerSettings),
+}
+"""The node settings each kind of node takes: ``bootstrap``'s flags and ``--set`` keys, and ``join``'s."""
+ROLE_COMMANDS = {"trainer": "bootstrap", "volunteer": "join"}
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -211,30 +223,53 @@ def _reject_unknown(tree: dict[str, Any], model: type[BaseModel], path: str = ""
             _reject_unknown(value, sub, f"{path}{key}.", what)
 
 
-NODE_SECTIONS = ("inference",)
-"""``--set`` keys under these sections are this node's settings (NodeConfig), not the run's."""
+def _keys(models: tuple[type[BaseModel], ...]) -> list[str]:
+    return sorted(name for model in models for name in model.model_fields)
 
 
 def split_overrides(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """(run settings, node settings) of ``--set`` items: ``inference.backend=vllm`` is the node's."""
+    """(run settings, node settings) of ``--set`` items, told apart by their first key: ``train.lr=1e-3`` is the
+    run's, ``threads=2`` and ``inference.backend=vllm`` this node's. A key that is neither is refused."""
     run: list[str] = []
     node: list[str] = []
     for item in overrides:
-        (node if item.split("=", 1)[0].strip().split(".")[0] in NODE_SECTIONS else run).append(item)
+        key = parse_override(item)[0]
+        top = key.split(".")[0]
+        if top in NodeConfig.model_fields:
+            node.append(item)
+        elif top in RunConfig.model_fields:
+            run.append(item)
+        else:
+            raise ValueError(
+                f"--set {key}: unknown setting {top!r}; run settings: {', '.join(sorted(RunConfig.model_fields))}; "
+                f"node settings: {', '.join(sorted(NodeConfig.model_fields))}"
+            )
     return run, node
 
 
-def node_settings(overrides: list[str] | tuple[str, ...], fields: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``fields`` (NodeConfig's, from flags) with the node's ``--set`` items applied; unknown keys refused."""
+def node_settings(
+    overrides: list[str] | tuple[str, ...], fields: dict[str, Any] | None = None, role: str | None = None
+) -> dict[str, Any]:
+    """``fields`` (NodeConfig's, from flags) with the node's ``--set`` items applied, keys and values checked
+    before any process starts. ``role`` (a key of ROLE_SETTINGS) refuses the settings another kind of node takes."""
     tree: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (fields or {}).items()}
+    allowed = _keys(ROLE_SETTINGS[role]) if role else sorted(NodeConfig.model_fields)
+    touched: set[str] = set()
     for item in overrides:
         key, value = parse_override(item)
-        if key.split(".")[0] not in NODE_SECTIONS:
-            raise ValueError(f"--set {key}: not a node setting (node settings: {', '.join(NODE_SECTIONS)}.*)")
+        top = key.split(".")[0]
+        if top not in NodeConfig.model_fields:
+            raise ValueError(f"--set {key}: not a node setting (node settings: {', '.join(allowed)})")
+        if top not in allowed:
+            owner = next(r for r, models in ROLE_SETTINGS.items() if top in _keys(models))
+            raise ValueError(
+                f"--set {key}: a {owner} setting (`intellect-node {ROLE_COMMANDS[owner]}` takes it); a {role} "
+                f"node's settings: {', '.join(allowed)}"
+            )
         _set_dotted(tree, key, value)
-    _reject_unknown({k: v for k, v in tree.items() if k in NODE_SECTIONS}, NodeConfig, what="node setting")
-    if "inference" in tree:  # values too, before any process starts with them
-        NodeConfig(inference=tree["inference"])
+        touched.add(top)
+    _reject_unknown({k: tree[k] for k in touched}, NodeConfig, what="node setting")
+    NodeConfig(**{k: tree[k] for k in touched})  # values too; flags' values are checked with the whole config
     return tree
 
 
@@ -260,9 +295,9 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
                 + " (see node/configs/tiny.toml)"
             )
         tree = doc.get("run", {})
-    for item in split_overrides(overrides)[0]:  # node settings (inference.*) are the caller's to apply
+    for item in split_overrides(overrides)[0]:  # node settings are the caller's to apply (node_settings)
         _set_dotted(tree, *parse_override(item))
     _reject_unknown(tree, RunConfig)
     if "model" in tree and "vocab" not in tree["model"] and tree["model"].get("kind", "tiny-llama") == "tiny-llama":
-        tree["model"]["vocab"] = default_model().vocab
+        tree["model"]["vocab"] = tiny_model().vocab
     return RunConfig.model_validate(tree)

@@ -7,12 +7,13 @@ domain separation and ``CHANNEL`` bounds its encoded size.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from intellect_protocol import PROTOCOL_VERSION
 from intellect_protocol.codec import Channel
+from intellect_protocol.tasks import ARITHMETIC_ALPHABET
 
 NodeId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -54,6 +55,15 @@ class ModelSpec(BaseModel):
     honest errors far below a tampered model's (measured for SmolLM2 in benchmarks/calibrate_validator.py).
     float16 (GPUs without bf16: T4, V100) makes proofs over fp16 activations, whose mantissa errors count in
     units 8x finer than bf16's: such a run needs ``verify`` thresholds calibrated for it."""
+
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+"""First in a ``tiny-llama`` vocab: its character tokenizer's padding, start and end tokens."""
+
+
+def tiny_model() -> ModelSpec:
+    """The default policy: the tiny Llama over the arithmetic tasks' characters."""
+    return ModelSpec(vocab=[*SPECIAL_TOKENS, *ARITHMETIC_ALPHABET])
 
 
 class TaskSpec(BaseModel):
@@ -257,26 +267,65 @@ class Redeem(WireModel):
     issued: float
 
 
-class RunSpec(WireModel):
-    """Everything a joining node needs to take part in a run; signed by the run key."""
+class RunSettings(BaseModel):
+    """What a run's operator chooses: every run setting, its default and its bounds, in one place.
+
+    ``intellect_node.config.RunConfig`` is these settings plus the checks a run must pass before it starts; the
+    trainer signs them, with what it fills in at start (run id, start time, epoch, protocol version), into the
+    RunSpec every node follows.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Annotated[str, Field(max_length=128)] = "intellect-demo"
+    """A human-readable name for the run."""
+    seed: U63 = 0
+    """Seeds task assignment and sampling; with the run key it fixes what every node must do."""
+    model: ModelSpec = Field(default_factory=tiny_model)
+    task: TaskSpec = TaskSpec()
+    sampling: SamplingSpec = SamplingSpec()
+    train: TrainSpec = TrainSpec()
+    verify: VerifySpec = VerifySpec()
+    """TOPLOC and sampling checks; thresholds from benchmarks/calibrate_validator.py."""
+    admission: AdmissionSpec = AdmissionSpec()
+    """Who may take part (open with probation, allowlist, invite) and the proof of work asked of new keys."""
+
+
+class RunSpec(RunSettings, WireModel):
+    """Everything a joining node needs to take part in a run: the run's settings and what the trainer fills in when
+    it starts the run; signed by the run key."""
 
     KIND: ClassVar[str] = "run_spec"
     CHANNEL: ClassVar[Channel] = Channel.RUN_SPEC
     protocol: int = PROTOCOL_VERSION
     run_id: NodeId
-    name: Annotated[str, Field(max_length=128)] = "intellect-run"
     created: float
     epoch: U63 = 0
     """Which start of the run this is: a fresh start (``--fresh``, or no checkpoint to resume) takes a new, larger
     epoch and numbers versions from 0 again; a resume keeps it. With the epoch a version number names exactly one
     set of weights forever, and a node never moves to an older epoch."""
-    seed: U63
-    model: ModelSpec
-    task: TaskSpec = TaskSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    train: TrainSpec = TrainSpec()
-    verify: VerifySpec = VerifySpec()
-    admission: AdmissionSpec = AdmissionSpec()
+
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = (
+        "protocol",
+        "run_id",
+        "name",
+        "created",
+        "epoch",
+        "seed",
+        "model",
+        "task",
+        "sampling",
+        "train",
+        "verify",
+        "admission",
+    )
+    """The order a spec's fields are encoded in (the signature covers the bytes); a new field goes last."""
+
+    @model_serializer(mode="wrap")
+    def _in_wire_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        ordered = {k: fields[k] for k in self.WIRE_ORDER if k in fields}
+        ordered.update(fields)  # fields not in WIRE_ORDER keep their place after it
+        return ordered
 
 
 class RelayInfo(BaseModel):

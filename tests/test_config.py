@@ -1,4 +1,5 @@
-"""Shipped configs parse; overrides apply and are bounded; --help does not import torch."""
+"""Shipped configs parse; overrides apply and are bounded; node flags are made from the fields; --help does not
+import torch."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ def test_configs_ship() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_parses(path: Path) -> None:
     assert isinstance(load_run_config(path), RunConfig)
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS[0].parent).glob("verify-*.toml")), ids=lambda p: p.name)
+def test_shipped_verify_fragment_parses(path: Path) -> None:
+    import tomllib
+
+    from intellect_protocol.messages import VerifySpec
+
+    with open(path, "rb") as f:
+        assert VerifySpec.model_validate(tomllib.load(f)["verify"])  # every key known, every value in bounds
 
 
 def test_tiny_config_equals_the_defaults() -> None:
@@ -244,3 +255,92 @@ def test_a_verify_fragment_given_as_a_run_config_is_refused() -> None:
     fragment = Path(__file__).resolve().parent.parent / "node" / "configs" / "verify-smollm2.toml"
     with pytest.raises(ValueError, match=r"\[verify\] outside \[run\].*\[run\.verify\]"):
         load_run_config(fragment)
+
+
+# ---- one config tree: run settings declared once (protocol's RunSettings), node flags made from NodeConfig --------
+
+
+def test_run_and_node_settings_do_not_share_a_key() -> None:
+    """``--set`` tells them apart by the first key."""
+    assert not set(RunConfig.model_fields) & set(NodeConfig.model_fields)
+
+
+def test_the_spec_carries_every_run_setting() -> None:
+    run = load_run_config(None, ["name=probe", "seed=9", "train.lr=0.01", "admission.policy=invite"])
+    spec = run.spec("ab" * 16, created=2.0)
+    assert {k: getattr(spec, k) for k in RunConfig.model_fields} == dict(run)
+    assert (spec.run_id, spec.created, spec.epoch) == ("ab" * 16, 2.0, 0)
+
+
+def test_set_reaches_node_settings_for_each_role() -> None:
+    run, node = split_overrides(["threads=3", "checkpoint_every=5", "train.lr=0.01"])
+    assert run == ["train.lr=0.01"] and node == ["threads=3", "checkpoint_every=5"]
+    trainer = NodeConfig(**node_settings(node, {"threads": 1}, role="trainer"))
+    assert (trainer.threads, trainer.checkpoint_every) == (3, 5)  # --set wins over a flag
+    assert NodeConfig(**node_settings(["join_timeout_s=5", "relay=false"], role="volunteer")).relay is False
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint_every: a trainer setting \(`intellect-node bootstrap`.*volunteer node's settings: .*join_t",
+    ):
+        node_settings(["checkpoint_every=5"], role="volunteer")
+    with pytest.raises(
+        ValueError,
+        match=r"run_id: a volunteer setting \(`intellect-node join` takes it\); a trainer node's settings: .*stripes",
+    ):
+        node_settings(["run_id=" + "a" * 32], role="trainer")
+    with pytest.raises(ValueError, match="threads"):
+        node_settings(["threads=0"], role="trainer")
+
+
+def test_an_unknown_key_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown setting 'thread'; run settings: admission, .*node settings: .*threads"
+    ):
+        split_overrides(["thread=2"])
+    with pytest.raises(ValueError, match=r"unknown setting 'thread'"):
+        load_run_config(None, ["thread=2"])
+
+
+def _node(argv: list[str]) -> NodeConfig:
+    from intellect_node.cli import build_parser, node_fields
+
+    args = build_parser().parse_args(argv)
+    return NodeConfig(**node_settings(split_overrides(args.overrides)[1], node_fields(args), role=args.node_role))
+
+
+JOIN = ["join", "--role", "inference", "--peers", "/ip4/127.0.0.1/tcp/1", "--run-id", "a" * 32]
+
+
+def test_node_flags_are_made_from_the_fields() -> None:
+    from intellect_node.cli import build_parser
+    from intellect_node.config import ROLE_SETTINGS
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    for command, role in (("bootstrap", "trainer"), ("join", "volunteer")):
+        dests = {a.dest.removeprefix("node.") for a in sub[command]._actions if a.dest.startswith("node.")}
+        fields = {n for m in ROLE_SETTINGS[role] for n in m.model_fields if n != "inference"} | {"inference.backend"}
+        assert dests == fields
+    assert _node(["bootstrap"]) == NodeConfig()  # a flag not given: the field's default
+    assert _node(JOIN).model_dump() == NodeConfig(peers=["/ip4/127.0.0.1/tcp/1"], run_id="a" * 32).model_dump()
+
+
+def test_flags_keep_their_names_and_meaning(tmp_path: Path) -> None:
+    boot = _node(
+        ["bootstrap", "--shard-mb", "0.5", "--validator", "b" * 32, "--validator", "c" * 32, "--fresh"]
+        + ["--checkpoint-every", "0", "--stripes", "2", "--invite-uses", "3", "--invite-days", "1.5"]
+        + ["--backend", "vllm", "--threads", "2", "--data-dir", str(tmp_path), "--track", "wandb"]
+    )
+    assert boot.shard_bytes == 2**19 and boot.validators == ["b" * 32, "c" * 32] and boot.fresh
+    assert (boot.checkpoint_every, boot.stripes, boot.invite_uses, boot.invite_days) == (0, 2, 3, 1.5)
+    assert (boot.inference.backend, boot.threads, boot.data_dir, boot.track) == ("vllm", 2, tmp_path, "wandb")
+    join = _node(JOIN + ["--no-relay", "--join-timeout", "5", "--invite", "x", "--set", "threads=4"])
+    assert (join.relay, join.join_timeout_s, join.invite, join.threads) == (False, 5.0, "x", 4)
+
+
+def test_help_shows_the_fields_defaults_and_bounds() -> None:
+    from intellect_node.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    text = " ".join(sub["bootstrap"].format_help().split())
+    assert "--stripes STRIPES Trainer: stripes each version is split into" in text
+    assert "(default 4; 1 to 64)" in text and "(in MB; default 64)" in text
