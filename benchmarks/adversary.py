@@ -115,7 +115,11 @@ class Outcome:
     attacker_cpu: float = 0.0
     """CPU seconds the attacker (this process and the peers, daemons and servers it started) used."""
     extra_cpu: float = 0.0
-    """The swarm's CPU seconds over what it used in the attack-free windows around it (0 when less)."""
+    """The swarm's CPU seconds that its honest work does not explain: what it used during the attack, less the
+    training steps it made meanwhile at the CPU seconds per step of the attack-free windows around it (0 when
+    less). Work an attack diverts from training on saturated cores counts here too."""
+    steps: int = 0
+    """Training steps made during the window."""
 
     @property
     def cost_ratio(self) -> float:
@@ -287,7 +291,8 @@ async def measure(
     cpu_after = swarm.cpu()
     outcome.swarm_cpu = cpu_after[0] - cpu_before[0]
     outcome.attacker_cpu = max(0.0, cpu_after[1] - cpu_before[1])
-    outcome.rate = (await asyncio.to_thread(steps, swarm) - before) / (time.monotonic() - started)
+    outcome.steps = await asyncio.to_thread(steps, swarm) - before
+    outcome.rate = outcome.steps / (time.monotonic() - started)
     return outcome
 
 
@@ -1168,6 +1173,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         outcomes = []
         controls = [control.rate]
         controls_cpu = [control.swarm_cpu]
+        controls_steps = [control.steps]
         for name in args.attacks or list(attacks):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
@@ -1177,10 +1183,12 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             after = await measure(swarm, args.window, lambda until: idle(swarm, until))
             controls.append(after.rate)
             controls_cpu.append(after.swarm_cpu)
+            controls_steps.append(after.steps)
             baseline = (controls[-2] + controls[-1]) / 2
             outcome.control = baseline
             outcome.rate /= max(baseline, 1e-9)
-            outcome.extra_cpu = max(0.0, outcome.swarm_cpu - (controls_cpu[-2] + controls_cpu[-1]) / 2)
+            per_step = (controls_cpu[-2] + controls_cpu[-1]) / max(1, controls_steps[-2] + controls_steps[-1])
+            outcome.extra_cpu = max(0.0, outcome.swarm_cpu - per_step * outcome.steps)
             print(
                 f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
                 f"(attack-free around it {baseline:.2f} steps/s) cost={outcome.cost_ratio:.2f} "
