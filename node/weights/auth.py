@@ -45,7 +45,8 @@ NONCES_PER_SLOT = 128
 """Keep-alives of the slots a key holds here it may sign within twice the replay window, per stripe it may hold one
 in (the origin: every stripe; a relay: its home). A child keeps each slot alive every second, every half second for
 a few rounds after a change or an unanswered one (links.KEEPALIVE_S, FAST_KEEPALIVE_S): up to 120 a slot. Counted
-with the asking, a child of the origin in four stripes was refused within 16 s and left it in every stripe."""
+apart from the asking: under one allowance, a child of the origin in four stripes would be refused within 16 s
+and lose its slot in every stripe."""
 RATE_PER_ADDRESS = 50.0
 """Slot requests per second from one remote address (a burst of twice this)."""
 MAX_ADDRESSES = 10_000

@@ -31,8 +31,8 @@ anything yet, forms as before), an idle one, or one the tree's usual rules give 
 earned theirs either (stripes.to_release); else it is sent down the tree: the 503 names the children that hold no
 idle slot and earned their place or received shards through it. A node that only holds a slot is never named; a
 relay that fetched through its slot is, earned or not: in a swarm of relays alone nobody earns anything, and a
-node at home in a stripe whose nodes are all full finds the leaf slot it may take only through those names (six
-relays in a test, two of them never rooted in their home stripe while the 503 named nobody).
+node at home in a stripe whose nodes are all full finds the leaf slot it may take only through those names (a 503
+that names nobody leaves it never rooted in its home stripe).
 
 ``vouched`` and ``Feeding`` are pure (the caller passes the clock); ``Earned`` caches ``vouched`` for
 ``VOUCH_REFRESH_S``: O(records x depth) at most once a second, however many slot requests ask.

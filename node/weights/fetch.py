@@ -303,7 +303,7 @@ class ShardFetcher:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())), asyncio.TaskGroup() as tasks:
                 # one worker per stripe: two connections per child at a parent let TCP share its upload unevenly
-                # (measured at N=4: one stripe at 0.4x the others' rate, and its subtree last by 6 s)
+                # (one stripe at a fraction of the others' rate, its subtree last: weights.md, "No lockstep")
                 workers = self.parallel if k == 1 else k
                 for i in range(min(workers, max(1, len(missing)))):
                     tasks.create_task(worker(i % k))
@@ -371,7 +371,7 @@ class ShardFetcher:
                     if resp.status == 404 and src.serves(stripe) and time.monotonic() - started < LONG_POLL_S / 2:
                         # our parent answered at once, without a long poll: it holds or receives a newer version, or
                         # dropped this one (relay.py), and will not have this shard. Another source sends it, as if
-                        # we had no parent in the stripe (else we asked it again and again until the version stalled)
+                        # we had no parent in the stripe (else we would ask it again and again and the version stall)
                         self._lacking.setdefault(shard.name, set()).add(src.node_id)
                     if resp.status == 404 and time.monotonic() - started > LONG_POLL_S / 2:
                         # It waited a long poll and still had nothing: a parent that is stuck itself (say,

@@ -1,11 +1,12 @@
 """Sharing a node's upload: an optional cap on it (``TokenBucket``), what really left (``on_the_wire``,
-``backlogged``) and how much may wait unsent (``bound_unsent``); used by relay.ShardServer.
+``backlogged``), how much may wait unsent (``bound_unsent``) and equal shares of the link (``FairShare``); used by
+relay.ShardServer.
 
-There was a lockstep here: a child asking for a shard more than two places ahead of its slowest sibling waited
-(at most 2 s a shard, a quarter of its time), because TCP shared the origin's upload unevenly (one stripe at
-0.4x another). Measured in netns at 25 Mbit/s, a version after a warm-up: at every relay, N=16 35.0 s (each level
-waited for its slowest sibling); at the origin only, N=16 27.9 and 26.3 s, N=8 29.4 s; none, N=16 25.7 s, N=8
-26.4 s. A sibling slow for its own reasons (a request's round trip, a thin download) left the upload idle."""
+No receiver waits for its siblings: a shard is sent when asked for, however far ahead of the others its receiver
+is. A wait for the slowest sibling adds that sibling's delays at every level of the tree, and a sibling slow for
+its own reasons (a request's round trip, a thin download) leaves the upload idle; TCP's uneven sharing of a link
+is evened out by pacing instead (``FairShare``). (docs/weights.md, "No lockstep"; measured: benchmarks/broadcast.py,
+docs/notes/stripes-history.md.)"""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ _WRITTEN, _ACKED = web.RequestKey("written", int), web.RequestKey("acked", int)
 def on_the_wire(request: web.Request, n: int) -> int:
     """Bytes of the response to ``request`` the peer has acknowledged since the last call, after ``n`` more were
     written: what was written less what still waits in the transport's buffer and the kernel's send queue
-    (SIOCOUTQ). Counting writes instead measures the kernel's buffers: the first second of a response reads
-    megabytes, and the fan-out planned from it was half again too high (measured: six children for four)."""
+    (SIOCOUTQ). Counting writes would measure the kernel's buffers: the first second of a response reads
+    megabytes, and a fan-out planned from it is half again too high (docs/weights.md, "Fan-out from the measured
+    upload")."""
     written = int(request.get(_WRITTEN, 0)) + n
     request[_WRITTEN] = written
     transport = request.transport
@@ -115,7 +117,7 @@ def backlogged(request: web.Request) -> bool:
     try:
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0"))[0] > 0
     except (OSError, ValueError):
-        return True  # not Linux: count the second as before
+        return True  # not Linux: the kernel does not say, so the second counts as limited by the link
 
 
 PACE_SHARE = 1.1
@@ -129,27 +131,23 @@ _PACED = web.RequestKey("paced", int)
 class FairShare:
     """Responses the link limits get about equal parts of it: each is paced by the kernel (Linux,
     SO_MAX_PACING_RATE) at ``PACE_SHARE`` of the link's recent peak over the number of them. TCP alone shares one
-    link very unevenly: four connections of 16 MiB each through a 25 Mbit/s tbf ended at 16.8, 16.8, 17.2 and 22.4
-    s; paced at 1.1 times an equal share, at 22.0-22.6 s (the last no later). In the relay tree that unevenness is
-    time lost: the origin's stripe done last arrives at its root at the end at the full rate of the origin's link,
-    and the root passes it on at its share of its own; a root's child fed at half its siblings' rate (measured:
-    the last four shards at 6 Mbit/s to one child, 12-16 to another) starves the subtree below it. Shares are
-    per receiver: a fetcher takes a stripe's shards two at a time, and paced per response the origin's four
-    roots, each at one or two responses from moment to moment, still ended their stripes 1.7 s apart (netns N=12).
+    link very unevenly (four equal transfers through one shaped link end up to a third apart), and in the relay
+    tree that unevenness is time lost: the origin's stripe done last arrives at its root at the end at the full
+    rate of the origin's link, and the root passes it on at its share of its own; a root's child fed at half its
+    siblings' rate starves the subtree below it. Shares are per receiver, not per response: a fetcher takes a
+    stripe's shards two at a time, and receivers with one or two responses from moment to moment get equal shares
+    only so. (docs/weights.md, "Equal shares of a link"; measured: docs/notes/stripes-history.md.)
 
-    A response counts while its bytes are here (a whole shard, or cut-through with more waiting than the chunk
-    written: relay._write); one that waits for its bytes (cut-through at a stripe's pace) is not limited by the link
-    and is not counted, and a single one is never paced. (Counted only while the kernel held its bytes unsent, the
-    origin's four roots almost never were at once: a saturated link's queue is past the socket, in the tbf or the
-    modem.) The shares are weighed by each receiver's place in its stripe (``_catch_up``). Nor does a receiver that
-    moves at under ``SLOW`` of an equal share hold the others to that share, if it holds itself back (its window was
-    the limit: it reads slowly; TCP_INFO's ``rwnd_limited``, where the kernel tells) or has been that slow for
-    ``SLOW_FOR_S`` (its path is thin elsewhere): what it leaves is theirs. Else a member's grudge, children or
-    alternates that read a byte a second, would pace a node's honest children down to a fraction of its link. A
-    receiver slow for neither reason is one TCP starved beside its siblings, and it is their equal: left out at once
-    (as before, measured), it stayed starved while the others took its share (one child's shard 3.4 s while its
-    sibling's took 1.0 s from the same parent; its parent's children ended 1.5-2.5 s apart at N=16). Pure
-    bookkeeping but for ``pace``."""
+    A response counts while its bytes are here (a whole shard, or cut-through with more waiting than the chunk written:
+    relay._write); one that waits for its bytes (cut-through at a stripe's pace) is not limited by the link and is not
+    counted, and a single one is never paced. (Whether the kernel holds its bytes unsent does not tell: a saturated
+    link's queue is past the socket, in a shaper or the modem.) The shares are weighed by each receiver's place in its
+    stripe (``_catch_up``). Nor does a receiver that moves at under ``SLOW`` of an equal share hold the others to that
+    share, if it holds itself back (its window was the limit: it reads slowly; TCP_INFO's ``rwnd_limited``, where the
+    kernel tells) or has been that slow for ``SLOW_FOR_S`` (its path is thin elsewhere): what it leaves is theirs. Else
+    a member's grudge, children or alternates that read a byte a second, would pace a node's honest children down to a
+    fraction of its link. A receiver slow for neither reason is one TCP starved beside its siblings, and it is their
+    equal: left out, it stays starved while the others take its share. Pure bookkeeping but for ``pace``."""
 
     SLOW = 0.5
     SLOW_FOR_S = 3.0
@@ -224,8 +222,8 @@ class FairShare:
 
     def repace(self, now: float) -> None:
         """Pace every response counted at its share now. Each is otherwise paced again only at its next write (a
-        256 KiB chunk: 0.7 s at half of a quarter of 25 Mbit/s), so when one of a receiver's two responses ended
-        the other went on at half the receiver's share until then, and part of the link stood idle."""
+        256 KiB chunk: 0.7 s at half of a quarter of 25 Mbit/s), so when one of a receiver's two responses ends the
+        other would go on at half the receiver's share until then, and part of the link would stand idle."""
         if self._peak is None:
             return
         peak, caps = self._peak(now), {}
@@ -271,10 +269,9 @@ class FairShare:
 
     def _catch_up(self, fair: list[str], now: float, equal: float) -> dict[str, float]:
         """Each receiver's weight in the link's split: 1, or, among those whose place we know, more to one behind
-        the others' mean place in the current version and less to one ahead. Equal shares kept whatever lag a
-        receiver took: the origin's four roots paced alike ended 1.5-3.0 s apart (one's first shard came 2 s
-        late, and one moved 11% slower than the others for 10 s), and the subtree of the root behind, starved
-        meanwhile, ended last (N=16: its nodes' uploads at 19 Mbit/s of 24 for 5-10 s, busy 1.5 s past the rest)."""
+        the others' mean place in the current version and less to one ahead. Equal shares alone keep whatever lag a
+        receiver took (a first shard late, a few seconds slower), and the subtree of the root behind, starved
+        meanwhile, ends last (docs/notes/stripes-history.md, "Equal shares keep a lag")."""
         weight = dict.fromkeys(fair, 1.0)
 
         def moving(w: str) -> float:  # its rate, decayed over a while not told (it read nothing)

@@ -75,10 +75,10 @@ MAX_ANON_WAITS = 32
 """Requests from non-children waiting (long polls) at once; past this they get what is here, at once."""
 BEHIND_SHARDS = 2
 """A new child holding over twice the shards of its version in the stripe this node holds, plus this many, is
-refused: a node that joined mid-version starts from nothing, and as a parent it held back every node that
-re-parented under it (simulated 2,000 nodes, 10% churn: a stripe at half rate for 1,300 of them). Refusing any
-child a few shards ahead left a leaf given up by the origin without a parent (the simulated N=16 netns run never
-completed). Lying high only costs the liar."""
+refused: a node that joined mid-version starts from nothing, and as a parent it would hold back every node that
+re-parents under it. Only a child well ahead is refused: refusing any child a few shards ahead leaves a leaf that
+the origin gave up without a parent. Lying high only costs the liar. (docs/weights.md, "Parents ahead of their
+children"; measured: benchmarks/simulate.py.)"""
 
 
 _GIVEN = {
@@ -236,8 +236,9 @@ class ShardServer:
 
     def shed(self) -> None:
         """Children past this node's slots (planned down since they attached; at the origin, past their stripe's
-        share) give theirs up, told at their next keep-alive (503): a relay that planned 8 slots early on, with
-        few records read, kept 8 children on an upload for 4 and its subtree took twice as long (simulated)."""
+        share) give theirs up, told at their next keep-alive (503): slots planned early on, with few records read,
+        can be twice what the upload carries, and a subtree kept on them takes twice as long (docs/weights.md,
+        "Children past the slots give theirs up")."""
         for child in over_share(self._child_info(), self.slots, self.stripes if self.home() is None else 1):
             logger.info("child %s gives its slot up: past its stripe's share of %d slots", child[:8], self.slots)
             self._release(child)
@@ -457,8 +458,8 @@ class ShardServer:
         if child is not None:
             self._children[child] = time.monotonic()
         elif len(self._active_children()) + self._lent >= self.slots + self.kept:
-            # not a child (an alternate, anonymous): only while a slot is free, used while served, never kept. Not
-            # so, 1,558 alternates once shared a node's upload, each shard at a crawl (simulate.py, 2,000 nodes).
+            # not a child (an alternate, anonymous): only while a slot is free, used while served, never kept, so
+            # a crowd of alternates cannot share a node's upload at a crawl each ("Alternates hold a slot", weights.md)
             # Or while no child is being sent anything (spare: it yields the moment one is, see _write)
             spare = self._to_children == 0 and self._lent < self.slots + self.kept
             if not spare:
@@ -466,7 +467,7 @@ class ShardServer:
                 raise web.HTTPServiceUnavailable(text="no free upload slot", headers={"Retry-After": "1"})
         self._lent += child is None
         try:
-            if spare:  # only a whole shard: one still arriving here held an endgame's last shard 7 s (netns N=16)
+            if spare:  # only a whole shard: one still arriving here would hold an endgame's last shard at its pace
                 found = self.store.shard_file(version, name)
             elif stranger:  # an alternate serves only what is here: no long poll
                 found = self.store.shard_file(version, name) or self.store.growing(version, name)
@@ -478,7 +479,7 @@ class ShardServer:
             if found is None:
                 raise web.HTTPNotFound()
             # opened right after it was found, with no await between: it cannot be renamed (verified) or moved (its
-            # version finished) meanwhile, as it could while requests waited their turn (a 500 FileNotFoundError)
+            # version finished) meanwhile, as it could across an await (a 500 FileNotFoundError)
             with open(found.path if isinstance(found, Growing) else found, "rb") as f:
                 if isinstance(found, Growing):
                     return await self._stream(request, found, f, child, spare)

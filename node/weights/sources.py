@@ -50,11 +50,10 @@ def pick_source(
     probe: bool,
     stripe: int | None = None,
 ) -> Source | None:
-    """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried
-    for it (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (in
-    a 16-node benchmark run a relay once parked all its workers on untried alternates for 32 s); it gets the pick
-    when ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then
-    moves below the faster one)."""
+    """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried for it
+    (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (else a relay can
+    park all its workers on untried alternates for many seconds); it gets the pick when ``probe`` (one in PROBE_EVERY),
+    so a parent slower than an alternate is found out (the follower then moves below the faster one)."""
     # a parent in another stripe that had no alternate's slot for this one (spare_until) is not asked again at once;
     # a stripe's root two levels up only for our share of its stripe (``above_due``, the fetcher asks it)
     sources = [
@@ -65,12 +64,11 @@ def pick_source(
     usable = [s for s in sources if s.away_until <= now]
     if stripe is not None and any(s.serves(stripe) for s in sources):
         # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
-        # parent is a leaf here: a detour through it takes upload its own children need (measured at N=16: shards
-        # from five to seven sources a stripe, every subtree slowed). The origin too, when it is our parent in
-        # another stripe: a shard it sends twice is the run's bottleneck gone (at N=16 its children took 13 of 64
-        # shards of other stripes from it, 4 s of its link; the old check applied only while the stripe's parent was
-        # usable, so a 404 a moment ago opened every source). As anyone's alternate it serves only from a spare slot
-        # (relay.py), and that is spare upload well used.
+        # parent is a leaf here: a detour through it takes upload its own children need, and every subtree slows.
+        # The origin too, when it is our parent in another stripe: a shard it sends twice spends the swarm's
+        # scarcest upload twice. This holds while the stripe's parent is away a moment as well, so a 404 does not
+        # open every source (docs/notes/stripes-history.md, "The origin sent shards twice"). As anyone's alternate
+        # it serves only from a spare slot (relay.py), and that is spare upload well used.
         usable = [s for s in usable if s.serves(stripe) or not s.is_parent]
     if not usable:
         return None
@@ -88,8 +86,8 @@ def pick_spare(
 ) -> Source | None:
     """A source for a shard of ``stripe`` that a worker done with its own stripe fetches beside the stripe's
     parent (which goes on streaming to the stripe's own worker): a node that holds the whole version, or the origin,
-    none of our parents (a parent in another stripe served a shard it was still receiving itself, through a free
-    slot, and held the last shard of a stripe 7 s at N=16), on its spare upload (relay.py: while a slot is free
+    none of our parents (a parent in another stripe may serve a shard it is still receiving itself, through a free
+    slot, and so hold a stripe's last shard at its own pace), on its spare upload (relay.py: while a slot is free
     or no child of its own is being sent anything), best score first. None: every one is away or had no spare
     upload a moment ago."""
     usable = [
@@ -108,9 +106,9 @@ def above_due(node_id: str, position: int) -> bool:
     the slot it keeps: follower._slots) rather than from our parent: one shard in each run of ABOVE_EVERY (the
     fetcher stops asking once one came), due from a place in the run's first three quarters set by our id, so that
     siblings ask apart, and one refused (the kept slot is one response at a time) is asked again at the next. With
-    equal links a node with four children sends a whole copy and its acknowledgements on top, more than the origin:
-    at N=16 their children ended 2-4 s behind them. (Due at one place only, 8 for 12 nodes, half the share was lost
-    to 503s in a netns run.)"""
+    equal links a node with four children sends a whole copy and its acknowledgements on top, more than the origin,
+    and its children fall behind it (docs/notes/stripes-history.md, "The nodes with four children fall behind their
+    parent"). Due at one place for all, siblings ask at once and half the share is lost to 503s."""
     return position % ABOVE_EVERY >= zlib.crc32(node_id.encode()) % (ABOVE_EVERY * 3 // 4)
 
 

@@ -64,9 +64,9 @@ def planned_rate(
     record, signed by the run key), when known: it plans them from its own upload alone (``origin_slots``), not
     from the others' claims, so it may serve fewer than its upload would carry at this rate.
 
-    The mean alone over-promised: each node rounds its children down, and with uploads from 10 Mbit/s to
-    1 Gbit/s that lost 8% of the upload; a simulated swarm of 2,000 was left with 1-5% more slots than it
-    needed, stripes short of parents as nodes came and went, and a receiver's stripe 30% late."""
+    The mean alone over-promises: each node rounds its children down (with uploads from 10 Mbit/s to 1 Gbit/s
+    that loses 8% of the upload), and a swarm left with only 1-5% more slots than it needs has stripes short of
+    parents as nodes come and go (docs/weights.md, "Fan-out from the measured upload"; benchmarks/simulate.py)."""
     ups = list(uploads)
     known = [u for u in ups if u > 0]
     if origin_bps <= 0 and not known:
@@ -108,7 +108,7 @@ def origin_fanout(origin_bps: float, stripe_bps: float, stripes: int) -> int:
     """The origin's children: as many as its upload carries at the stripe rate, one per stripe at least, and
     the same number in every stripe (relay.ShardServer._room), so a multiple of ``stripes``: with 5 slots for 4
     stripes one stripe would get two fifths of the origin's upload and the others a fifth each, and the version
-    would take 5/4 as long as with 4 (the simulated 16-node netns run: 28.9 s instead of 23.6)."""
+    would take 5/4 as long as with 4 (docs/weights.md, "The origin's upload in equal shares")."""
     k = max(1, stripes)
     n = max(k, fanout(origin_bps, stripe_bps, k) if origin_bps > 0 else k)
     return n - n % k
@@ -164,7 +164,7 @@ def to_release(
 def over_share(children: dict[T, tuple[int, bool, float]], slots: int, stripes: int) -> list[T]:
     """Children past their stripe's share of a node's slots (``has_room``; ``stripes`` 1 for a relay, all its
     children in its home stripe), leaves first, then those heard from longest ago: its slots were planned down
-    (early on, with few records read, the origin planned 16), and a stripe with two children of the origin gets
+    (early on, with few records read, a node plans too many), and a stripe with two children of the origin gets
     its data sent twice. ``children`` as ``to_release``."""
     each = share(slots, stripes)
     out: list[T] = []
@@ -179,8 +179,8 @@ def origin_slots(receivers: int, origin_bps: float, stripes: int) -> int:
     a stripe's first hop sets its rate for the whole tree below. Only what the origin knows itself goes in: its
     measured upload, and every other upload counted as unknown (as fast as the origin's, ``planned_rate``). The
     uploads records announce are a peer's word: read here, one record claiming 10 Gbit/s among sixteen of 25 Mbit/s
-    cut a 250 Mbit/s origin from 28 slots to 4 (fewer slots for a few keys to hold), and 64 records claiming
-    1 byte/s made a 25 Mbit/s origin plan 256 children, each at a crawl. An operator whose origin is much faster
+    would cut a 250 Mbit/s origin from 28 slots to 4 (fewer slots for a few keys to hold), and 64 records claiming
+    1 byte/s would make a 25 Mbit/s origin plan 256 children, each at a crawl. An operator whose origin is much faster
     than its volunteers sets its slots (``--relay-slots``)."""
     return origin_fanout(origin_bps, planned_rate([0.0] * receivers, origin_bps, receivers, stripes), stripes)
 
@@ -210,9 +210,9 @@ def stripe_capacity(records: dict[str, NodeRecord], me: str, stripes: int, rate:
 def choose_home(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> int:
     """The home stripe for a joining node: of two stripes picked by a hash of its id, the one with less serving
     capacity in the records (ties: the first). Nodes that join at once see the same, stale records: told to take
-    the emptiest stripe, they all took it (five of eight netns nodes in one stripe); with two choices each, a
-    stripe that looks empty draws about half of them, and the moves between versions (``rehome_moves``) even out
-    the rest."""
+    the emptiest stripe, they would all take it; with two choices each, a stripe that looks empty draws about half
+    of them, and the moves between versions (``rehome_moves``) even out the rest (docs/weights.md, "Homes spread,
+    then stay")."""
     capacity = stripe_capacity(records, me, stripes, rate)
     k = len(capacity)
     first = zlib.crc32(f"{me}/home".encode()) % k
@@ -225,8 +225,8 @@ def root_fanout(records: dict[str, NodeRecord], me: str, home: int, stripes: int
     others at home in the stripe have the slot to spare (``stripe_capacity`` against ``stripe_need``). The origin
     shares its link among the stripes unevenly (TCP), and a root fed faster than a stripe's rate can pass on only
     its upload over its children each: with every slot of the stripe in use there is no slack anywhere below it,
-    and what the origin sent ahead waits at the root (netns N=16: a root done 20.9 s into a version, its four
-    children 22.1-24.5 s). With one child fewer it passes on a third more per child."""
+    and what the origin sent ahead waits at the root. With one child fewer it passes on a third more per child
+    (docs/weights.md, "A root with a slot to spare")."""
     if slots < 2 or not 0 <= home < max(1, stripes):
         return slots
     roots = 1 + sum(
@@ -254,15 +254,15 @@ def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need
     if that one is short, and if its own stripe keeps enough without it (or, for a node without children, when not
     every stripe can have enough, at least what the other will have with it). Nothing moves once no stripe is short.
 
-    A node with children moves only when its stripe keeps ``need`` without it: its children re-parent there (one
-    that moved away from four children in a 6-relay test, its stripe then short, left them without a parent). Moving
-    only childless nodes left a stripe short for good once every node had children: in a netns run at N=16 homes of
-    5, 4, 3 and 4 nodes, three receivers without a parent in the short stripe for two versions, taking its shards
-    from the origin as they could (one of them took 10 of the 64 from it: sent twice).
+    A node with children moves only when its stripe keeps ``need`` without it: its children re-parent there, and a
+    stripe it left short would leave them without a parent. Nodes with children do move: were only childless nodes
+    to move, a stripe could stay short for good once every node has children, its receivers taking its shards from
+    the origin (sent twice).
 
-    Decided one node at a time on records a DHT lag old, moves made nodes chase each other round the stripes (one
-    simulated node moved seven times in 36 s), ties all went to stripe 0 (seven of sixteen netns nodes ended
-    there) and a stripe short by three nodes took three rounds of record updates to fill."""
+    The plan is one for all, not each node's own choice on records a DHT lag old: such choices chase each other
+    round the stripes, send every tie to stripe 0 and fill a short stripe one round of record updates at a time.
+    (docs/weights.md, "Homes spread, then stay"; docs/notes/stripes-history.md, "A stripe short of parents for
+    good".)"""
     k = max(1, stripes)
     capacity = [0.0] * k
     nodes: list[tuple[int, int, str, int, float]] = []
@@ -291,9 +291,9 @@ class UploadMeter:
     """A node's upload capacity, from what it really sent: bytes per one-second bucket, and the estimate is the
     median of the last ``SPAN`` buckets in which the node sent all second long **and the link was the limit**
     (data waited to be sent at every write: ``backlogged``). A relay passing a stripe on cut-through sends only as
-    fast as the stripe arrives: those seconds measure the stripe, not the link, and counting them made every
-    relay's claim fall to its children times the stripe rate (measured on 25 Mbit/s links: 21, 15, 11, 8.4 Mbit/s
-    in one run), its slots with it, and stripes short of parents. A node whose link never was the limit has no
+    fast as the stripe arrives: those seconds measure the stripe, not the link, and counting them would make every
+    relay's claim fall to its children times the stripe rate, its slots with it, until stripes are short of parents
+    (docs/weights.md, "Fan-out from the measured upload"). A node whose link never was the limit has no
     estimate (0: planned as the others). Pure: the caller passes the clock."""
 
     SPAN = 8
@@ -328,8 +328,8 @@ class UploadMeter:
     def peak_bps(self, now: float) -> float:
         """The most sent over two whole seconds in a row of the last ``SPAN``, per second (one second alone if
         none follows another; 0 if none): the link's rate soon after it was last the limit, where ``bps`` may
-        have no estimate yet (pacing.FairShare). One second alone reads high: acknowledgements come in bursts,
-        and the fair share paced from it let the origin's stripes end 2.2 s apart at 40 Mbit/s (netns N=12)."""
+        have no estimate yet (pacing.FairShare). One second alone reads high: acknowledgements come in bursts, and a
+        fair share paced from it lets the link's receivers drift apart."""
         recent = [(sec, b) for sec, b in self._recent if sec >= int(now) - self.SPAN]
         pairs = [(a + b) / 2 for (s, a), (t, b) in zip(recent, recent[1:], strict=False) if t == s + 1]
         return float(max(pairs or [b for _, b in recent] or [0]))

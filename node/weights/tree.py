@@ -93,8 +93,8 @@ def parents(
     A full relay gives a leaf's slot to a node at home in its stripe (relay.ShardServer._make_room), so a node
     that moved its home into a stripe whose serving nodes are all full finds its place there: the origin's 503
     names no child that has not earned its slot or received through it, and a child that moved in between
-    versions has received nothing yet (six relays in a test: the stripe's root moved in after the version, and
-    two nodes had no parent there until the next version)."""
+    versions has received nothing yet (without this, a node that moved in can be left without a parent there
+    until the next version)."""
     usable = [
         r
         for r in _usable(records, me, exclude)
@@ -143,5 +143,6 @@ def holders(
 
 def is_path(path: object) -> bool:
     """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
-    accept (a 5,000-entry path once made this node's next DHT record invalid, and that killed it)."""
+    accept (a longer one, repeated in this node's next DHT record, would make that record invalid and stop the
+    node)."""
     return isinstance(path, list) and len(path) < MAX_DEPTH and all(isinstance(x, str) and len(x) == 32 for x in path)
