@@ -62,8 +62,9 @@ PARENT_POLL_S = 0.5
 STORE_BEAM = 5
 """DHT nodes a store's lookup visits (hivemind's default: its bucket size, 20; it stores at the 5 nearest). Each node
 a lookup visits answers with the key's whole value, which a store discards: for the run's ``nodes`` key every
-record (~12 KB at 17 nodes): with every node republishing each REPUBLISH_S, an estimated 40 KB/s of each node's
-upload at N=16 went to answering stores. Reads still visit 20: they find a record stored a little off its nearest."""
+record (~12 KB at 17 nodes), so with every node republishing each REPUBLISH_S, answering stores at 20 takes about
+40 KB/s of each node's upload at 16 nodes (docs/notes/stripes-history.md, "The libp2p bytes were the DHT's
+lookups"). Reads still visit 20: they find a record stored a little off its nearest."""
 SHUTDOWN_S = 5.0
 """How long closing waits for the DHT process before it is killed (with its daemon)."""
 T = TypeVar("T")
@@ -158,7 +159,7 @@ class _NodeDHT(DHT):
     With ``fresh_process`` it is started by multiprocessing's fork server, not forked from the node. A fork shares
     the node's pages copy-on-write, and every page the node writes afterwards is copied, the child keeping the old
     one: the trainer's weights (and a resumed checkpoint), in memory before its DHT starts and written each step,
-    then cost twice (its DHT process held 1.3 GB of them, measured). The fork server is a fresh interpreter that
+    would cost twice (docs/training.md, "Memory: the demo in 4 GB"). The fork server is a fresh interpreter that
     imports this module, hivemind and torch only (~440 MB with the DHT process, against ~240 MB for a fork of a
     node that has not loaded its model yet, which volunteers' nodes still do)."""
 
@@ -209,11 +210,11 @@ def check_spec(value: object, run_id: str) -> RunSpec:
 class _Verified:
     """What already checked out, by the exact bytes checked: bounded, least recently used out first, thread-safe.
 
-    Every read of the run's ``nodes`` key returns every node's record, and each was checked twice per read (in
-    the DHT process, then by the reader): 0.14 ms a record. 200 made-up keys registered in the DHT then cost each
-    reader ~60 ms of CPU per read, and the trainer, reading on every unknown signer, lost half its training rate
-    (benchmarks/adversary.py, sybil flood). A record's signature and schema do not change while its bytes do not,
-    so they are checked once; what depends on the time is checked at every read."""
+    Every read of the run's ``nodes`` key returns every node's record, each checked in the DHT process and again by the
+    reader, at 0.14 ms a record: checked anew each time, 200 made-up keys registered in the DHT would cost each reader
+    ~60 ms of CPU per read, and the trainer, which reads on every unknown signer, half its training rate (measured:
+    benchmarks/adversary.py, sybil flood). A record's signature and schema do not change while its bytes do not, so they
+    are checked once; what depends on the time is checked at every read."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size

@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 class EncodedList(list[Any]):
     """An append-only list that keeps each item's JSON text as it is appended. ``/status`` is public and carries
-    the trainer's whole step history: encoded again at each request, it took 30% of the trainer's main thread for
-    one client polling (measured under benchmarks/adversary.py), and grows with the run. Encoded here once."""
+    the trainer's whole step history, which grows with the run: encoded again at each request, it costs about 30%
+    of the trainer's main thread for one client polling (measured: benchmarks/adversary.py). Encoded here once."""
 
     def __init__(self, items: Iterable[Any] = ()) -> None:
         super().__init__()
