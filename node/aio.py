@@ -2,7 +2,7 @@
 
 On Python 3.11 ``asyncio.wait_for`` returns its operation's result (or raises its error) when a cancellation
 arrives in the same loop iteration as the operation completes: the cancellation is gone. A loop that then sleeps
-and goes on keeps a stopping node alive for ever (a trainer sent SIGTERM just as its DHT record was stored ran on,
+and goes on keeps a stopping node alive for ever (a trainer sent SIGTERM just as its DHT record is stored runs on,
 its task group waiting on that loop). ``asyncio.timeout`` has no inner task, so a cancellation always reaches the
 awaiting task; every timeout in the node goes through ``within``."""
 

@@ -109,7 +109,7 @@ def _score(run: RunConfig, problems: int, folder: Path | None) -> tuple[float, i
 
 def score_apart(run: RunConfig, problems: int, folder: Path | None = None) -> tuple[float, int]:
     """(held-out accuracy, problems scored) of version 0, or of the weights in ``folder``, computed in a child
-    process that ends with it: the demo itself holds no model (nor torch) while its nodes run; it held ~1 GB."""
+    process that ends with it: the demo itself holds no model (nor torch, ~1 GB) while its nodes run."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -170,7 +170,7 @@ def run_demo(args: argparse.Namespace, run: RunConfig) -> int:
     pretrained = run.model.kind == "hf"
     steps = args.steps or (None if pretrained else 100)
     inference_nodes = args.inference_nodes or (1 if pretrained else 2)
-    trainer_threads = ["--threads", "1"] if pretrained else []  # one core each: oversubscribed, steps took 3x
+    trainer_threads = ["--threads", "1"] if pretrained else []  # one core each: oversubscribed, steps take 3x as long
     threads = ["--threads", "1"] if pretrained else []
     budget = args.minutes * 60 if pretrained else None
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-demo-"))

@@ -34,10 +34,10 @@ def _libc() -> Any:
 
 
 def return_freed_memory() -> None:
-    """Make glibc give freed memory back to the system, before the node allocates much: a training step's
-    transient gigabyte (logits, activations) stayed resident after it, held by the allocator (tensors up to its
-    dynamic 32 MiB mmap threshold live in heap arenas, one arena per thread), and the next part's peak came on top.
-    Blocks over 1 MiB are mapped and unmapped on their own; two arenas. Elsewhere than glibc: nothing to do."""
+    """Make glibc give freed memory back to the system, before the node allocates much: a training step's transient
+    gigabyte (logits, activations) otherwise stays resident after it, held by the allocator (tensors up to its dynamic
+    32 MiB mmap threshold live in heap arenas, one arena per thread), and the next part's peak comes on top. Blocks over
+    1 MiB are mapped and unmapped on their own; two arenas. Elsewhere than glibc: nothing to do."""
     import ctypes
 
     libc = _libc()
@@ -49,8 +49,8 @@ def return_freed_memory() -> None:
 
 def trim_freed() -> None:
     """After a phase that allocated much in small blocks (a training step, a judged batch, a generated one): the
-    free parts of the heap go back to the system (``malloc_trim``), not held for this process alone. A SmolLM2
-    step left ~650 MB so held, measured; this takes milliseconds."""
+    free parts of the heap go back to the system (``malloc_trim``), not held for this process alone: a SmolLM2
+    step leaves ~650 MB so held otherwise (docs/training.md, "Memory: the demo in 4 GB"); this takes milliseconds."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -166,7 +166,7 @@ def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True)
 
 def _end_children(grace_s: float = 3.0) -> None:
     """Every process this node started dies with it: os._exit skips the finalizers that would stop them (vLLM's
-    engine core outlived its node, holding its memory, until it was killed by hand)."""
+    engine core would outlive its node, holding its memory, until killed by hand)."""
     try:
         import psutil
 

@@ -338,10 +338,11 @@ class RelayInfo(BaseModel):
     slots_total: Annotated[int, Field(ge=0, le=1024)]
     slots_free: Annotated[int, Field(ge=0, le=1024)]
     upload_bps: Annotated[float, Field(ge=0.0)] = 0.0
-    """Measured upload capacity (bytes/s; 0: not yet). ``stripe``: the only one it takes children in; ``stripes``
-    (the origin's): how many each version has."""
+    """Measured upload capacity (bytes/s; 0: not yet)."""
     stripe: Annotated[int, Field(ge=0, lt=64)] = 0
+    """Its home stripe: the only one it takes children in."""
     stripes: Annotated[int, Field(ge=1, le=64)] = 1
+    """How many stripes each version has (the origin's record says; node/weights/stripes.py)."""
     versions: Annotated[list[U31], Field(max_length=64)] = []
     """Complete, verified versions it serves."""
     fetching: Annotated[int, Field(ge=-1, lt=2**31)] = -1

@@ -16,7 +16,7 @@ runs as ``jailed(argv)`` in a process started as
 - limits: CPU seconds, address space, file size and open files by rlimit; memory and processes by a cgroup per run
   (cgroup v1 or v2, memory and pids). The cgroup is what bounds memory: it counts the pages of files written to
   tmpfs, memfds and SysV shared memory, none of which RLIMIT_AS sees, and every process of the run together.
-  Wall time by the caller, which kills the whole process group. All of it measured to hold:
+  Wall time by the caller, which kills the whole process group. Each of these is tested to hold:
   tests/judging/test_jail.py.
 - no cgroup, no jail: where the node cannot make a cgroup (not root, and no group handed to its user) ``probe()``
   reports ``works=False`` with ``MEMORY_HINT``, and nothing untrusted runs.

@@ -119,10 +119,10 @@ class PolicyEngine:
         self, model: torch.nn.Module, b: Packed, entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs and (with ``entropy``) entropies ``[rows, width - 1]``, computed only from the first column any
-        completion scores on (the LM head and the softmaxes over a 49k vocabulary at prompt positions were half the
+        completion scores on (the LM head and the softmaxes over a 49k vocabulary at prompt positions are half the
         step); columns before it are zero, where the mask is zero too. The entropy carries a gradient only when
         the loss uses it (``train.entropy_coef``); as a statistic it is computed without one, a piece at a time
-        (its softmaxes held for backward were three more copies of the logits)."""
+        (its softmaxes held for backward would be three more copies of the logits)."""
         scored = b.mask.any(dim=0).nonzero()
         first = int(scored[0]) if len(scored) else b.mask.shape[1] - 1
         keep = b.ids.shape[1] - first
@@ -142,7 +142,7 @@ class PolicyEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         logp_gap = 0.0
-        if t.recompute_logp_old:  # in micro-batches too: the whole batch's logits at once were ~0.5 GB per copy
+        if t.recompute_logp_old:  # in micro-batches too: the whole batch's logits at once are ~0.5 GB per copy
             with torch.no_grad():
                 micro = t.micro_rows or batch.ids.shape[0]
                 mine = torch.cat(

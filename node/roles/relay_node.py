@@ -46,8 +46,8 @@ class RelayNode(Volunteer):
             target = f.announced if f.announced > max(self.version, failed_news) else -1
             if target < 0:
                 # The trainer's record from the DHT, but never ahead of the parent's news: a read can take a second
-                # on a busy DHT, and news that waited for one held back a whole subtree's start (netns N=16: a
-                # stripe's root began 0.8 s after the version was out, its subtree with it).
+                # on a busy DHT, and news that waits for one holds back a whole subtree's start (docs/weights.md,
+                # "Each version starts at once").
                 self._reading = self._reading or asyncio.ensure_future(self.trainer())
                 news = asyncio.ensure_future(f.news.wait())
                 await asyncio.wait({self._reading, news}, timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)

@@ -60,8 +60,8 @@ PendingBatch = tuple[RolloutBatch, list[int], bytes]
 class PendingBatches:
     """Admitted batches waiting for a verdict. ``get(prefer)`` takes one of the version the validator's model
     holds when there is one (a producer alternating versions must not force a weight reload per batch), unless
-    the oldest has waited ``MAX_DEFER_S``: under a steady honest flow of one version, a batch of another waited
-    for ever (a flooder's first batch, pending for a whole 30 s attack, kept its key answered 'busy' instead of
+    the oldest has waited ``MAX_DEFER_S``: else, under a steady honest flow of one version, a batch of another
+    waits for ever (a flooder's first batch, pending for a whole attack, keeps its key answered 'busy' instead of
     banned, every submission costing a signature check)."""
 
     def __init__(self) -> None:
