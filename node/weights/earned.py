@@ -25,14 +25,14 @@ it and never more: keys chained below each other in made-up records get only the
 parent that stops serving loses its trusted children (they leave a parent that fails to serve, follower.py) and
 its standing with them, within a record refresh. Upload figures and depths in records count for nothing here.
 
-At the origin (relay.ShardServer._make_room), an earned node that finds no free slot takes one from a child that
-has not earned its own; a node that has not earned one takes a free slot (so a new swarm, where nobody has earned
-anything yet, forms as before), an idle one, or one the tree's usual rules give it among children that have not
-earned theirs either (stripes.to_release); else it is sent down the tree: the 503 names the children that hold no
-idle slot and earned their place or received shards through it. A node that only holds a slot is never named; a
-relay that fetched through its slot is, earned or not: in a swarm of relays alone nobody earns anything, and a
-node at home in a stripe whose nodes are all full finds the leaf slot it may take only through those names (a 503
-that names nobody leaves it never rooted in its home stripe).
+At the origin (relay.ShardServer._make_room), an earned node that finds no free slot takes one from a child that has not
+earned its own; a node that has not earned one takes a free slot (so a new swarm, where nobody has earned anything yet,
+forms as without this rule), an idle one, or one the tree's usual rules give it among children that have not earned
+theirs either (stripes.to_release); else it is sent down the tree: the 503 names the children that hold no idle slot and
+earned their place or received shards through it. A node that only holds a slot is never named; a relay that fetched
+through its slot is, earned or not: in a swarm of relays alone nobody earns anything, and a node at home in a stripe
+whose nodes are all full finds the leaf slot it may take only through those names (a 503 that names nobody leaves it
+never rooted in its home stripe: docs/notes/weights-findings.md).
 
 ``vouched`` and ``Feeding`` are pure (the caller passes the clock); ``Earned`` caches ``vouched`` for
 ``VOUCH_REFRESH_S``: O(records x depth) at most once a second, however many slot requests ask.

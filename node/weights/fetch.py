@@ -58,14 +58,14 @@ SHARD_SLACK_S = LONG_POLL_S + 10.0
 BODY_SLACK_S = 5.0
 """Once the response has begun (the long poll is over), the rest of the shard gets this plus its size at
 ``MIN_SHARD_BPS``: a parent trickling a 1 MiB shard is cut after 21 s, within the stall budget (``STALL_S``), where
-the whole slack let it hold the shard past it."""
+the whole slack would let it hold the shard past it."""
 MANIFEST_BODY_S = BODY_SLACK_S + Channel.MANIFEST.value / MIN_SHARD_BPS
 """The same for a manifest's body, at its largest."""
 SLOW_PARENT_AVOID_S = 60.0
 """A parent (not the origin) whose shard was cut for coming too slowly is left at once and not chosen, nor asked,
-again for this long: it sent less than ``MIN_SHARD_BPS`` over a whole shard. Left only at a second cut, and chosen
-again after a few seconds as the best place its record offered, a parent sending a byte a second kept a newcomer
-from every version."""
+again for this long: it sent less than ``MIN_SHARD_BPS`` over a whole shard. Were it left only at a second cut, or
+chosen again after a few seconds as the best place its record offers, a parent sending a byte a second could keep a
+newcomer from every version."""
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -253,7 +253,7 @@ class ShardFetcher:
                     continue  # another worker may have taken the last shard meanwhile
                 # The endgame: a worker done with its own stripe takes the last shard of one behind from a node with
                 # spare upload (pick_spare) while that stripe's worker goes on with the parent from the front; only
-                # while none has any does it ask the parent too (splitting its upload with our siblings'), as before.
+                # while none has any does it ask the parent too (splitting its upload with our siblings').
                 src: Source | None
                 spare = (
                     pick_spare(self.sources.values(), self.banned, time.monotonic(), stripe)
@@ -303,7 +303,7 @@ class ShardFetcher:
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())), asyncio.TaskGroup() as tasks:
                 # one worker per stripe: two connections per child at a parent let TCP share its upload unevenly
-                # (one stripe at a fraction of the others' rate, its subtree last: weights.md, "No lockstep")
+                # (one stripe at a fraction of the others' rate, its subtree last: docs/notes/weights-findings.md)
                 workers = self.parallel if k == 1 else k
                 for i in range(min(workers, max(1, len(missing)))):
                     tasks.create_task(worker(i % k))
@@ -475,7 +475,8 @@ class ShardFetcher:
 
     def _deadline(self, size: int, src: Source, stripe: int | None, begun: bool = False) -> float:
         """Seconds a transfer of ``size`` bytes may take; from an alternate beside our parent in the stripe (a probe,
-        the endgame: no long poll) at half our slowest parent's rate at least (a trickler held one 17 min/64 MiB).
+        the endgame: no long poll) at half our slowest parent's rate at least (else a trickler holds a 64 MiB shard
+        17 min: docs/weights.md, "Spare upload and the endgame").
         ``begun``: the rest of a response that has begun (``BODY_SLACK_S``, no long poll left)."""
         alternate = not src.serves(stripe) and any(s.serves(stripe) for s in self.sources.values())
         rates = [s.bps for s in self.sources.values() if s.is_parent and s.bps > 0] if alternate else []

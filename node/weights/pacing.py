@@ -271,7 +271,7 @@ class FairShare:
         """Each receiver's weight in the link's split: 1, or, among those whose place we know, more to one behind
         the others' mean place in the current version and less to one ahead. Equal shares alone keep whatever lag a
         receiver took (a first shard late, a few seconds slower), and the subtree of the root behind, starved
-        meanwhile, ends last (docs/notes/stripes-history.md, "Equal shares keep a lag")."""
+        meanwhile, ends last (docs/notes/weights-findings.md, "A receiver behind catches up")."""
         weight = dict.fromkeys(fair, 1.0)
 
         def moving(w: str) -> float:  # its rate, decayed over a while not told (it read nothing)

@@ -77,8 +77,8 @@ BEHIND_SHARDS = 2
 """A new child holding over twice the shards of its version in the stripe this node holds, plus this many, is
 refused: a node that joined mid-version starts from nothing, and as a parent it would hold back every node that
 re-parents under it. Only a child well ahead is refused: refusing any child a few shards ahead leaves a leaf that
-the origin gave up without a parent. Lying high only costs the liar. (docs/weights.md, "Parents ahead of their
-children"; measured: benchmarks/simulate.py.)"""
+the origin gave up without a parent. Lying high only costs the liar. (docs/weights.md and
+docs/notes/weights-findings.md, "Parents ahead of their children".)"""
 
 
 _GIVEN = {

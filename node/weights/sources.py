@@ -52,8 +52,9 @@ def pick_source(
 ) -> Source | None:
     """The source for one shard of ``stripe``: the best score among those not away or banned and not yet tried for it
     (all tried: any). An alternate never measured does not win over a usable parent on an assumed rate (else a relay can
-    park all its workers on untried alternates for many seconds); it gets the pick when ``probe`` (one in PROBE_EVERY),
-    so a parent slower than an alternate is found out (the follower then moves below the faster one)."""
+    park all its workers on untried alternates for many seconds: docs/notes/weights-findings.md); it gets the pick when
+    ``probe`` (one in PROBE_EVERY), so a parent slower than an alternate is found out (the follower then moves below the
+    faster one)."""
     # a parent in another stripe that had no alternate's slot for this one (spare_until) is not asked again at once;
     # a stripe's root two levels up only for our share of its stripe (``above_due``, the fetcher asks it)
     sources = [
@@ -64,7 +65,8 @@ def pick_source(
     usable = [s for s in sources if s.away_until <= now]
     if stripe is not None and any(s.serves(stripe) for s in sources):
         # While we have a parent in the stripe (even one waiting for the shard, away a moment), another stripe's
-        # parent is a leaf here: a detour through it takes upload its own children need, and every subtree slows.
+        # parent is a leaf here: a detour through it takes upload its own children need, and every subtree slows
+        # (docs/notes/weights-findings.md, "No detour through another stripe's parent").
         # The origin too, when it is our parent in another stripe: a shard it sends twice spends the swarm's
         # scarcest upload twice. This holds while the stripe's parent is away a moment as well, so a 404 does not
         # open every source (docs/notes/stripes-history.md, "The origin sent shards twice"). As anyone's alternate

@@ -276,8 +276,8 @@ class WeightStore:
 
     async def mark_verified(self, version: int, name: str) -> None:
         # A name without .part is a promise that the bytes are whole: fsynced first, in a thread. In the event loop
-        # an fsync stopped the node's uploads and cut-through with it for as long as the disk took; with a swarm's
-        # writes on one disk (every fsync on ext4 waits for a journal commit) every node stalled at once.
+        # an fsync would stop the node's uploads and cut-through with it for as long as the disk takes; with a
+        # swarm's writes on one disk (every fsync on ext4 waits for a journal commit) every node would stall at once.
         await asyncio.to_thread(fsync_file, self.part_path(version, name))
         self.part_path(version, name).rename(self.partial(version) / name)
         self._verified.setdefault(version, set()).add(name)

@@ -66,7 +66,7 @@ def planned_rate(
 
     The mean alone over-promises: each node rounds its children down (with uploads from 10 Mbit/s to 1 Gbit/s
     that loses 8% of the upload), and a swarm left with only 1-5% more slots than it needs has stripes short of
-    parents as nodes come and go (docs/weights.md, "Fan-out from the measured upload"; benchmarks/simulate.py)."""
+    parents as nodes come and go (docs/notes/weights-findings.md, "Spare slots")."""
     ups = list(uploads)
     known = [u for u in ups if u > 0]
     if origin_bps <= 0 and not known:
@@ -226,7 +226,7 @@ def root_fanout(records: dict[str, NodeRecord], me: str, home: int, stripes: int
     shares its link among the stripes unevenly (TCP), and a root fed faster than a stripe's rate can pass on only
     its upload over its children each: with every slot of the stripe in use there is no slack anywhere below it,
     and what the origin sent ahead waits at the root. With one child fewer it passes on a third more per child
-    (docs/weights.md, "A root with a slot to spare")."""
+    (docs/notes/weights-findings.md, "A root with a slot to spare")."""
     if slots < 2 or not 0 <= home < max(1, stripes):
         return slots
     roots = 1 + sum(
@@ -261,8 +261,7 @@ def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need
 
     The plan is one for all, not each node's own choice on records a DHT lag old: such choices chase each other
     round the stripes, send every tie to stripe 0 and fill a short stripe one round of record updates at a time.
-    (docs/weights.md, "Homes spread, then stay"; docs/notes/stripes-history.md, "A stripe short of parents for
-    good".)"""
+    (docs/weights.md, "Homes spread, then stay"; docs/notes/weights-findings.md, "Moves by one plan".)"""
     k = max(1, stripes)
     capacity = [0.0] * k
     nodes: list[tuple[int, int, str, int, float]] = []
@@ -329,7 +328,7 @@ class UploadMeter:
         """The most sent over two whole seconds in a row of the last ``SPAN``, per second (one second alone if
         none follows another; 0 if none): the link's rate soon after it was last the limit, where ``bps`` may
         have no estimate yet (pacing.FairShare). One second alone reads high: acknowledgements come in bursts, and a
-        fair share paced from it lets the link's receivers drift apart."""
+        fair share paced from it lets the link's receivers drift apart (docs/notes/weights-findings.md)."""
         recent = [(sec, b) for sec, b in self._recent if sec >= int(now) - self.SPAN]
         pairs = [(a + b) / 2 for (s, a), (t, b) in zip(recent, recent[1:], strict=False) if t == s + 1]
         return float(max(pairs or [b for _, b in recent] or [0]))

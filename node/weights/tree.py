@@ -94,7 +94,7 @@ def parents(
     that moved its home into a stripe whose serving nodes are all full finds its place there: the origin's 503
     names no child that has not earned its slot or received through it, and a child that moved in between
     versions has received nothing yet (without this, a node that moved in can be left without a parent there
-    until the next version)."""
+    until the next version: docs/notes/weights-findings.md, "The 503 names children that received")."""
     usable = [
         r
         for r in _usable(records, me, exclude)
@@ -144,5 +144,5 @@ def holders(
 def is_path(path: object) -> bool:
     """A parent's word about its path from the origin: a list of node ids, shorter than the deepest tree we
     accept (a longer one, repeated in this node's next DHT record, would make that record invalid and stop the
-    node)."""
+    node: docs/notes/weights-findings.md)."""
     return isinstance(path, list) and len(path) < MAX_DEPTH and all(isinstance(x, str) and len(x) == 32 for x in path)
