@@ -32,8 +32,8 @@ FLAG_NAMES = {
     "shard_bytes": "--shard-mb",
     "validators": "--validator",
 }
-"""Node settings whose flag is not ``--`` and the field's name with dashes (kept from before the flags were made
-from the fields: scripts and docs use them)."""
+"""Node settings whose flag is not ``--`` and the field's name with dashes: names scripts and docs use, each
+meaning exactly its field."""
 METAVARS = {"announce": "ADDRESS", "device": "auto|cpu|cuda[:N]", "peers": "MULTIADDR", "validators": "NODE_ID"}
 UNITS = {"shard_bytes": (2**20, "MB")}
 """Settings whose flag counts in a larger unit than the field: ``--shard-mb`` is MB, ``shard_bytes`` bytes."""

@@ -143,7 +143,7 @@ class Volunteer(abc.ABC):
             self._publish_soon.clear()
             await self.publish()
             # at most one DHT store a second, however busy the slots and versions are: each store of a record
-            # travels to several DHT peers, and republishing at every change was most of a node's libp2p bytes
+            # travels to several DHT peers, and a record's stores are most of a node's libp2p bytes
             await asyncio.sleep(PUBLISH_MIN_S)
 
     def status(self) -> dict[str, Any]:
