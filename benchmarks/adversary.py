@@ -85,9 +85,55 @@ from intellect_protocol.messages import (
 from intellect_protocol.records import CLOCK_SKEW_S, NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
 
+from harness import netns
+
 ATTACKER_IP = "127.0.0.2"
 """The attacker's own address: every connection it makes comes from here, as from another machine (limits that
-count the remote address meet the attacker, not the honest nodes on 127.0.0.1)."""
+count the remote address meet the attacker, not the honest nodes). In its own network namespace (the default as
+root, ``Namespaces``) it is 10.78.0.2, across a veth from the swarm's namespace; otherwise 127.0.0.2 on loopback."""
+SWARM_HOST = "127.0.0.1"
+"""The address every node of the swarm listens on and announces (10.78.0.1 in the swarm's namespace)."""
+SWARM_PREFIX: list[str] = []
+"""What the swarm's node processes are started under (``ip netns exec <the swarm's namespace>``)."""
+
+
+class Namespaces:
+    """Two network namespaces joined by a veth pair: the swarm's (10.78.0.1) and the attacker's (10.78.0.2), the
+    position of an attacker on another machine. Made by the outer process, which runs the benchmark inside the
+    attacker's namespace and removes both (and whatever still runs in them) when it ends, also on failure."""
+
+    def __init__(self) -> None:
+        tag = f"inadv{os.getpid() % 100000}"
+        self.swarm, self.attacker = f"{tag}s", f"{tag}a"
+        self.made: list[str] = []
+
+    def __enter__(self) -> Namespaces:
+        try:
+            for ns in (self.swarm, self.attacker):
+                netns.run("ip", "netns", "add", ns)
+                self.made.append(ns)
+                netns.run("ip", "-n", ns, "link", "set", "lo", "up")
+            veth_s, veth_a = f"{self.swarm}v", f"{self.attacker}v"
+            netns.run("ip", "link", "add", veth_s, "type", "veth", "peer", "name", veth_a)
+            for ns, dev, ip in ((self.swarm, veth_s, "10.78.0.1"), (self.attacker, veth_a, "10.78.0.2")):
+                netns.run("ip", "link", "set", dev, "netns", ns)
+                netns.run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                netns.run("ip", "-n", ns, "link", "set", dev, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.made:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (OSError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made.clear()
 
 
 def attacker_session() -> aiohttp.ClientSession:
@@ -138,7 +184,7 @@ class Swarm:
         self.tok = build_tokenizer(self.run.model)
 
     def start(self, name: str, argv: list[str]) -> dict[str, Any]:
-        node = NodeProcess(name, argv, self.logs)
+        node = NodeProcess(name, [*argv, "--host", SWARM_HOST], self.logs, prefix=SWARM_PREFIX)
         self.nodes[name] = node
         self.ready[name] = node.wait_ready(timeout=120)
         return self.ready[name]
@@ -666,11 +712,11 @@ async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
     app.router.add_get("/weights/{version}/{name}", trickle)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, ATTACKER_IP, 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     relay = RelayInfo(depth=0, slots_total=64, slots_free=64, upload_bps=1e12, versions=list(range(10_000, 10_064)))
-    swarm.register(liar, role="relay", http_url=f"http://127.0.0.1:{port}", relay=relay)
+    swarm.register(liar, role="relay", http_url=f"http://{ATTACKER_IP}:{port}", relay=relay)
     name = f"newcomer-{mode}"
     try:
         await asyncio.to_thread(swarm.join, name, "relay")
@@ -1214,10 +1260,28 @@ def main() -> int:
         default=[],
         help="only these attacks, comma-separated (default: all); e.g. sybil_flood,submission_flood",
     )
+    p.add_argument(
+        "--netns",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the attacker in its own network namespace, across a veth from the swarm's (auto: when root and "
+        "namespaces can be made); off: the attacker at 127.0.0.2 on loopback",
+    )
+    p.add_argument("--inside", metavar="SWARM_NS", help=argparse.SUPPRESS)  # run by the outer process, in netns
     args = p.parse_args()
     unknown = set(args.attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
+    global ATTACKER_IP, SWARM_HOST
+    if args.inside:
+        ATTACKER_IP, SWARM_HOST = "10.78.0.2", "10.78.0.1"
+        SWARM_PREFIX[:] = ["ip", "netns", "exec", args.inside]
+    elif args.netns == "on" or (args.netns == "auto" and netns.available()):
+        root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
+        inner = ["--window", str(args.window), "--workdir", str(root), "--attacks", ",".join(args.attacks)]
+        with Namespaces() as ns:
+            argv = [sys.executable, os.path.abspath(__file__), *inner, "--inside", ns.swarm]
+            return subprocess.run(["ip", "netns", "exec", ns.attacker, *argv]).returncode
     root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
     outcomes = asyncio.run(main_async(args, root))
     print(
