@@ -16,6 +16,8 @@ from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import VersionNotice
 
+pytestmark = pytest.mark.integration
+
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
 

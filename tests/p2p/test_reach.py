@@ -123,6 +123,7 @@ def test_it_only_ever_dials_the_address_the_request_came_from() -> None:
     assert _targets(ask, "1.2.3.4") == [("1.2.3.4", 1)]  # one address named eight times is tried once
 
 
+@pytest.mark.integration
 def test_a_node_learns_whether_it_can_be_reached_from_outside() -> None:
     asyncio.run(_dialback())
 
@@ -155,6 +156,7 @@ async def _dialback() -> None:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_fresh_peer_ids_from_one_ip_are_refused_past_that_ips_burst(monkeypatch: pytest.MonkeyPatch) -> None:
     """A libp2p peer id is free: the rate limit counts the IP the stream came from. One IP asking from ever new
     peer ids gets its burst answered and the rest refused at once with a signed ``rate`` answer; another IP is
@@ -194,6 +196,7 @@ async def _fresh_peer_ids() -> None:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_requests_past_the_in_flight_bounds_are_refused_not_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests held by silent ports fill an IP's share of the server (PER_IP_AT_ONCE), then all of it
     (MAX_AT_ONCE, here 3): one more request, from that IP or from a third one, is refused ``busy`` while the
@@ -254,6 +257,7 @@ async def _in_flight_bounds() -> None:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_a_request_naming_silent_ports_costs_one_deadline_not_one_each() -> None:
     """Eight claimed ports and an HTTP port that accept and never answer: the trainer tries MAX_TARGETS of the
     ports and the HTTP port all at once, under one deadline (every probe connection was open at the same time),
@@ -288,6 +292,7 @@ class _Joiner(Volunteer):
         raise AssertionError("not run here")
 
 
+@pytest.mark.integration
 def test_a_joiner_announces_only_what_a_dial_back_confirmed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -31,6 +31,8 @@ from intellect_protocol.identity import Identity
 from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord
 from intellect_protocol.records import NODE_TTL_S, nodes_key
 
+pytestmark = pytest.mark.integration
+
 POW_BITS = 12
 
 

@@ -13,8 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 from intellect_node.launch import NodeProcess, join_argv
+
+pytestmark = pytest.mark.integration
 
 
 def _free_port() -> int:

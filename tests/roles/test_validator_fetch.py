@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from intellect_node.config import NodeConfig
@@ -41,6 +42,8 @@ from intellect_protocol.messages import (
     Verdict,
     VerifySpec,
 )
+
+pytestmark = pytest.mark.integration
 
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id

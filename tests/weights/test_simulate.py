@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import simswarm  # noqa: E402
 import simulate  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ARGS = argparse.Namespace(
     seed=3,
     dc_share=0.1,

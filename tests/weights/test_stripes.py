@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 
 from intellect_node.p2p.http import HttpServer
@@ -466,6 +467,7 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
     assert asyncio.run(asks(None)) == [200] * 6
 
 
+@pytest.mark.integration
 def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(tmp_path: Path) -> None:
     """The grudge (and the waste it measured at N=16): a root, the origin's child in stripe 0, asks the origin for
     the shards of every stripe with its token while stripe 1's root is being sent one. It gets stripe 0's; another

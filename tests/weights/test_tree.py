@@ -255,6 +255,7 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
     assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
 
 
+@pytest.mark.integration
 def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
     """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
     signed by another key announces nothing."""
@@ -369,6 +370,7 @@ def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path
     assert asyncio.run(main()) == ORIGIN
 
 
+@pytest.mark.integration
 def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The attacks on the old unauthenticated slots, each refused: made-up node ids (unsigned, or signed by a key
     the run does not know) taking slots; a stranger's DELETE evicting a real child; a captured request replayed;
