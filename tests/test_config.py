@@ -115,7 +115,9 @@ def test_inference_settings_are_the_nodes_not_the_runs() -> None:
     [
         (["--set", "train.lr=1"], "that is a run setting"),
         (["--set", "inference.backend=fast"], "inference.backend"),
-        (["--device", "gpu"], "expected auto, cpu, cuda or cuda:N"),
+        pytest.param(  # the device check imports torch in the child: seconds
+            ["--device", "gpu"], "expected auto, cpu, cuda or cuda:N", marks=pytest.mark.integration
+        ),
     ],
 )
 def test_join_refuses_bad_node_settings_with_advice(argv: list[str], says: str) -> None:
@@ -225,6 +227,7 @@ def test_a_bad_data_dir_says_which_flag(tmp_path: Path) -> None:
     assert f"--data-dir {blocker / 'node'}: cannot create or write files there" in result.stderr, result.stderr
 
 
+@pytest.mark.integration
 def test_a_p2p_port_in_use_is_named() -> None:
     import asyncio
     import socket

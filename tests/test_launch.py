@@ -12,6 +12,8 @@ import pytest
 
 from intellect_node.launch import NodeExited, NodeProcess
 
+pytestmark = pytest.mark.integration
+
 
 def test_a_node_that_dies_is_noticed_though_its_child_keeps_its_output_open(tmp_path: Path) -> None:
     script = textwrap.dedent(

@@ -11,6 +11,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 NODE = ROOT / "node"
 
@@ -126,6 +128,7 @@ def test_a_module_past_the_review_size_is_flagged_for_review() -> None:
             warnings.warn(f"{name} has {n} lines: does it hold more than one service or idea?", stacklevel=1)
 
 
+@pytest.mark.integration
 def test_the_kernels_folder_does_not_hide_hugging_faces_kernels_from_code_run_at_the_root() -> None:
     """``python -m pytest`` (or any ``python -m``) run at the repository's root puts the root on ``sys.path``, where
     the ``kernels`` folder shadowed the ``kernels`` distribution that transformers 5.25 depends on: every test

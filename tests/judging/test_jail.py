@@ -137,6 +137,7 @@ except OSError:
     assert leftovers.strip() == ""
 
 
+@pytest.mark.integration
 def test_memory_and_cpu_limits_hold() -> None:
     hog = "x = bytearray(2 << 30)\nprint('allocated')\n"
     code, out = _jailed(hog, jail.Limits(memory_bytes=256 << 20))

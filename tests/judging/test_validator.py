@@ -12,26 +12,14 @@ from intellect_node.config import RunConfig
 from intellect_node.judging.validator import Validator, expected_proofs
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
 from intellect_node.roles.inference import generate_batch
-from intellect_protocol.messages import RolloutBatch, RunSpec, TaskSpec
+from intellect_protocol.messages import RolloutBatch, RunSpec
+from tests.helpers.tiny import run_spec
 
 RUN = RunConfig(sampling={"max_new_tokens": 12, "group_size": 4})  # type: ignore[arg-type]
 NODE = "b" * 32
 
 
-def _spec(tasks_per_batch: int = 2) -> RunSpec:
-    return RunSpec(
-        run_id="a" * 32,
-        created=0.0,
-        seed=11,
-        model=RUN.model,
-        task=TaskSpec(tasks_per_batch=tasks_per_batch, max_operand=RUN.task.max_operand),
-        sampling=RUN.sampling,
-        train=RUN.train,
-        verify=RUN.verify,
-    )
-
-
-SPEC = _spec()
+SPEC = run_spec(RUN, seed=11, task={"tasks_per_batch": 2})
 TOK = build_tokenizer(SPEC.model)
 MODEL = build_model(SPEC.model, TOK)
 VALIDATOR = Validator(SPEC, TOK, copy.deepcopy(MODEL))
@@ -48,7 +36,7 @@ def _edit(batch: RolloutBatch, **changes: object) -> RolloutBatch:
 
 @pytest.mark.parametrize("tasks_per_batch", [1, 2, 8])
 def test_honest_batches_pass_at_every_batch_size(tasks_per_batch: int) -> None:
-    spec = _spec(tasks_per_batch)
+    spec = run_spec(RUN, seed=11, task={"tasks_per_batch": tasks_per_batch})
     validator = Validator(spec, TOK, copy.deepcopy(MODEL))
     for index in range(3):
         finding = validator.check(_batch(index, spec=spec))
@@ -120,7 +108,7 @@ def test_proofs_of_other_rollouts_and_made_up_logprobs_are_caught() -> None:
 
 
 def test_spot_checks_choose_an_unpredictable_share_and_catch_a_cheat_on_a_chosen_row() -> None:
-    spec = _spec(2).model_copy(update={"verify": RUN.verify.model_copy(update={"check_fraction": 0.25})})
+    spec = run_spec(RUN, seed=11, task={"tasks_per_batch": 2}, verify={"check_fraction": 0.25})
     a = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"a" * 32)
     b = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"b" * 32)
     batch = generate_batch(spec, MODEL, TOK, NODE, 0, 0)
@@ -171,7 +159,7 @@ def test_the_gate_admits_each_batch_once_in_order_and_one_at_a_time_per_node() -
 def test_a_cheating_batch_costs_the_validator_one_row_an_honest_one_every_row() -> None:
     """Validation starts with one row the worker cannot predict and stops at the first failing part, so a batch
     of bad rows costs one short forward pass; the benchmarks' exhaustive mode still measures every row."""
-    spec = _spec(4)
+    spec = run_spec(RUN, seed=11, task={"tasks_per_batch": 4})
     validator = Validator(spec, TOK, copy.deepcopy(MODEL), secret=b"s" * 32)  # a fixed first row: deterministic
     honest = generate_batch(spec, MODEL, TOK, NODE, 0, 0)
     n = sum(len(g.completions) for g in honest.groups)
@@ -192,9 +180,7 @@ def test_an_fp16_run_proves_over_fp16_activations_and_catches_tampering() -> Non
 
     toml = Path(__file__).resolve().parents[2] / "node" / "configs" / "verify-tiny-fp16.toml"
     verify = VerifySpec(**tomllib.loads(toml.read_text())["verify"])
-    spec = _spec().model_copy(
-        update={"model": SPEC.model.model_copy(update={"compute_dtype": "float16"}), "verify": verify}
-    )
+    spec = run_spec(RUN, seed=11, task={"tasks_per_batch": 2}, model={"compute_dtype": "float16"}, verify=verify)
     model = build_model(spec.model, TOK)
     assert next(model.parameters()).dtype == torch.float16
     validator = Validator(spec, TOK, copy.deepcopy(model))

@@ -66,6 +66,7 @@ def test_gaps_are_zero_for_the_drawn_tokens_and_positive_otherwise() -> None:
     assert math.isfinite(float(gaps.max()))
 
 
+@pytest.mark.integration
 def test_the_compiled_pass_draws_what_the_definition_draws() -> None:
     """Large vocabularies take a compiled pass (kernels/sampling.py: COMPILE_MIN_VALUES): the same tokens and the
     same float64 scores as the eager definition, for any row count (one compilation, dynamic shapes)."""

@@ -13,6 +13,8 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
 
+pytestmark = pytest.mark.integration
+
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
 

@@ -12,6 +12,7 @@ import functools
 import time
 from typing import Any
 
+import pytest
 from hivemind.dht import DHT
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -63,6 +64,7 @@ def _record(identity: Identity, role: str = "inference") -> NodeRecord:
     return NodeRecord(run_id=RUN_ID, node_id=identity.node_id, role=role, updated=time.time())  # type: ignore[arg-type]
 
 
+@pytest.mark.integration
 def test_an_answer_that_never_expires_neither_empties_nor_freezes_a_run_key() -> None:
     worker_key = Identity.generate()
 

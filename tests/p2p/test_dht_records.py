@@ -90,6 +90,7 @@ def test_the_validator_judges_a_record_the_same_at_store_time_and_ever_after() -
         check_node_record(_at(WORKER, old), WORKER.node_id, RUN_ID)
 
 
+@pytest.mark.integration
 def test_one_record_going_stale_does_not_hide_the_others_from_readers() -> None:
     """The attack: a signed record that passes the store-time checks and turns stale while the DHT keeps it made
     hivemind drop every node's record for every reader (the trainer then refused all batches as unknown_signer).

@@ -15,16 +15,12 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_protocol.envelope import Rejected, open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import VersionNotice
+from tests.helpers.wait import until
+
+pytestmark = pytest.mark.integration
 
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
-
-
-async def _wait(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
 
 
 @contextlib.asynccontextmanager
@@ -57,7 +53,7 @@ async def _subscribed(sender: Gossip, receiver: Gossip, name: str) -> None:
     async def known() -> bool:
         return bool(await sender.peers(name))
 
-    await _wait(known)
+    await until(known, f"the sender to see the receiver in {name}", 30.0, every=0.1)
 
 
 def test_signed_messages_are_delivered_and_forged_ones_are_ignored() -> None:
@@ -86,7 +82,7 @@ async def _signed_messages_are_delivered_and_forged_ones_are_ignored() -> None:
         async def arrived() -> bool:
             return got == [3]
 
-        await _wait(arrived)
+        await until(arrived, "the message", 30.0, every=0.1)
         assert len(forged) == 1
         rejected = volunteer.metrics.by_label("node_gossip_rejected_total")
         assert (rejected.get("foreign_notice"), rejected.get("bad_signature"), rejected.get("malformed")) == (1, 1, 1)
@@ -114,7 +110,7 @@ async def _an_oversized_message_is_refused_before_it_is_published() -> None:
         async def arrived() -> bool:
             return got == [b"small"]
 
-        await _wait(arrived)
+        await until(arrived, "the message", 30.0, every=0.1)
 
 
 def test_a_flooding_peer_is_rate_limited() -> None:
@@ -137,6 +133,6 @@ async def _a_flooding_peer_is_rate_limited() -> None:
         async def cut() -> bool:
             return volunteer.metrics.counter("node_gossip_dropped_total", "rate") > 0
 
-        await _wait(cut)
+        await until(cut, "the flood to be cut", 30.0, every=0.1)
         await asyncio.sleep(1.0)
         assert len(got) <= BURST + RATE_PER_PEER * (time.monotonic() - started) + 1

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -25,24 +23,13 @@ from intellect_node.roles.volunteer import Volunteer
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import DialBack, NodeRecord, Reachability, RunSpec
+from tests.helpers.net import free_port
+from tests.helpers.wait import until
 
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
 WAIT_S = 60.0
 """Bound on every wait for something that must happen (generous: two shared cores)."""
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _until(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 class Silent:
@@ -123,6 +110,7 @@ def test_it_only_ever_dials_the_address_the_request_came_from() -> None:
     assert _targets(ask, "1.2.3.4") == [("1.2.3.4", 1)]  # one address named eight times is tried once
 
 
+@pytest.mark.integration
 def test_a_node_learns_whether_it_can_be_reached_from_outside() -> None:
     asyncio.run(_dialback())
 
@@ -142,8 +130,8 @@ async def _dialback() -> None:
         assert (r.observed_ip, r.p2p_ok, r.http_ok) == ("127.0.0.1", True, True)
 
         # nothing listens where it claims to be (a NAT without a port forward looks like this from outside)
-        closed = _closed_port()
-        r = await ask_dialback(p2p, joiner_key, RUN_ID, trainer.peer, [f"/ip4/127.0.0.1/tcp/{closed}"], _closed_port())
+        closed = free_port()
+        r = await ask_dialback(p2p, joiner_key, RUN_ID, trainer.peer, [f"/ip4/127.0.0.1/tcp/{closed}"], free_port())
         assert (r.p2p_ok, r.http_ok) == (False, False)
 
         # an HTTP server that is not a node's (a plain TCP listener) does not count, nor does a non-libp2p port
@@ -155,6 +143,7 @@ async def _dialback() -> None:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_fresh_peer_ids_from_one_ip_are_refused_past_that_ips_burst(monkeypatch: pytest.MonkeyPatch) -> None:
     """A libp2p peer id is free: the rate limit counts the IP the stream came from. One IP asking from ever new
     peer ids gets its burst answered and the rest refused at once with a signed ``rate`` answer; another IP is
@@ -188,12 +177,13 @@ async def _fresh_peer_ids() -> None:
             assert r.observed_ip == "127.0.0.2"
         finally:
             await other.shutdown()
-        await _until(lambda: trainer.server.sources()[1] == 0, "the server to finish its requests")
+        await until(lambda: trainer.server.sources()[1] == 0, "the server to finish its requests", WAIT_S)
         assert trainer.server.sources() == (2, 0)  # a bucket per IP, nothing left in flight
     finally:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_requests_past_the_in_flight_bounds_are_refused_not_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests held by silent ports fill an IP's share of the server (PER_IP_AT_ONCE), then all of it
     (MAX_AT_ONCE, here 3): one more request, from that IP or from a third one, is refused ``busy`` while the
@@ -220,7 +210,7 @@ async def _in_flight_bounds() -> None:
         before = silent.accepted[port]
         ask = ask_dialback(peer, Identity.generate(), RUN_ID, trainer.peer, [f"/ip4/{ip}/tcp/{port}"], 0)
         held.append(asyncio.ensure_future(ask))
-        await _until(lambda: silent.accepted[port] > before, f"the trainer to probe {ip}:{port}")
+        await until(lambda: silent.accepted[port] > before, f"the trainer to probe {ip}:{port}", WAIT_S)
 
     async def refused(ip: str) -> str:
         with pytest.raises(Rejected) as e:
@@ -242,7 +232,7 @@ async def _in_flight_bounds() -> None:
         silent.release()  # the held probes end: their requests are answered (unreachable), and leave
         answers = await within(asyncio.gather(*held), WAIT_S)
         assert [(a.p2p_ok, a.http_ok) for a in answers] == [(False, False)] * 3
-        await _until(lambda: trainer.server.sources()[1] == 0, "the server to finish its requests")
+        await until(lambda: trainer.server.sources()[1] == 0, "the server to finish its requests", WAIT_S)
         r = await ask_dialback(peers[-1], Identity.generate(), RUN_ID, trainer.peer, [], 0)
         assert r.observed_ip == "127.0.0.3"  # the refusal cost that IP nothing
     finally:
@@ -254,6 +244,7 @@ async def _in_flight_bounds() -> None:
         await trainer.close()
 
 
+@pytest.mark.integration
 def test_a_request_naming_silent_ports_costs_one_deadline_not_one_each() -> None:
     """Eight claimed ports and an HTTP port that accept and never answer: the trainer tries MAX_TARGETS of the
     ports and the HTTP port all at once, under one deadline (every probe connection was open at the same time),
@@ -275,7 +266,7 @@ async def _silent_ports() -> None:
         assert [silent.accepted[p] for p in ports] == [1] * reach.MAX_TARGETS + [0] * (8 - reach.MAX_TARGETS)
         assert silent.accepted[http_port] == 1
         assert silent.most_open == reach.MAX_TARGETS + 1  # in parallel: not one silent port after another
-        await _until(lambda: silent.open == 0, "the trainer to close its probes")
+        await until(lambda: silent.open == 0, "the trainer to close its probes", WAIT_S)
     finally:
         if joiner is not None:
             await joiner.shutdown()
@@ -288,6 +279,7 @@ class _Joiner(Volunteer):
         raise AssertionError("not run here")
 
 
+@pytest.mark.integration
 def test_a_joiner_announces_only_what_a_dial_back_confirmed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -6,49 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from intellect_kernels.grpo import group_advantages
 from intellect_kernels.logprobs import token_logprobs
-from intellect_node.config import RunConfig
-from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
-from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
-from intellect_protocol.messages import RunSpec
+from intellect_node.policy.engine import PolicyEngine
+from intellect_node.policy.model import build_model
+from tests.helpers.tiny import RUN, TOK, packed_batch, run_spec
 
-RUN = RunConfig()
-TOK = build_tokenizer(RUN.model)
-
-
-def _spec(**train: object) -> RunSpec:
-    return RunSpec(
-        run_id="a" * 32,
-        created=0.0,
-        seed=1,
-        model=RUN.model,
-        task=RUN.task,
-        sampling=RUN.sampling,
-        train=RUN.train.model_copy(update=train),
-        verify=RUN.verify,
-    )
-
-
-def _batch(model: torch.nn.Module, sampler_noise: float = 0.0) -> Packed:
-    """Two groups of four rows with prompts of different lengths; logp_old from ``model`` plus ``noise``."""
-    gen = torch.Generator().manual_seed(0)
-    groups = []
-    for prompt in ("3+4=", "12+9="):
-        ids = encode_prompt(TOK, prompt)
-        completions = [torch.randint(3, len(RUN.model.vocab), (n,), generator=gen).tolist() for n in (1, 2, 3, 4)]
-        groups.append(Group("b" * 32, 0, ids, completions, [[0.0] * len(c) for c in completions], [1.0, 0, 0, 1.0]))
-    ids, attn, mask, _ = pack_sequences(groups, int(TOK.pad_token_id))
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp_old = token_logprobs(logits, ids[:, 1:], 1.0) * mask + sampler_noise * mask
-    adv = group_advantages(torch.tensor([g.rewards for g in groups])).flatten()
-    return Packed(ids, attn, mask, logp_old, adv)
+LENGTHS = (1, 2, 3, 4)
+"""The completions' lengths in each group of the batches here: prompts of different lengths, rows of all four."""
 
 
 def test_logits_trimmed_to_the_completion_columns_give_the_full_forward_values() -> None:
-    engine = PolicyEngine(_spec(), build_model(RUN.model, TOK))
-    batch = _batch(engine.model)
+    engine = PolicyEngine(run_spec(RUN, seed=1), build_model(RUN.model, TOK))
+    batch = packed_batch(engine.model, LENGTHS)
     logp, entropy = engine._logp(engine.model, batch)
     with torch.no_grad():
         full = token_logprobs(
@@ -60,9 +29,10 @@ def test_logits_trimmed_to_the_completion_columns_give_the_full_forward_values()
 
 def test_each_minibatch_is_one_optimizer_step() -> None:
     for steps in (1, 2, 4):
-        engine = PolicyEngine(_spec(optimizer_steps=steps, lr=1e-2), build_model(RUN.model, TOK))
+        spec = run_spec(RUN, seed=1, train={"optimizer_steps": steps, "lr": 1e-2})
+        engine = PolicyEngine(spec, build_model(RUN.model, TOK))
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-        engine.step(_batch(engine.model), lr=1e-2)
+        engine.step(packed_batch(engine.model, LENGTHS), lr=1e-2)
         adam_steps = {int(s["step"]) for s in engine.optimizer.state.values()}
         assert adam_steps == {steps}
         assert any(not torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
@@ -70,15 +40,17 @@ def test_each_minibatch_is_one_optimizer_step() -> None:
 
 def test_recomputed_logp_old_replaces_a_sampler_that_is_off() -> None:
     model = build_model(RUN.model, TOK)
-    off = _batch(model, sampler_noise=0.5)  # the sampler's numbers differ from the trainer's by 0.5 a token
-    sampler = PolicyEngine(_spec(), build_model(RUN.model, TOK)).step(off, lr=0.0)
-    own = PolicyEngine(_spec(recompute_logp_old=True), build_model(RUN.model, TOK)).step(off, lr=0.0)
+    # the sampler's numbers differ from the trainer's by 0.5 a token
+    off = packed_batch(model, LENGTHS, sampler_noise=0.5)
+    sampler = PolicyEngine(run_spec(RUN, seed=1), build_model(RUN.model, TOK)).step(off, lr=0.0)
+    recomputing = run_spec(RUN, seed=1, train={"recompute_logp_old": True})
+    own = PolicyEngine(recomputing, build_model(RUN.model, TOK)).step(off, lr=0.0)
     assert abs(own["logp_old_gap"] - 0.5) < 1e-4  # the gap it replaced
     assert own["clipped_fraction"] == 0.0 < sampler["clipped_fraction"]  # ratio 1 vs exp(-0.5) (below 1 - eps)
 
 
 def test_published_weights_are_bf16_while_the_master_stays_fp32() -> None:
-    spec = _spec()
+    spec = run_spec(RUN, seed=1)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "bfloat16"})})
     engine = PolicyEngine(spec, build_model(spec.model, TOK))
     exported = engine.export_state()
@@ -87,11 +59,11 @@ def test_published_weights_are_bf16_while_the_master_stays_fp32() -> None:
 
 
 def test_gradient_accumulation_over_micro_batches_gives_the_same_step() -> None:
-    whole = PolicyEngine(_spec(lr=1e-2), build_model(RUN.model, TOK))
-    micro = PolicyEngine(_spec(lr=1e-2, micro_rows=3), build_model(RUN.model, TOK))
+    whole = PolicyEngine(run_spec(RUN, seed=1, train={"lr": 1e-2}), build_model(RUN.model, TOK))
+    micro = PolicyEngine(run_spec(RUN, seed=1, train={"lr": 1e-2, "micro_rows": 3}), build_model(RUN.model, TOK))
     for engine in (whole, micro):  # SGD: the weights move by the gradient itself (Adam's first step is its sign)
         engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=1e-2)
-    batch = _batch(whole.model)
+    batch = packed_batch(whole.model, LENGTHS)
     a, b = whole.step(batch, lr=1e-2), micro.step(batch, lr=1e-2)
     assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens"] == b["tokens"]
     for name, tensor in whole.model.state_dict().items():
@@ -114,7 +86,7 @@ def test_a_model_stored_in_bf16_computes_exactly_as_its_fp32_upcast_in_half_the_
     assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}
     size = sum(p.numel() * p.element_size() for p in stored.parameters())
     assert size * 2 == sum(p.numel() * p.element_size() for p in reference.parameters())
-    batch = _batch(reference)
+    batch = packed_batch(reference, LENGTHS)
     with torch.no_grad():
         want = reference(input_ids=batch.ids, attention_mask=batch.attention).logits
         got = stored(input_ids=batch.ids, attention_mask=batch.attention).logits

@@ -25,6 +25,8 @@ from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_seque
 from intellect_node.policy.model import build_model, build_tokenizer
 from intellect_protocol.messages import RunSpec
 
+pytestmark = pytest.mark.integration
+
 LRS = (1e-3, 5e-4)
 # Float rounding differs between the ranks' partial sums and one pass (about 1e-7 relative); Adam normalizes
 # each gradient element, so the weights may differ by a small fraction of lr (1e-3) per step (measured: at most

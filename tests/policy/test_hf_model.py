@@ -11,7 +11,8 @@ from intellect_node.config import RunConfig
 from intellect_node.judging.validator import Validator
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt
 from intellect_node.roles.inference import generate_batch
-from intellect_protocol.messages import ModelSpec, RunSpec
+from intellect_protocol.messages import ModelSpec
+from tests.helpers.tiny import run_spec
 
 
 def test_a_model_folder_generates_verifiable_rollouts(tmp_path: Path) -> None:
@@ -21,16 +22,7 @@ def test_a_model_folder_generates_verifiable_rollouts(tmp_path: Path) -> None:
     tiny.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     spec_model = ModelSpec(kind="hf", name=str(tmp_path / "m"), dtype="bfloat16", compute_dtype="float32")
-    spec = RunSpec(
-        run_id="a" * 32,
-        created=0.0,
-        seed=3,
-        model=spec_model,
-        task=run.task,
-        sampling=run.sampling,
-        train=run.train,
-        verify=run.verify,
-    )
+    spec = run_spec(run, seed=3, model=spec_model)
     hf_tok = build_tokenizer(spec.model)
     model = build_model(spec.model, hf_tok)
     assert encode_prompt(hf_tok, "3+4=") == encode_prompt(tok, "3+4=")  # no chat template: BOS + text

@@ -98,6 +98,7 @@ def test_a_new_identity_pays_its_proof_of_work_and_earns_trust() -> None:
     assert not admission.on_probation(node.node_id)
 
 
+@pytest.mark.integration
 def test_an_invite_only_run_admits_the_invited_once_and_tells_others_why_not(tmp_path: Path) -> None:
     """Real processes. The invite in the join line is for one node: the invitee redeems it at join, and a stranger
     who got hold of the same token afterwards (it is in no DHT record; say it was seen over a shoulder) is refused

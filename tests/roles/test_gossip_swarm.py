@@ -21,8 +21,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.roles.volunteer import TRAINER_REFRESH_S
+
+pytestmark = pytest.mark.integration
 
 LEDGER = re.compile(r"LEDGER (\w+) (\d+) ([0-9a-f]{32}) (\d+) (\d+) (\d+) (\d+)")
 

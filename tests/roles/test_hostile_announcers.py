@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -30,6 +29,9 @@ from intellect_protocol.envelope import open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord
 from intellect_protocol.records import NODE_TTL_S, nodes_key
+from tests.helpers.wait import until
+
+pytestmark = pytest.mark.integration
 
 POW_BITS = 12
 
@@ -43,18 +45,6 @@ def _metric(url: str, name: str, reason: str | None = None) -> float:
             if reason is None or f'reason="{reason}"' in line:
                 total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-async def _until(predicate: Callable[[], Awaitable[bool] | bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        done = predicate()
-        if isinstance(done, Awaitable):
-            done = await done
-        if done:
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +175,7 @@ def test_announcements_get_no_pull_before_admission_and_pulls_share_the_intake_b
                 pulls = len(asked) + _metric(url, "node_trainer_pulls_total", "intake_full") - full
                 return heard_pow >= len(unproven) and pulls >= len(proven)
 
-            await _until(all_heard, 120, "the trainer to answer every announcement")
+            await until(all_heard, "the trainer to answer every announcement", 120, every=0.25)
             release.set()
             unproven_ids = {digests[k.node_id] for k in unproven}
             fetched_for = {d for d in unproven_ids if any(d in request for request in asked)}
@@ -208,7 +198,7 @@ def test_only_a_batchs_producer_can_make_the_trainer_acknowledge_it_again(swarm:
         async with Attacker(swarm) as attacker:
             key = Identity.generate()
             attacker.register(key, POW_BITS)
-            await _until(lambda: bool(attacker.acks), 180, "an acknowledgement of an honest batch")
+            await until(lambda: bool(attacker.acks), "an acknowledgement of an honest batch", 180, every=0.25)
             honest = attacker.acks[0]
             before = _metric(url, "node_gossip_rejected_total", "foreign_announcement")
 
@@ -217,7 +207,7 @@ def test_only_a_batchs_producer_can_make_the_trainer_acknowledge_it_again(swarm:
                 return _metric(url, "node_gossip_rejected_total", "foreign_announcement") > before
 
             # a wait on the refusal itself: before it, the trainer signed and broadcast the ack again for anyone
-            await _until(refused, 60, "the trainer to refuse an announcement of another node's batch")
+            await until(refused, "the trainer to refuse an announcement of another node's batch", 60, every=0.25)
             return _metric(url, "node_gossip_rejected_total", "foreign_announcement") - before
 
     assert asyncio.run(scenario()) >= 1

@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 from intellect_node.launch import NodeProcess, join_argv
+from tests.helpers.net import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = pytest.mark.integration
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -44,7 +41,7 @@ def _running(p: psutil.Process) -> bool:
 def test_a_trainer_killed_alone_takes_its_dht_along_and_restarts_on_the_same_ports_and_identity(
     tmp_path: Path,
 ) -> None:
-    http_port, p2p_port = _free_port(), _free_port()
+    http_port, p2p_port = free_port(), free_port()
     boot = [
         "bootstrap",
         "--data-dir",

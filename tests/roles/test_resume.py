@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.http import EncodedList
 from intellect_node.roles.trainer_checkpoint import HISTORY, CheckpointDir, next_epoch
@@ -47,6 +49,7 @@ def _trainer_and_worker(
     return first, ready, worker, worker.wait_ready(timeout=120)
 
 
+@pytest.mark.integration
 def test_a_killed_trainer_resumes_and_the_swarm_catches_up(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     data = tmp_path / "trainer"
@@ -145,6 +148,7 @@ def test_a_new_epoch_is_larger_than_the_last_even_when_the_clock_is_behind(tmp_p
     assert next_epoch(path) == first + 10**12 + 1
 
 
+@pytest.mark.integration
 def test_a_run_started_over_gets_a_new_epoch_and_the_swarm_follows_it(tmp_path: Path) -> None:
     """Issue 13 item 1: ``--fresh`` numbers versions from 0 again. Before epochs, the inference node kept its old
     copy of version N (trusted by number), generated on it, and died on a pruned folder; now it sees the new epoch,

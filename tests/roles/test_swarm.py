@@ -39,6 +39,8 @@ from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, 
 from intellect_protocol.records import NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
 
+pytestmark = pytest.mark.integration
+
 STEPS = 6
 
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from intellect_node.config import NodeConfig
@@ -41,6 +42,9 @@ from intellect_protocol.messages import (
     Verdict,
     VerifySpec,
 )
+from tests.helpers.wait import until
+
+pytestmark = pytest.mark.integration
 
 RUN_KEY = Identity.generate()
 RUN_ID = RUN_KEY.node_id
@@ -48,13 +52,6 @@ VERDICT_WAIT_S = 20.0
 """Shorter than a stalled fetch's 30 s read timeout, long enough for a loaded 2-core machine to judge three stubs."""
 REPEAT_S = 0.5
 """How often the producer announces again, and the attacker echoes again (a real producer: every few seconds)."""
-
-
-async def _until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def _batch(producer: Identity, index: int) -> bytes:
@@ -240,7 +237,7 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
         # ... and the attacker's echoes of each honest batch, both kinds, heard after its producer's last word
         for envelope in honest:
             d = digest[envelope]
-            await _until(
+            await until(
                 lambda d=d: (
                     bool(heard(peer_of["a"], d, attacker_key.node_id))
                     and bool(heard(peer_of["a"], d, producer_key.node_id))
@@ -286,7 +283,7 @@ async def _echoing_stalling_key(tmp_path: Path) -> None:
         assert not left, f"{left} of 3 batches left for the trainer to judge itself (attacker asked {stalling.asked}x)"
         assert all(v.ok for w in waits.values() for v, _ in w.verdicts.values())
         assert sorted(judged) == sorted([*honest, own])  # every body judged, exactly the bytes acknowledged
-        await _until(lambda: stalling.open == 0, "the stalled requests to be given up")  # none left hanging
+        await until(lambda: stalling.open == 0, "the stalled requests to be given up")  # none left hanging
         fetched = node.metrics.by_label("node_validator_fetches_total")
         assert fetched.get("trainer", 0) + fetched.get("producer", 0) == 3, fetched
         announced = node.metrics.by_label("node_validator_announcements_total")

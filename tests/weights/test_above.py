@@ -89,6 +89,7 @@ def test_a_root_that_cannot_be_reached_costs_nothing_but_the_try_the_parent_send
     assert from_root == 0 and from_parent == 64
 
 
+@pytest.mark.integration
 def test_the_kept_slot_is_lent_one_response_at_a_time_and_never_to_a_child(tmp_path: Path) -> None:
     """The grudge: a member that asks a root for shards through its kept slot gets one response at a time (the rest
     503) and cannot hold it as a child: the root's children stay at its planned fan-out."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from intellect_node.p2p.http import HttpServer
@@ -126,6 +127,7 @@ class _Records:
         return self.records
 
 
+@pytest.mark.integration
 def test_a_child_of_the_origin_in_three_stripes_asking_in_the_fourth_keeps_its_slots_through_the_window(
     tmp_path: Path,
 ) -> None:

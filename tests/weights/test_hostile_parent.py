@@ -88,6 +88,7 @@ async def _hostile_relay(liar: Identity, manifests: Path | None, past: bool) -> 
     return runner, f"http://127.0.0.1:{port}", asked
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "true_manifest, past",
     [(False, False), (True, False), (False, True)],

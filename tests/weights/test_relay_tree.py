@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from intellect_node.launch import NodeProcess
@@ -26,6 +27,8 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest, write_checkpoint
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
+
+pytestmark = pytest.mark.integration
 
 BIG_MODEL = ["--set", "model.hidden_size=512", "--set", "model.intermediate_size=1024", "--set", "model.num_layers=4"]
 

@@ -24,17 +24,11 @@ from intellect_node.weights.pacing import PACE_SHARE, FairShare, pace, rwnd_limi
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import UploadMeter, root_fanout
-from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
+from tests.helpers.keys import Keys
 
 ORIGIN = "0" * 32
-_KEYS: dict[str, Identity] = {}
-
-
-def _node() -> str:
-    key = Identity.generate()
-    _KEYS[key.node_id] = key
-    return key.node_id
+KEYS = Keys()
 
 
 def _rec(
@@ -76,7 +70,7 @@ async def _relay(tmp_path: Path, node: str, path: list[str], slots: int) -> tupl
 
 
 async def _attach(session: aiohttp.ClientSession, url: str, node: str, server: str, query: str) -> int:
-    headers = signed_headers(_KEYS[node], "POST", f"/relay/attach?{query}", server)
+    headers = signed_headers(KEYS[node], "POST", f"/relay/attach?{query}", server)
     async with session.post(f"{url}/relay/attach?{query}", headers=headers) as r:
         return r.status
 
@@ -90,7 +84,7 @@ def _climbing(tmp_path: Path, sibling_at_home: bool, just_moved: bool = False) -
     """Stripe 0: the origin -> root -> {mid (at home), other}; this node, at home in stripe 0, under mid (depth
     3). ``other`` is a leaf in stripe 0, or (``sibling_at_home``) at home there too. The node tries to move up
     (``just_moved``: first a moment after moving its home into stripe 0, then as if long after)."""
-    root, mid, other, me = _node(), _node(), _node(), _node()
+    root, mid, other, me = KEYS.new(), KEYS.new(), KEYS.new(), KEYS.new()
     out: dict[str, object] = {}
 
     async def main() -> None:
@@ -98,7 +92,7 @@ def _climbing(tmp_path: Path, sibling_at_home: bool, just_moved: bool = False) -
         sm, http_m, url_m = await _relay(tmp_path, mid, [ORIGIN, root, mid], slots=2)
         records = {root: _rec(root, 0, 2, 1, url_r, parent=ORIGIN), mid: _rec(mid, 0, 2, 2, url_m, parent=root, free=2)}
         follower = WeightFollower(
-            _KEYS[me],
+            KEYS[me],
             ORIGIN,
             _Records(records),
             WeightStore(tmp_path / "me", ORIGIN),
@@ -181,8 +175,8 @@ def test_a_stripes_root_keeps_a_slot_spare_only_where_the_others_at_home_can_do_
     """16 receivers, four stripes, the origin's 4 slots: a stripe needs 15 children from the nodes at home there.
     Its root with 4 slots and three others with 4 each: it serves 3. Not when the others have one slot fewer,
     nor when the stripe has two roots (both would take one off at once)."""
-    me, origin = _node(), _rec(ORIGIN, 0, 4, 0, role="trainer")
-    others = [_node() for _ in range(15)]
+    me, origin = KEYS.new(), _rec(ORIGIN, 0, 4, 0, role="trainer")
+    others = [KEYS.new() for _ in range(15)]
     records = {ORIGIN: origin, me: _rec(me, 0, 4, 1)}
     records |= {n: _rec(n, i % 4 if i >= 3 else 0, 4) for i, n in enumerate(others)}
     at_home = [n for n in others if records[n].relay.stripe == 0]  # type: ignore[union-attr]
@@ -433,7 +427,7 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
     import intellect_node.weights.follower as follower_mod
 
     monkeypatch.setattr(follower_mod, "REHOME_S", 0.01)
-    me = _node()
+    me = KEYS.new()
 
     class Counting(_Records):
         reads = 0
@@ -445,7 +439,7 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
     async def main(fetching: int) -> int:
         server = ShardServer(WeightStore(tmp_path / f"s{fetching}", ORIGIN), Metrics(), slots=2, node_id=me)
         follower = WeightFollower(
-            _KEYS[me],
+            KEYS[me],
             ORIGIN,
             Counting({}),
             WeightStore(tmp_path / f"me{fetching}", ORIGIN),
@@ -491,7 +485,7 @@ def test_a_node_with_a_parent_in_every_stripe_reads_every_record_again_only_ever
     from intellect_node.weights.links import ROOTED_RECORDS_AGE_S
     from intellect_node.weights.tree import Candidate
 
-    me, parent = _node(), _node()
+    me, parent = KEYS.new(), KEYS.new()
 
     class Counting(_Records):
         reads = 0
@@ -503,7 +497,7 @@ def test_a_node_with_a_parent_in_every_stripe_reads_every_record_again_only_ever
     async def main() -> list[int]:
         records = {parent: _rec(parent, 0, url="http://127.0.0.1:9")}
         follower = WeightFollower(
-            _KEYS[me],
+            KEYS[me],
             ORIGIN,
             Counting(records),
             WeightStore(tmp_path / "me", ORIGIN),

@@ -15,6 +15,8 @@ import pytest
 from benchmarks.sim import runs, scenario
 from benchmarks.sim import swarm as simswarm
 
+pytestmark = pytest.mark.integration
+
 ARGS = argparse.Namespace(
     seed=3,
     dc_share=0.1,

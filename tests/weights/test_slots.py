@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,17 +26,13 @@ from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import AdmissionSpec, NodeRecord, RelayInfo
+from tests.helpers.keys import Keys
+from tests.helpers.wait import until
 
 RUN_KEY = Identity.generate()
 RUN = RUN_KEY.node_id
 MBIT = 1e6 / 8
-_KEYS: dict[str, Identity] = {}
-
-
-def _key() -> str:
-    key = Identity.generate()
-    _KEYS[key.node_id] = key
-    return key.node_id
+KEYS = Keys()
 
 
 def _publish(root: Path, version: int, shards: int = 4) -> None:
@@ -108,7 +103,7 @@ async def _origin(root: Path, slots: int, stripes: int, trust: _Trust) -> tuple[
 async def _ask(session: aiohttp.ClientSession, url: str, node: str, query: str) -> tuple[int, object]:
     """A signed slot request (or keep-alive) of ``node``: the status and the JSON body."""
     where = f"/relay/attach?{query}"
-    async with session.post(url + where, headers=signed_headers(_KEYS[node], "POST", where, RUN)) as r:
+    async with session.post(url + where, headers=signed_headers(KEYS[node], "POST", where, RUN)) as r:
         body = await r.json() if r.content_type == "application/json" else None
         return r.status, body
 
@@ -120,14 +115,6 @@ async def _fetch_shard(session: aiohttp.ClientSession, url: str, root: Path, nod
     async with session.get(f"{url}/weights/1/{shard}", headers=heads) as r:
         await r.read()
         return r.status
-
-
-async def _until(condition: Callable[[], bool], timeout: float) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout)
 
 
 class _Records:
@@ -143,7 +130,7 @@ def _follower(root: Path, me: str, records: dict[str, NodeRecord]) -> WeightFoll
         return None
 
     return WeightFollower(
-        _KEYS[me],
+        KEYS[me],
         RUN,
         _Records(records),
         WeightStore(root, RUN),
@@ -169,7 +156,7 @@ def test_squatters_holding_every_origin_slot_cannot_keep_an_earned_node_out(tmp_
     keep-alives. A node past probation asks: it takes a squatter's slot in each stripe at once, keeps it against
     their asking, and receives the version through them."""
     trust = _Trust()
-    squatters, honest = [_key() for _ in range(5)], _key()
+    squatters, honest = [KEYS.new() for _ in range(5)], KEYS.new()
     trust.members |= {*squatters, honest}
     trust.past_probation(honest)
     _publish(tmp_path / "o", 1)
@@ -189,7 +176,12 @@ def test_squatters_holding_every_origin_slot_cannot_keep_an_earned_node_out(tmp_
                 keeping = asyncio.create_task(follower.keep_attached(session))
                 try:
                     with contextlib.suppress(TimeoutError):  # a slot in every stripe, in bounded time
-                        await _until(lambda: follower._planned and all(follower.parents().values()), 10.0)
+                        await until(
+                            lambda: follower._planned and all(follower.parents().values()),
+                            "a parent in every stripe",
+                            10.0,
+                            every=0.02,
+                        )
                     if all(follower.parents().values()):
                         await asyncio.wait_for(follower.sync(1), 30.0)
                     return follower.parents(), follower.store.complete_versions(), server.children()
@@ -213,7 +205,7 @@ def test_an_unearned_newcomer_still_gets_the_version_while_squatters_hold_every_
     every slot, and a newcomer on probation, that cannot move them, still receives the version from the origin's
     idle upload (relay.py: alternates are served while no child is being sent anything)."""
     trust = _Trust()
-    squatters, newcomer = [_key() for _ in range(3)], _key()
+    squatters, newcomer = [KEYS.new() for _ in range(3)], KEYS.new()
     trust.members |= {*squatters, newcomer}
     _publish(tmp_path / "o", 1)
 
@@ -224,7 +216,7 @@ def test_an_unearned_newcomer_still_gets_the_version_while_squatters_hold_every_
             async with aiohttp.ClientSession() as session:
                 attacker = asyncio.create_task(_squat(session, url, squatters, 2))
                 try:
-                    await _until(lambda: server.slots_free() == 0, 10.0)
+                    await until(lambda: server.slots_free() == 0, "every slot taken", 10.0, every=0.02)
                     follower.start(session)
                     await asyncio.wait_for(follower.sync(1), 60.0)
                     return follower.store.complete_versions(), server.children()
@@ -248,7 +240,7 @@ def test_a_child_that_never_fetches_loses_its_slot_after_the_grace(
     fetches nothing, keeps its slot against a node that asks only for FEED_GRACE_S, then loses it to it. The new
     child fetches a shard and keeps its slot past the grace; when version 2 arrives and it fetches none of it, it
     loses the slot in turn."""
-    squatter, contender, third = _key(), _key(), _key()
+    squatter, contender, third = KEYS.new(), KEYS.new(), KEYS.new()
     trust = _Trust()
     trust.members |= {squatter, contender, third}
     root = tmp_path / "o"
@@ -302,7 +294,7 @@ def test_a_503_names_no_child_that_has_not_earned_its_place(tmp_path: Path) -> N
     its parent, and a squatter whose records name a made-up child of its own (a key on probation). A newcomer
     refused a slot is told to ask the relay, never the squatter."""
     trust = _Trust()
-    relay_node, receiver, squatter, sybil, newcomer = (_key() for _ in range(5))
+    relay_node, receiver, squatter, sybil, newcomer = (KEYS.new() for _ in range(5))
     trust.members |= {relay_node, squatter, newcomer}
     trust.past_probation(receiver)
     trust.records.update(
@@ -336,7 +328,7 @@ def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned
     (whose leaf slots a node at home in the stripe may take), never the squatter. Before, the 503 named nobody, and
     two relays at home in a stripe whose only serving node was full never found a parent there."""
     trust = _Trust()
-    relay_node, squatter, newcomer = (_key() for _ in range(3))
+    relay_node, squatter, newcomer = (KEYS.new() for _ in range(3))
     trust.members |= {relay_node, squatter, newcomer}
     trust.records.update({relay_node: _rec(relay_node, parent=RUN), squatter: _rec(squatter, parent=RUN)})
     root = tmp_path / "o"
@@ -363,10 +355,10 @@ def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned
 def test_a_record_claiming_a_huge_upload_does_not_change_the_origins_plan(tmp_path: Path) -> None:
     """The origin sizes its slots from its own measured upload (250 Mbit/s here): sixteen records of 25 Mbit/s,
     the same with one claiming 10 Gbit/s, and 64 records claiming 1 byte/s all give the same plan."""
-    honest = {n: _rec(n, bps=25 * MBIT, stripes=4) for n in (_key() for _ in range(16))}
-    liar = _key()
+    honest = {n: _rec(n, bps=25 * MBIT, stripes=4) for n in (KEYS.new() for _ in range(16))}
+    liar = KEYS.new()
     huge = {**dict(list(honest.items())[:15]), liar: _rec(liar, bps=1.25e9, stripes=4)}
-    tiny = {n: _rec(n, bps=1.0, stripes=4) for n in (_key() for _ in range(64))}
+    tiny = {n: _rec(n, bps=1.0, stripes=4) for n in (KEYS.new() for _ in range(64))}
     tiny_and_honest = {**honest, **dict(list(tiny.items())[:48])}  # as many records as ``tiny``
 
     async def main() -> list[int]:
@@ -384,8 +376,8 @@ def test_a_record_claiming_a_huge_upload_does_not_change_the_origins_plan(tmp_pa
 def test_a_trusted_node_vouches_for_one_node_the_origins_child_above_it() -> None:
     """``vouched``: the records' parent fields, followed from each trusted node that holds a version of the epoch
     up to the origin, name the origin's child it hangs from; nothing else is vouched for."""
-    relay1, relay2, inference, lone, chain_top, s1, s2, sybil, stale, c1, c2 = (_key() for _ in range(11))
-    colluder, looped = _key(), _key()
+    relay1, relay2, inference, lone, chain_top, s1, s2, sybil, stale, c1, c2 = (KEYS.new() for _ in range(11))
+    colluder, looped = KEYS.new(), KEYS.new()
     trusted = {inference, lone, stale, colluder, looped}
     records = {
         relay1: _rec(relay1, parent=RUN),

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 from aiohttp import web
 
@@ -58,6 +59,7 @@ async def _attach(session: aiohttp.ClientSession, url: str, me: Identity, to: st
         return str((await r.json())["token"])
 
 
+@pytest.mark.integration
 def test_a_node_with_every_slot_held_lends_idle_upload_and_takes_it_back_for_a_child(tmp_path: Path) -> None:
     """Every slot of the relay is held by a child, none of them being sent anything: an alternate (another node's
     child, or anyone) is served on that idle upload; while a child is being sent a shard, one is refused (503);
@@ -112,6 +114,7 @@ def test_pick_spare_passes_over_the_stripes_parent_and_who_had_no_spare_upload()
     assert pick_spare([parent, other], {}, now, 1) is None
 
 
+@pytest.mark.integration
 def test_a_fetcher_done_with_its_stripe_takes_a_lagging_stripes_last_shards_from_spare_upload(tmp_path: Path) -> None:
     """Two stripes: our parent in stripe 0 is fast, our parent in stripe 1 has a thin upload, and the origin's only
     slot is another node's, which it is sending nothing. The worker done with stripe 0 takes stripe 1's last shards
@@ -160,6 +163,7 @@ def test_a_fetcher_done_with_its_stripe_takes_a_lagging_stripes_last_shards_from
     assert from_origin + from_fast + from_slow == 16 and from_slow <= 4  # without the endgame: 7 (a probe took 1)
 
 
+@pytest.mark.integration
 def test_a_holder_that_trickles_holds_an_endgame_shard_only_briefly(tmp_path: Path) -> None:
     """The grudge: a node whose record says it holds the version answers the endgame at once and then sends a
     kilobyte now and then. A shard on spare upload must come at half our slowest parent's rate or at least
@@ -228,6 +232,7 @@ def test_a_holder_that_trickles_holds_an_endgame_shard_only_briefly(tmp_path: Pa
     assert held == [1] and cut >= 1
 
 
+@pytest.mark.integration
 def test_children_sent_whole_shards_share_the_upload_though_the_kernel_never_holds_their_bytes(tmp_path: Path) -> None:
     """Two children fetch whole shards at once: each response has its bytes here, so the link (here the node's
     upload limit) is what holds it, and both are paced at an equal share in the kernel. Counted only while the

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 
 from intellect_node.p2p.http import HttpServer
@@ -39,16 +40,11 @@ from intellect_node.weights.stripes import (
 )
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo, ShardEntry
+from tests.helpers.keys import Keys
 
 ORIGIN = "0" * 32
 MBIT = 1e6 / 8
-_KEYS: dict[str, Identity] = {}
-
-
-def _node() -> str:
-    key = Identity.generate()
-    _KEYS[key.node_id] = key
-    return key.node_id
+KEYS = Keys()
 
 
 def _rec(
@@ -126,7 +122,7 @@ def test_each_stripe_gets_an_equal_share_of_the_origins_slots(tmp_path: Path) ->
     """With 8 slots for 4 stripes, 2 per stripe: a third leaf in stripe 0 is refused. Then the slots are planned
     down to 4 (the origin planned 8 while it had read few records): a child of stripe 0 gives its slot up, the
     leaf first, and hears so at its next keep-alive; the interior one keeps its slot."""
-    interior, leaf, third, s1 = _node(), _node(), _node(), _node()
+    interior, leaf, third, s1 = KEYS.new(), KEYS.new(), KEYS.new(), KEYS.new()
 
     async def main() -> dict[str, object]:
         server, http, url = await _origin_server(tmp_path, slots=8)
@@ -155,7 +151,7 @@ def test_a_relay_whose_slots_are_planned_down_sheds_children_past_them(tmp_path:
     """A relay at home in stripe 1 took three children while it planned 3 slots (early on, with few records
     read); planned down to 2, the leaf gives its slot up and hears so at its next keep-alive, the two at home
     keep theirs (kept, the three would each get two thirds of a child's rate, and their subtrees with them)."""
-    a, b, leaf = _node(), _node(), _node()
+    a, b, leaf = KEYS.new(), KEYS.new(), KEYS.new()
 
     async def main() -> dict[str, object]:
         server, http, url = await _origin_server(tmp_path, slots=3, home=1)
@@ -194,21 +190,21 @@ def test_slot_rules_of_a_relay_and_of_the_origin() -> None:
 
 
 def test_joining_nodes_lean_to_where_capacity_is_lowest_and_simultaneous_joiners_spread() -> None:
-    a, b, c = _node(), _node(), _node()
+    a, b, c = KEYS.new(), KEYS.new(), KEYS.new()
     recs = {a: _rec(a, 0), b: _rec(b, 1), c: _rec(c, 3), ORIGIN: _rec(ORIGIN, 0, role="trainer")}
     # two choices by a hash of the id, the emptier taken: the empty stripe draws about half of those joining at
     # once (not all of them, as "the emptiest" did), and never loses to a fuller one it was offered
     chosen = [choose_home(recs, f"{i:032x}", 4, 1.0) for i in range(400)]
     assert 140 <= chosen.count(2) <= 260, chosen.count(2)
     assert stripe_capacity(recs, a, 4, 1.0) == [0.0, 4.0, 0.0, 4.0]  # itself and the origin left out
-    homes = {choose_home({}, _node(), 4, 1.0) for _ in range(32)}  # nobody known yet: a hash, not stripe 0
+    homes = {choose_home({}, KEYS.new(), 4, 1.0) for _ in range(32)}  # nobody known yet: a hash, not stripe 0
     assert len(homes) >= 3
 
 
 def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_then_nobody_moves() -> None:
     # sixteen nodes of 4 slots that joined at once, homes 7, 3, 3, 3 (as in a netns run): stripes 1 to 3 serve 12
     # of the 15 their receivers need beyond the origin's slot; stripe 0 can spare three nodes
-    nodes = [_node() for _ in range(16)]
+    nodes = [KEYS.new() for _ in range(16)]
     homes = dict(zip(nodes, [0] * 7 + [1] * 3 + [2] * 3 + [3] * 3, strict=True))
     recs = {n: _rec(n, homes[n]) for n in nodes} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
     need = stripe_need(recs, 4)
@@ -220,11 +216,11 @@ def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_
         recs[n] = _rec(n, to)
     assert rehome_moves(recs, 4, 1.0, need) == {}  # 4, 4, 4, 4: every stripe serves its receivers
     # uneven but each enough: nobody moves (evening them out made nodes chase each other)
-    a, b, c = _node(), _node(), _node()
+    a, b, c = KEYS.new(), KEYS.new(), KEYS.new()
     recs = {a: _rec(a, 0), b: _rec(b, 0), c: _rec(c, 1)}
     assert rehome_moves(recs, 2, 1.0, stripe_need(recs, 2)) == {}
     # not enough anywhere (six nodes, four stripes): evened out as far as it goes, then still
-    six = [_node() for _ in range(6)]
+    six = [KEYS.new() for _ in range(6)]
     recs = {n: _rec(n, 0) for n in six} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
     moves = rehome_moves(recs, 4, 1.0, stripe_need(recs, 4))
     after = [moves.get(n, 0) for n in six]
@@ -238,7 +234,7 @@ def test_a_short_stripe_gets_a_node_with_children_when_no_childless_node_is_left
     receivers need, three of them without a parent there for good. The node of stripe 0 with the fewest children
     moves (its stripe keeps 16 without it, so they find a parent there); a stripe that would be short without the
     node keeps it."""
-    nodes = [_node() for _ in range(16)]
+    nodes = [KEYS.new() for _ in range(16)]
     homes = dict(zip(nodes, [0] * 5 + [1] * 4 + [2] * 3 + [3] * 4, strict=True))
     kids = dict(zip(nodes, [3, 1, 4, 2, 4] + [4] * 11, strict=True))
     recs = {n: _rec(n, homes[n], free=4 - kids[n]) for n in nodes} | {ORIGIN: _rec(ORIGIN, 0, role="trainer")}
@@ -320,11 +316,11 @@ def test_a_parent_in_one_stripe_without_an_alternates_slot_for_another_stays_the
 
     async def main() -> tuple[bool, bool, float, Source | None, Source | None]:
         server, http, url = await _origin_server(tmp_path, slots=2)
-        me = _node()
+        me = KEYS.new()
         try:
             async with aiohttp.ClientSession() as session:
                 assert await _attach(session, url, me, "stripe=1") == 200
-                assert await _attach(session, url, _node(), "stripe=0") == 200  # the other slot: none to spare
+                assert await _attach(session, url, KEYS.new(), "stripe=0") == 200  # the other slot: none to spare
                 store = WeightStore(tmp_path / "me", ORIGIN)
                 fetcher = ShardFetcher(session, store, me, Metrics())
                 fetcher.stripes = 4
@@ -359,7 +355,7 @@ async def _origin_server(tmp_path: Path, slots: int, home: int | None = None) ->
 
 
 async def _attach(session: aiohttp.ClientSession, url: str, node: str, query: str) -> int:
-    headers = signed_headers(_KEYS[node], "POST", f"/relay/attach?{query}", ORIGIN)
+    headers = signed_headers(KEYS[node], "POST", f"/relay/attach?{query}", ORIGIN)
     async with session.post(f"{url}/relay/attach?{query}", headers=headers) as r:
         return r.status
 
@@ -369,7 +365,7 @@ def test_a_crowd_in_one_stripe_cannot_take_the_slots_of_the_others(tmp_path: Pat
 
     async def main() -> tuple[list[int], list[int]]:
         server, http, url = await _origin_server(tmp_path, slots=4)
-        crowd, others = [_node() for _ in range(4)], [_node() for _ in range(3)]
+        crowd, others = [KEYS.new() for _ in range(4)], [KEYS.new() for _ in range(3)]
         try:
             async with aiohttp.ClientSession() as session:
                 first = [await _attach(session, url, n, "stripe=0") for n in crowd]
@@ -392,7 +388,7 @@ def test_leaves_give_their_slot_to_a_node_at_home_and_a_relay_takes_children_in_
     async def main() -> dict[str, object]:
         server, http, url = await _origin_server(tmp_path, slots=1)
         relay_server, relay_http, relay_url = await _origin_server(tmp_path / "r", slots=4, home=1)
-        leaf, leaf2, interior = _node(), _node(), _node()
+        leaf, leaf2, interior = KEYS.new(), KEYS.new(), KEYS.new()
         out: dict[str, object] = {}
         try:
             async with aiohttp.ClientSession() as session:
@@ -422,7 +418,7 @@ def test_leaves_give_their_slot_to_a_node_at_home_and_a_relay_takes_children_in_
 def test_a_node_lying_about_its_home_moves_no_leaf(tmp_path: Path) -> None:
     """A node whose record says it is at home in stripe 1 asks for the origin's slot in stripe 2 as if at home
     there: it is a leaf by its record and moves no one."""
-    leaf, liar = _node(), _node()
+    leaf, liar = KEYS.new(), KEYS.new()
 
     async def lie() -> tuple[int, int, list[str]]:
         server, http, url = await _origin_server(tmp_path, slots=1)
@@ -456,8 +452,8 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
         try:
             async with aiohttp.ClientSession() as session:
                 for query in ("v=2&have=6", "v=2&have=5", "v=1&have=14", "v=1&have=13", "v=x&have=99"):
-                    out.append(await _attach(session, url, _node(), f"stripe=1&{query}"))
-                out.append(await _attach(session, url, _node(), "stripe=1&v=2&have=" + "9" * 8))
+                    out.append(await _attach(session, url, KEYS.new(), f"stripe=1&{query}"))
+                out.append(await _attach(session, url, KEYS.new(), "stripe=1&v=2&have=" + "9" * 8))
         finally:
             await http.close()
         return out
@@ -466,6 +462,7 @@ def test_a_relay_behind_a_new_child_refuses_it_and_the_origin_never_does(tmp_pat
     assert asyncio.run(asks(None)) == [200] * 6
 
 
+@pytest.mark.integration
 def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(tmp_path: Path) -> None:
     """The grudge (and the waste it measured at N=16): a root, the origin's child in stripe 0, asks the origin for
     the shards of every stripe with its token while stripe 1's root is being sent one. It gets stripe 0's; another
@@ -486,10 +483,10 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
         out = []
         try:
             async with aiohttp.ClientSession() as session:
-                roots = [_node() for _ in range(4)]
+                roots = [KEYS.new() for _ in range(4)]
                 grudge, tokens = roots[0], {}
                 for stripe, node in enumerate(roots):
-                    headers = signed_headers(_KEYS[node], "POST", f"/relay/attach?stripe={stripe}", ORIGIN)
+                    headers = signed_headers(KEYS[node], "POST", f"/relay/attach?stripe={stripe}", ORIGIN)
                     async with session.post(f"{url}/relay/attach?stripe={stripe}", headers=headers) as r:
                         out.append(r.status)
                         tokens[node] = (await r.json())["token"]
@@ -506,7 +503,7 @@ def test_the_origins_child_in_one_stripe_cannot_take_the_other_stripes_from_it(t
                             await r.read()
                 server._children.pop(f"{roots[1]}/1")  # stripe 1's root went away: its slot is the grudge's now
                 query = "/relay/attach?stripe=1&home=0"
-                async with session.post(url + query, headers=signed_headers(_KEYS[grudge], "POST", query, ORIGIN)) as r:
+                async with session.post(url + query, headers=signed_headers(KEYS[grudge], "POST", query, ORIGIN)) as r:
                     out.append(r.status)
                 async with session.get(f"{url}/weights/1/shard-00005.safetensors", headers=mine) as r:
                     out.append(r.status)  # the token of its stripe-0 slot: it holds one in stripe 1 too

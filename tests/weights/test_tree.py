@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,22 +24,17 @@ from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import holders, parents
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
+from tests.helpers.keys import Keys
+from tests.helpers.wait import until
 
 ORIGIN = "0" * 32
-_LABELS: dict[str, Identity] = {}
-_KEYS: dict[str, Identity] = {}
-
-
-def _id(label: str) -> str:
-    """The node id of the test's node ``label`` (a real key: relay slot requests are signed)."""
-    if label not in _LABELS:
-        key = _LABELS[label] = Identity.generate()
-        _KEYS[key.node_id] = key
-    return _LABELS[label].node_id
+KEYS = Keys()
+_id = KEYS.named
+"""The id of the test's node ``label`` (a real key: relay slot requests are signed)."""
 
 
 def _signed(node_id: str, server_id: str) -> dict[str, str]:
-    return signed_headers(_KEYS[node_id], "POST", "/relay/attach", server_id)
+    return signed_headers(KEYS[node_id], "POST", "/relay/attach", server_id)
 
 
 def _rec(
@@ -143,7 +137,7 @@ def _follower(
         return None
 
     return WeightFollower(
-        _KEYS[me],
+        KEYS[me],
         run,
         _Records(records),
         WeightStore(tmp_path / me[:4], run),
@@ -153,11 +147,6 @@ def _follower(
         None,
         publish,
     )  # type: ignore[arg-type]
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
 
 
 async def _settled(follower: WeightFollower) -> None:
@@ -255,6 +244,7 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
     assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
 
 
+@pytest.mark.integration
 def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
     """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
     signed by another key announces nothing."""
@@ -279,8 +269,11 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
                 try:
                     write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
                     store.added()
-                    await asyncio.wait_for(
-                        _until(lambda: metrics.counter("node_relay_news_rejected_total", "foreign_manifest") > 0), 5.0
+                    await until(
+                        lambda: metrics.counter("node_relay_news_rejected_total", "foreign_manifest") > 0,
+                        "the forged manifest's refusal",
+                        5.0,
+                        every=0.01,
                     )
                     after_forgery = follower.announced
                     shutil.rmtree(store.folder(1))
@@ -369,6 +362,7 @@ def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path
     assert asyncio.run(main()) == ORIGIN
 
 
+@pytest.mark.integration
 def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The attacks on the old unauthenticated slots, each refused: made-up node ids (unsigned, or signed by a key
     the run does not know) taking slots; a stranger's DELETE evicting a real child; a captured request replayed;
@@ -398,12 +392,12 @@ def test_relay_slots_are_for_signed_members_only(tmp_path: Path, monkeypatch: py
                 granted = _signed(child, ORIGIN)
                 out["child"] = (await call("POST", granted))[0]
                 out["replayed"] = await call("POST", granted)
-                evict = signed_headers(_KEYS[stranger], "DELETE", "/relay/attach", ORIGIN)
+                evict = signed_headers(KEYS[stranger], "DELETE", "/relay/attach", ORIGIN)
                 evict["X-Intellect-Node"] = child  # a stranger naming the child: the key does not match the id
                 out["evict"] = (await call("DELETE", evict))[0]
                 members.add(stranger)  # even a member cannot free another's slot, nor see who holds them
                 out["own_delete"] = (
-                    await call("DELETE", signed_headers(_KEYS[stranger], "DELETE", "/relay/attach", ORIGIN))
+                    await call("DELETE", signed_headers(KEYS[stranger], "DELETE", "/relay/attach", ORIGIN))
                 )[0]
                 out["children"] = server.children()
                 out["full_unsigned"] = await call("POST", {"X-Intellect-Node": stranger})
