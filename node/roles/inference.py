@@ -2,11 +2,12 @@
 
 Loop: read the trainer's record from the DHT; if it announces a newer version, receive it through the relay tree
 (manifest signed by the run key, every shard hash-checked) and swap it in; derive the batch's tasks from (run
-seed, node id, version, batch index); sample a group per task; sign the batch and send it to the trainer over
-libp2p. Generation runs in a thread, so the node keeps serving /health, the DHT and weight shards while it
-works. When the trainer reports a full backlog, the node waits for the next version (at most ``PAUSE_MAX_S``)
-instead of producing rollouts that would go stale. A batch whose delivery failed is sent again, unchanged, before
-anything new; a node that restarted continues at the batch index the trainer says it expects.
+seed, node id, version, batch index); sample a group per task; sign the batch and hand it to the run's rollout
+sink (node/p2p/rollouts: offered, then pushed to the trainer). Generation runs in a thread, so the node keeps
+serving /health, the DHT and weight shards while it works. When the trainer reports a full backlog, the node
+waits for the next version (at most ``PAUSE_MAX_S``) instead of producing rollouts that would go stale. A batch
+whose delivery failed is sent again, unchanged, before anything new; a node that restarted continues at the batch
+index the trainer says it expects.
 """
 
 from __future__ import annotations
@@ -22,20 +23,18 @@ from typing import Any
 import aiohttp
 import torch
 
-from intellect_node.aio import raise_if_cancelled
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
-from intellect_node.p2p.batches import BatchServer
-from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.metrics import TOKENS_PER_S
-from intellect_node.p2p.transport import DELIVERY_ERRORS, submit
+from intellect_node.p2p.rollouts import Endpoint, RolloutSink, make_sink
+from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
-from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
-from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
+from intellect_protocol.envelope import Rejected, seal
+from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
 from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
@@ -64,10 +63,8 @@ class InferenceNode(Volunteer):
         self.batches_accepted = 0
         self.rejections: dict[str, int] = {}
         self.unacked: OrderedDict[str, tuple[RolloutBatch, bytes]] = OrderedDict()
-        """Batches made and not yet acknowledged by the trainer, by digest: announced again until they are (or go
+        """Batches made and not yet acknowledged by the trainer, by digest: offered again until they are (or go
         stale)."""
-        self.recent: OrderedDict[str, bytes] = OrderedDict()
-        """The last RECENT batches made, by digest: served to the validators that judge them."""
         self.batches_announced = 0
         self._logged_load = -LOAD_LOG_S
         self.batches_made = self.batch_bytes = 0
@@ -75,6 +72,8 @@ class InferenceNode(Volunteer):
         self._made_at: dict[str, float] = {}
         self.delivery_ms: deque[float] = deque(maxlen=2000)
         """Milliseconds from a batch made to its acknowledgement (the push's reply or gossip), the last 2000."""
+        self.sink: RolloutSink | None = None
+        """Where sealed batches go (node/p2p/rollouts): made once the node's gossip is up."""
 
     def status(self) -> dict[str, Any]:
         return {
@@ -131,24 +130,16 @@ class InferenceNode(Volunteer):
 
     async def ready(self, spec: RunSpec) -> None:
         await super().ready(spec)
-        assert self.gossip is not None
-        self.gossip.subscribe("verdicts", self._on_ack)
-        await BatchServer(self.p2p, self.run_id, self.recent.get, self.metrics).start()
+        self.sink = make_sink(Endpoint(self.p2p, self.identity, self.run_id, self.metrics, self.gossip))
+        await self.sink.start(self._acknowledged)
         self._reannouncer = asyncio.ensure_future(self.reannounce_forever())  # ends with the node's loop
 
-    async def _on_ack(self, data: bytes, peer: str) -> None:
-        """The trainer's acknowledgement of one of our batches: it need not be announced or sent again."""
-        if kind_of(data, LIMITS["verdicts"]) != BatchAck.KIND:
-            return  # a validator's verdict: nothing for a producer to do
-        signed = open_signed(data, BatchAck)
-        if signed.signer_id != self.run_id:
-            raise Rejected("foreign_ack", f"an acknowledgement signed by {signed.signer_id}")
-        if signed.message.node_id != self.identity.node_id:
-            return
-        self.metrics.inc("node_inference_acks_total", help="acknowledgements of our batches heard on gossip")
-        if self.unacked.pop(signed.message.batch_sha256, None):
-            self._delivered(signed.message.batch_sha256)
-            self.acked_on_gossip[signed.message.batch_sha256] = True
+    def _acknowledged(self, digest: str) -> None:
+        """The trainer acknowledged one of our batches apart from a push's reply: it need not be offered or sent
+        again."""
+        if self.unacked.pop(digest, None):
+            self._delivered(digest)
+            self.acked_on_gossip[digest] = True
             while len(self.acked_on_gossip) > RECENT:
                 self.acked_on_gossip.popitem(last=False)
 
@@ -157,52 +148,29 @@ class InferenceNode(Volunteer):
         if made is not None:
             self.delivery_ms.append(round((time.monotonic() - made) * 1000, 1))
 
-    async def announce(self, batch: RolloutBatch, data: bytes) -> None:
-        digest = hashlib.sha256(data).hexdigest()
-        a = BatchAnnounce(
-            run_id=self.run_id,
-            epoch=batch.epoch,
-            node_id=batch.node_id,
-            version=batch.version,
-            batch_index=batch.batch_index,
-            batch_sha256=digest,
-            size=len(data),
-            issued=time.time(),
-        )
-        assert self.gossip is not None
-        try:
-            await self.gossip.publish("rollouts", seal(self.identity, a))
-            self.batches_announced += 1
-        except (OSError, TimeoutError, Rejected) as e:  # the daemon restarting: announced again later
-            raise_if_cancelled()
-            logger.warning("could not announce batch %s: %r", digest[:12], e)
-
     def _keep(self, batch: RolloutBatch, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         self.unacked[digest] = (batch, data)
-        self.recent[digest] = data
         self.batches_made += 1
         self.batch_bytes += len(data)
         self._made_at[digest] = time.monotonic()
         while len(self._made_at) > 4 * RECENT:
             self._made_at.pop(next(iter(self._made_at)))
-        while len(self.recent) > RECENT:
-            self.recent.popitem(last=False)
         return digest
 
     async def reannounce_forever(self) -> None:
-        """Announce each unacknowledged batch again every REANNOUNCE_S until the trainer acknowledges it (on
+        """Offer each unacknowledged batch again every REANNOUNCE_S until the trainer acknowledges it (on
         gossip, or in the push's reply) or it goes stale."""
         while True:
             await asyncio.sleep(REANNOUNCE_S)
-            spec = self.spec
-            assert spec is not None
+            spec, sink = self.spec, self.sink
+            assert spec is not None and sink is not None
             for digest, (batch, data) in list(self.unacked.items()):
                 if batch.version < self.loaded - spec.train.async_level or batch.epoch != spec.epoch:
                     self.unacked.pop(digest, None)
                     self.metrics.inc("node_inference_batches_stale_total", help="unacknowledged batches given up")
-                elif digest in self.unacked:
-                    await self.announce(batch, data)
+                elif digest in self.unacked and await sink.reoffer(batch, data):
+                    self.batches_announced += 1
 
     def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
         try:
@@ -217,6 +185,17 @@ class InferenceNode(Volunteer):
             make_backend, backend=self.cfg.inference.backend, threads=self.cfg.threads, device=self.cfg.device
         )
         backend = await asyncio.to_thread(build, spec, tokenizer)
+        sink = self.sink
+        assert sink is not None
+        try:
+            await self._deliver_forever(spec, tokenizer, backend, build, sink)
+        finally:
+            await sink.close()
+
+    async def _deliver_forever(
+        self, spec: RunSpec, tokenizer: Any, backend: GenerationBackend, build: Any, sink: RolloutSink
+    ) -> None:
+        """Generate and deliver batches, one at a time, for as long as the node runs (module docstring)."""
         paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
         paused_since = 0.0
         unsent: tuple[RolloutBatch, bytes] | None = None
@@ -273,11 +252,11 @@ class InferenceNode(Volunteer):
                 )
                 unsent = (batch, seal(self.identity, batch))
                 self._keep(*unsent)
-                await self.announce(*unsent)
+                if await sink.offer(*unsent):
+                    self.batches_announced += 1
             batch, data = unsent
-            peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
             try:
-                reply = await submit(self.p2p, peer_id, self.run_id, data, self.run_id)
+                reply = await sink.push(trainer, data)
             except (*DELIVERY_ERRORS, Rejected) as e:
                 self.metrics.inc("node_inference_submit_failures_total")
                 logger.warning(

@@ -11,7 +11,8 @@ The trainer is a thin wiring of parts, each with its own state and a small inter
 trainer: the door (trainer_door.Door: every batch's checks, cheapest first, and the spool before the reply), the
 judging pipeline (trainer_validation.Judging), the learner (trainer_learner.Learner: GRPO steps), durability
 (trainer_checkpoint.Durability: checkpoints, the spool, publishing versions in order) and gossip
-(trainer_gossip.TrainerGossip). What they share is ``self.shared`` (trainer_state.py). The trainer builds them,
+(trainer_gossip.TrainerGossip). Batches come in through the run's rollout source (node/p2p/rollouts), which
+hands each to the door. What they share is ``self.shared`` (trainer_state.py). The trainer builds them,
 assembles a checkpoint from their states and hands a resumed one back, and serves /status and its DHT record.
 """
 
@@ -38,7 +39,8 @@ from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import announced
-from intellect_node.p2p.transport import Intake, RolloutServer
+from intellect_node.p2p.rollouts import Endpoint, Receiver, RolloutSource, make_source
+from intellect_node.p2p.transport import Intake
 from intellect_node.policy.engine import EngineFactory, local_engine
 from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, resolve_device, stored_in
 from intellect_node.roles.admission import Admission, mint_invite
@@ -183,10 +185,8 @@ class Trainer:
             self.registry,
             self.admission,
             self.banned,
-            self.intake,
             node.validators,
             self.judging.waits,
-            self.door.on_batch,
             self.door.check_room,
         )
         where = node.track_dir or node.data_dir / "tracking"
@@ -385,7 +385,7 @@ class Trainer:
         await self.durability.publish_current(self.learner.engine.export_state)
         self.durability.start()  # without checkpoints there is no resume, and nothing to spool for one
         self._replay()
-        server: RolloutServer | None = None
+        source: RolloutSource | None = None
         invites: InviteDoor | None = None
         try:
             self.maddrs = await self._join_dht()  # first: the DHT process must not inherit a listening socket
@@ -393,13 +393,11 @@ class Trainer:
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
             p2p = self.p2p = await self.membership.replicate_p2p()
-            server = RolloutServer(
-                p2p, self.identity, self.run_id, self.door.on_batch, self.door.reject, intake=self.intake
-            )
-            await server.start()
+            source = make_source(Endpoint(p2p, self.identity, self.run_id, self.metrics))
+            await source.start(Receiver(self.door.on_batch, self.door.reject, self.intake))
             invites = InviteDoor(p2p, self.identity, self.run_id, self.admission, self.metrics)
             await invites.start()
-            await self.gossip.start(p2p)
+            await self.gossip.start(p2p, source)
             if not (
                 await self.membership.publish_spec(self.spec) and await self.membership.publish_record(self.record())
             ):
@@ -426,8 +424,8 @@ class Trainer:
             await self.gossip.stop()
             if self.learner.tracker is not None:
                 self.learner.tracker.close()
-            if server is not None:
-                await server.close()
+            if source is not None:
+                await source.close()
             if invites is not None:
                 await invites.close()
             await self.http.close()

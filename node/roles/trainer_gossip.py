@@ -3,10 +3,11 @@
 - ``versions``: each published version is announced with a ``VersionNotice`` signed by the run key, and the
   newest is repeated every ``NOTICE_REPEAT_S`` (a late joiner, or a node whose copy was lost, hears it soon).
 - ``rollouts``: producers announce each batch (``BatchAnnounce``). The trainer takes the body from the producer's
-  push; an announced batch not pushed within ``PULL_AFTER_S`` is fetched from its producer by digest
-  (``node/p2p/batches.py``) and goes through the same door checks. An announcement of a batch already admitted is
-  answered with its acknowledgement again (the producer missed it), at most every ``ACK_REPEAT_S``, and only when
-  its producer announces it: anyone else's announcement of that digest is refused before anything is signed.
+  push; an announced batch not pushed within ``PULL_AFTER_S`` is pulled from its producer by the rollout source
+  (``RolloutSource.pull``, node/p2p/rollouts: by digest, ``node/p2p/batches.py``) and goes through the same door.
+  An announcement of a batch already admitted is answered with its acknowledgement again (the producer missed it),
+  at most every ``ACK_REPEAT_S``, and only when its producer announces it: anyone else's announcement of that
+  digest is refused before anything is signed.
 - ``verdicts``: every admitted batch is acknowledged with a ``BatchAck`` (signed by the run key) that names the
   validators asked to judge it: one trusted validator in turn, or two for a ``verify.second_opinion`` share of
   batches when two are present. Their signed ``Verdict`` messages come back on the same topic. The batch is trained
@@ -18,14 +19,14 @@ from a registered inference node (``NodeRegistry``, a bounded-cost DHT read) for
 from a validator named with ``--validator``. Before any pull the announcer passes the same door as a push
 (not banned, admitted by the run's policy, room for it if on probation); then at most ``PULLS_PER_NODE`` of its
 announced batches and ``MAX_PULLS`` of everybody's wait to be fetched, and each body fetched takes a place in the
-trainer's ``Intake``, the budget pushes draw on too: however many keys announce, the bodies in memory stay
-bounded. Each fetch pulls at most one batch and is made once per digest.
+trainer's ``Intake`` (the source's), the budget pushes draw on too: however many keys announce, the bodies in
+memory stay bounded. Each fetch pulls at most one batch and is made once per digest.
 
 ``TrainerGossip`` is one part of the trainer (node/roles/trainer.py wires it), with its own state (the digests it
 knows, the envelopes it serves, the pulls under way, the newest notice); it is handed what it reads of the other
-parts (the registry, the admission policy, the bans, the intake budget, the judging pipeline's verdict waits) and
-the two door calls a pulled batch goes through (``door``: the trainer's ``on_batch``; ``check_room``: its capacity
-check, made before a pull as before a push).
+parts (the registry, the admission policy, the bans, the judging pipeline's verdict waits), the door's capacity
+check (``check_room``, made before a pull as before a push) and, at ``start``, the rollout source that pulls an
+announced batch and puts it through the door.
 """
 
 from __future__ import annotations
@@ -35,22 +36,22 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from intellect_node.aio import raise_if_cancelled
-from intellect_node.p2p.batches import BatchServer, fetch_batch
+from intellect_node.p2p.batches import BatchServer
 from intellect_node.p2p.gossip import LIMITS, Gossip
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import DialBackServer
-from intellect_node.p2p.transport import Intake
+from intellect_node.p2p.rollouts import RolloutSource
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, SubmitReply, Verdict, VersionNotice
+from intellect_protocol.messages import BatchAck, BatchAnnounce, RolloutBatch, Verdict, VersionNotice
 
 logger = logging.getLogger(__name__)
 NOTICE_REPEAT_S = 5.0
@@ -97,7 +98,8 @@ class VerdictWait:
 
 
 class TrainerGossip:
-    """The trainer on the run's gossip topics (module docstring): ``start`` once the libp2p daemon is up,
+    """The trainer on the run's gossip topics (module docstring): ``start`` once the libp2p daemon and the rollout
+    source are up,
     ``repeat_notices`` for the trainer's lifetime, ``announce_version`` for each version published, ``admitted``
     for each batch the door admits (its acknowledgement names the judges)."""
 
@@ -111,10 +113,8 @@ class TrainerGossip:
         registry: NodeRegistry,
         admission: Admission,
         banned: dict[str, str],
-        intake: Intake,
         validators: list[str],
         waits: dict[str, VerdictWait],
-        door: Callable[[bytes, str], Awaitable[SubmitReply]],
         check_room: Callable[[str], None],
     ) -> None:
         self.run_id = run_id
@@ -125,15 +125,14 @@ class TrainerGossip:
         self.registry = registry
         self.admission = admission
         self.banned = banned
-        self.intake = intake
-        """Batch bodies on their way in: pulls draw on the budget pushes use."""
         self.validators = validators
         """The keys named with ``--validator``: the only ones whose verdicts count."""
         self.waits = waits
         """The judging pipeline's: by digest, the batches named validators are judging."""
-        self.door = door
         self.check_room = check_room
         self.p2p: Any = None
+        self.source: RolloutSource | None = None
+        """Pulls an announced batch and puts it through the door (within the intake budget pushes use)."""
         self.gossip: Gossip | None = None
         self.batch_server: BatchServer | None = None
         self.dialback: DialBackServer | None = None
@@ -146,8 +145,9 @@ class TrainerGossip:
         """Announced batches being fetched, by producer: at most PULLS_PER_NODE each (a producer announcing made-up
         digests gets one fetch at a time, each read only up to the size it announced)."""
 
-    async def start(self, p2p: Any) -> None:
+    async def start(self, p2p: Any, source: RolloutSource) -> None:
         self.p2p = p2p
+        self.source = source
         self.gossip = Gossip(self.p2p, self.run_id, self.metrics)
         self.gossip.subscribe("rollouts", self._on_announce)
         self.gossip.subscribe("verdicts", self._on_verdict)
@@ -293,31 +293,13 @@ class TrainerGossip:
         known = self.known.get(a.batch_sha256)
         if known is not None and known.key is not None:
             return  # pushed meanwhile
-        if not self.intake.take(peer):  # as many bodies on their way as the trainer holds at once
-            self.known.pop(a.batch_sha256, None)
-            self.metrics.inc("node_trainer_pulls_total", label="intake_full")
-            return
-        try:
-            body = await fetch_batch(self.p2p, self.identity, self.run_id, peer, a.batch_sha256, a.size)
-        except (ConnectionError, TimeoutError, Rejected) as e:
+        assert self.source is not None
+        outcome = await self.source.pull(peer, a.batch_sha256, a.size)
+        self.metrics.inc(
+            "node_trainer_pulls_total", label=outcome, help="announced batches fetched from their producer, by outcome"
+        )
+        if outcome != "ok":
             self.known.pop(a.batch_sha256, None)  # the next announcement tries again
-            self.metrics.inc(
-                "node_trainer_pulls_total",
-                label=getattr(e, "reason", "unreachable"),
-                help="announced batches fetched from their producer, by outcome",
-            )
-            logger.debug("could not fetch announced batch %s from peer=%s: %r", a.batch_sha256[:12], peer, e)
-            return
-        finally:
-            self.intake.give_back(peer)
-        if body is None:
-            self.known.pop(a.batch_sha256, None)
-            self.metrics.inc("node_trainer_pulls_total", label="missing")
-            return
-        reply = await self.door(body, peer)
-        self.metrics.inc("node_trainer_pulls_total", label="ok" if reply.ok else reply.reason)
-        if not reply.ok:
-            self.known.pop(a.batch_sha256, None)
 
     async def _on_verdict(self, data: bytes, peer: str) -> None:
         if kind_of(data, LIMITS["verdicts"]) != Verdict.KIND:

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 from intellect_node.p2p.metrics import Metrics
-from intellect_node.p2p.transport import Intake
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_gossip import TrainerGossip, VerdictWait
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import AdmissionSpec, BatchAnnounce, NodeRecord, RolloutBatch, SubmitReply, Verdict
+from intellect_protocol.messages import AdmissionSpec, BatchAnnounce, NodeRecord, RolloutBatch, Verdict
 
 RUN_KEY = Identity.generate()
 RUN = RUN_KEY.node_id
@@ -35,13 +34,8 @@ class _Registry:
         self.records[key.node_id] = NodeRecord(run_id=RUN, node_id=key.node_id, role="inference", updated=time.time())
 
 
-def _gossip(tmp_path: Path, validator: str = "") -> tuple[TrainerGossip, _Registry, list[bytes], dict[str, str]]:
-    registry, pushed, banned = _Registry(), [], {}
-
-    async def door(data: bytes, peer: str) -> SubmitReply:
-        pushed.append(data)
-        return SubmitReply(ok=True)
-
+def _gossip(tmp_path: Path, validator: str = "") -> tuple[TrainerGossip, _Registry, dict[str, str]]:
+    registry, banned = _Registry(), {}
     part = TrainerGossip(
         RUN,
         0,
@@ -51,13 +45,11 @@ def _gossip(tmp_path: Path, validator: str = "") -> tuple[TrainerGossip, _Regist
         registry,  # type: ignore[arg-type]
         Admission(AdmissionSpec(), RUN),
         banned,
-        Intake(),
         [validator] if validator else [],
         {},
-        door,
         lambda node: None,
     )
-    return part, registry, pushed, banned
+    return part, registry, banned
 
 
 def _announce(key: Identity, digest: str, node_id: str = "") -> bytes:
@@ -74,7 +66,7 @@ def _announce(key: Identity, digest: str, node_id: str = "") -> bytes:
 
 
 def test_announcements_from_strangers_banned_keys_and_for_other_nodes_batches_are_refused(tmp_path: Path) -> None:
-    part, registry, _, banned = _gossip(tmp_path)
+    part, registry, banned = _gossip(tmp_path)
     producer, stranger, cheat = Identity.generate(), Identity.generate(), Identity.generate()
     registry.add(producer)
     registry.add(cheat)
@@ -105,7 +97,7 @@ def test_announcements_from_strangers_banned_keys_and_for_other_nodes_batches_ar
 
 def test_a_verdict_counts_only_from_a_named_validator_for_the_batch_its_digest_names(tmp_path: Path) -> None:
     validator, other = Identity.generate(), Identity.generate()
-    part, _, _, _ = _gossip(tmp_path, validator.node_id)
+    part, _, _ = _gossip(tmp_path, validator.node_id)
     key = ("b" * 32, 0, 0)
     wait = part.waits["d" * 64] = VerdictWait([validator.node_id], key)
 
