@@ -145,3 +145,18 @@ def test_the_kernels_folder_does_not_hide_hugging_faces_kernels_from_code_run_at
     except importlib.metadata.PackageNotFoundError:  # none installed (transformers < 5.25): the folder, as before
         return
     assert not Path(done.stdout.strip()).is_relative_to(ROOT), done.stdout
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A non-editable install (the Docker image, ``pip install .``) holds only the packages pyproject.toml lists:
+    a new subpackage missing there imports here (editable) and fails in the image."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    names = {"node": "intellect_node", "protocol": "intellect_protocol", "kernels": "intellect_kernels"}
+    found = {
+        ".".join([names[init.relative_to(ROOT).parts[0]], *init.relative_to(ROOT).parts[1:-1]])
+        for top in names
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found == listed, f"in pyproject.toml but not a package: {listed - found}; not listed: {found - listed}"
