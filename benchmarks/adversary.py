@@ -179,6 +179,8 @@ class Swarm:
         self.logs = root / "logs"
         self.nodes: dict[str, NodeProcess] = {}
         self.ready: dict[str, dict[str, Any]] = {}
+        self.up_at: dict[str, float] = {}
+        """When each node printed its readiness line (monotonic)."""
         self.client: DHT | None = None
         self.run = load_run_config(None, SETTINGS[1::2])
         self.tok = build_tokenizer(self.run.model)
@@ -187,6 +189,7 @@ class Swarm:
         node = NodeProcess(name, [*argv, "--host", SWARM_HOST], self.logs, prefix=SWARM_PREFIX)
         self.nodes[name] = node
         self.ready[name] = node.wait_ready(timeout=120)
+        self.up_at[name] = time.monotonic()
         return self.ready[name]
 
     def join(self, name: str, role: str) -> dict[str, Any]:
@@ -680,19 +683,39 @@ NEWCOMER_S = 30.0
 """How long a node that joins during an attack has, once it is up, to hold a version."""
 
 
-async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
-    """A registered relay claiming depth 0 and a huge upload grants slots, then trickles shards (``trickle``) or
-    answers keep-alives with a 5,000-entry path (``path``); a relay that joins now chooses it first."""
-    liar = Identity.generate()
-    granted: list[bool] = []
+async def newcomer_version(swarm: Swarm, name: str, until: float) -> int:
+    """The version the newcomer ``name`` holds by ``until`` or within NEWCOMER_S of being up (-1: none)."""
+    deadline = max(until, swarm.up_at[name] + NEWCOMER_S)
+    got = -1
+    while time.monotonic() < deadline:
+        got = swarm.status(name)["weight_version"]
+        if got >= 0:
+            break
+        await asyncio.sleep(0.5)
+    return int(got)
 
-    async def attach(request: web.Request) -> web.Response:
-        path = [swarm.run_id, liar.node_id]
-        if mode == "path" and granted:
-            path = [swarm.run_id] + [liar.node_id] * 5000
-        granted.append(True)
+
+class HostileParent:
+    """A registered relay claiming depth 0 and a huge upload grants slots, then trickles shards (``trickle``) or
+    answers keep-alives with a 5,000-entry path (``path``); a relay that joins now chooses it first. ``prepare``
+    puts the liar up and starts the newcomer (a process start is no work of the attack's, and on two cores it would
+    weigh on the honest rate); the attack is the newcomer's first version under that parent."""
+
+    def __init__(self, swarm: Swarm, mode: str) -> None:
+        self.swarm, self.mode = swarm, mode
+        self.liar = Identity.generate()
+        self.granted: list[bool] = []
+        self.name = f"newcomer-{mode}"
+        self.runner: web.AppRunner | None = None
+
+    async def attach(self, request: web.Request) -> web.Response:
+        path = [self.swarm.run_id, self.liar.node_id]
+        if self.mode == "path" and self.granted:
+            path = [self.swarm.run_id] + [self.liar.node_id] * 5000
+        self.granted.append(True)
         return web.json_response({"depth": 1, "path": path, "token": "t"})
 
+    @staticmethod
     async def trickle(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         resp.content_length = 1 << 20
@@ -702,41 +725,38 @@ async def hostile_parent(swarm: Swarm, until: float, mode: str) -> Outcome:
             await asyncio.sleep(1.0)
         return resp
 
-    app = web.Application()
-    app.router.add_post("/relay/attach", attach)
-
+    @staticmethod
     async def no_news(request: web.Request) -> web.Response:
         return web.Response(status=204)
 
-    app.router.add_get("/relay/next", no_news)
-    app.router.add_get("/weights/{version}/{name}", trickle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, ATTACKER_IP, 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    relay = RelayInfo(depth=0, slots_total=64, slots_free=64, upload_bps=1e12, versions=list(range(10_000, 10_064)))
-    swarm.register(liar, role="relay", http_url=f"http://{ATTACKER_IP}:{port}", relay=relay)
-    name = f"newcomer-{mode}"
-    try:
-        await asyncio.to_thread(swarm.join, name, "relay")
-        # the newcomer gets NEWCOMER_S from the moment it is up, however long its start took on a busy machine
-        deadline = max(until, time.monotonic() + NEWCOMER_S)
-        got = -1
-        while time.monotonic() < deadline:
-            got = swarm.status(name)["weight_version"]
-            if got >= 0:
-                break
-            await asyncio.sleep(0.5)
-    finally:
-        await runner.cleanup()
-    crashed = name in swarm.crashed()
-    return Outcome(
-        f"hostile parent ({'5,000-node path' if mode == 'path' else 'trickles shards'})",
-        "node crashed" if crashed else "newcomer shut out",
-        crashed or got < 0,
-        f"the new relay {'crashed' if crashed else f'holds version {got}'}",
-    )
+    async def prepare(self) -> None:
+        app = web.Application()
+        app.router.add_post("/relay/attach", self.attach)
+        app.router.add_get("/relay/next", self.no_news)
+        app.router.add_get("/weights/{version}/{name}", self.trickle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, ATTACKER_IP, 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        versions = list(range(10_000, 10_064))
+        relay = RelayInfo(depth=0, slots_total=64, slots_free=64, upload_bps=1e12, versions=versions)
+        self.swarm.register(self.liar, role="relay", http_url=f"http://{ATTACKER_IP}:{port}", relay=relay)
+        await asyncio.to_thread(self.swarm.join, self.name, "relay")
+
+    async def attack(self, until: float) -> Outcome:
+        try:
+            got = await newcomer_version(self.swarm, self.name, until)
+        finally:
+            assert self.runner is not None
+            await self.runner.cleanup()
+        crashed = self.name in self.swarm.crashed()
+        return Outcome(
+            f"hostile parent ({'5,000-node path' if self.mode == 'path' else 'trickles shards'})",
+            "node crashed" if crashed else "newcomer shut out",
+            crashed or got < 0,
+            f"the new relay {'crashed' if crashed else f'holds version {got}'}",
+        )
 
 
 # ---- round two: the classes of the second review (issue 34) -------------------------------------------------
@@ -846,53 +866,60 @@ async def redeem_flood(swarm: Swarm, until: float) -> Outcome:
     return Outcome("invite redemption flood", "node crashed", "trainer" in swarm.crashed(), f"replies {counts}")
 
 
-async def origin_squat(swarm: Swarm, until: float, keys: int = 8) -> Outcome:
+class OriginSquat:
     """Registered keys that never produce attach to the origin in every stripe and keep their slots with
-    keep-alives; a relay that joins meanwhile must still get every version."""
-    squatters = [Identity.generate() for _ in range(keys)]
-    for key in squatters:
-        await asyncio.to_thread(swarm.register, key, "relay")
-    stripes = DEFAULT_STRIPES  # the origin's, unless --stripes says otherwise (the benchmark's trainer: default)
-    granted = refused = 0
-    name = "newcomer-squat"
-    got = -1
-    async with attacker_session() as session:
+    keep-alives; a relay that joins meanwhile must still get every version. ``prepare`` registers the squatters,
+    lets them take the slots and starts the newcomer (its process start is not the attack's work); the attack is
+    the squatters holding on while the newcomer gets its first version."""
 
-        async def hold() -> None:
-            nonlocal granted, refused
-            while time.monotonic() < until:
-                for key in squatters:
-                    for stripe in range(stripes):
-                        path = f"/relay/attach?stripe={stripe}"
-                        headers = signed_headers(key, "POST", path, swarm.run_id)
-                        try:
-                            async with session.post(swarm.trainer_url + path, headers=headers) as r:
-                                await r.read()
-                                granted += r.status == 200
-                                refused += r.status != 200
-                        except aiohttp.ClientError:
-                            pass
-                await asyncio.sleep(2.0)
+    def __init__(self, swarm: Swarm, keys: int = 8) -> None:
+        self.swarm, self.keys = swarm, keys
+        self.squatters = [Identity.generate() for _ in range(keys)]
+        self.granted = self.refused = 0
+        self.name = "newcomer-squat"
+        self.session: aiohttp.ClientSession | None = None
+        self.holder: asyncio.Future[None] | None = None
 
-        holder = asyncio.ensure_future(hold())
+    async def hold(self) -> None:
+        assert self.session is not None
+        stripes = DEFAULT_STRIPES  # the origin's, unless --stripes says otherwise (the benchmark's trainer: default)
+        while True:
+            for key in self.squatters:
+                for stripe in range(stripes):
+                    path = f"/relay/attach?stripe={stripe}"
+                    headers = signed_headers(key, "POST", path, self.swarm.run_id)
+                    try:
+                        async with self.session.post(self.swarm.trainer_url + path, headers=headers) as r:
+                            await r.read()
+                            self.granted += r.status == 200
+                            self.refused += r.status != 200
+                    except aiohttp.ClientError:
+                        pass
+            await asyncio.sleep(2.0)
+
+    async def prepare(self) -> None:
+        for key in self.squatters:
+            await asyncio.to_thread(self.swarm.register, key, "relay")
+        self.session = attacker_session()
+        self.holder = asyncio.ensure_future(self.hold())
+        await asyncio.sleep(3.0)
+        await asyncio.to_thread(self.swarm.join, self.name, "relay")
+
+    async def attack(self, until: float) -> Outcome:
         try:
-            await asyncio.sleep(min(3.0, max(0.0, until - time.monotonic())))
-            await asyncio.to_thread(swarm.join, name, "relay")
-            deadline = max(until, time.monotonic() + NEWCOMER_S)
-            while time.monotonic() < deadline:
-                got = swarm.status(name)["weight_version"]
-                if got >= 0:
-                    break
-                await asyncio.sleep(0.5)
+            got = await newcomer_version(self.swarm, self.name, until)
+            await asyncio.sleep(max(0.0, until - time.monotonic()))  # the squatters hold on for the whole window
         finally:
-            holder.cancel()
-            await asyncio.gather(holder, return_exceptions=True)
-    return Outcome(
-        f"origin slots squatted ({keys} registered keys)",
-        "newcomer shut out",
-        got < 0,
-        f"{granted} attaches granted, {refused} refused; the new relay holds version {got}",
-    )
+            assert self.holder is not None and self.session is not None
+            self.holder.cancel()
+            await asyncio.gather(self.holder, return_exceptions=True)
+            await self.session.close()
+        return Outcome(
+            f"origin slots squatted ({self.keys} registered keys)",
+            "newcomer shut out",
+            got < 0,
+            f"{self.granted} attaches granted, {self.refused} refused; the new relay holds version {got}",
+        )
 
 
 async def jail_shm(swarm: Swarm, until: float) -> Outcome:
@@ -1191,6 +1218,8 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         )
         control = await measure(swarm, args.window, lambda until: idle(swarm, until))
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
+        trickler, pather = HostileParent(swarm, "trickle"), HostileParent(swarm, "path")
+        squat = OriginSquat(swarm)
         Attack = Callable[[float], Awaitable[Outcome]]
         Prepare = Callable[[], Awaitable[None]] | None
         attacks: dict[str, tuple[Prepare, Attack]] = {
@@ -1203,11 +1232,11 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "sybil_flood": (lambda: register_all(swarm, SYBILS), lambda u: sybil_flood(swarm, u)),
             "submission_flood": (lambda: warm_up(swarm, FLOODER), lambda u: submission_flood(swarm, u)),
             "cheaters": (lambda: register_all(swarm, list(CHEATERS.values())), lambda u: cheaters(swarm, u)),
-            "hostile_parent_trickle": (None, lambda u: hostile_parent(swarm, u, "trickle")),
-            "hostile_parent_path": (None, lambda u: hostile_parent(swarm, u, "path")),
+            "hostile_parent_trickle": (trickler.prepare, trickler.attack),
+            "hostile_parent_path": (pather.prepare, pather.attack),
             "dht_liar": (None, lambda u: dht_liar(swarm, u)),
             "redeem_flood": (None, lambda u: redeem_flood(swarm, u)),
-            "origin_squat": (None, lambda u: origin_squat(swarm, u)),
+            "origin_squat": (squat.prepare, squat.attack),
             "jail_shm": (None, lambda u: jail_shm(swarm, u)),
             "announce_flood": (lambda: register_all(swarm, SYBILS), lambda u: announce_flood(swarm, u)),
             "digest_echo": (None, lambda u: digest_echo(swarm, u)),
