@@ -119,7 +119,7 @@ class WeightFollower:
             run_id,
             metrics,
             store,
-            records=self._records,
+            read_records=self._records,
             plan_stripes=self._plan_stripes,
             fetching=lambda: self.fetching,
             moved_at=lambda: self._moved_at,

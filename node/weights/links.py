@@ -108,7 +108,7 @@ class Attachments:
         run_id: str,
         metrics: Metrics,
         store: WeightStore,
-        records: Callable[[float], Awaitable[dict[str, NodeRecord]]],
+        read_records: Callable[[float], Awaitable[dict[str, NodeRecord]]],
         plan_stripes: Callable[[dict[str, NodeRecord]], None],
         fetching: Callable[[], int],
         moved_at: Callable[[], float],
@@ -120,7 +120,7 @@ class Attachments:
         self.run_id = run_id
         self.metrics = metrics
         self.store = store
-        self.records = records
+        self.read_records = read_records
         """Every node's newest record, from a read at most this many seconds old (follower.WeightFollower._records)."""
         self.plan_stripes = plan_stripes
         """Replaces ``links`` with one per stripe once the origin's record says how many (before any parent)."""
@@ -268,7 +268,7 @@ class Attachments:
         """Drop the parent (see attach_once), choose a new one now, and let a running fetch pick it up."""
         link = link or self.home_link
         await self.drop_parent(why, avoid_s, link)
-        records = await self.records(RECORDS_MAX_AGE_S)
+        records = await self.read_records(RECORDS_MAX_AGE_S)
         await self.choose(records, self.fetcher._excluded() if self.fetcher is not None else set(), link)
         if self.fetcher is not None:
             await self.fetcher.refresh_now()
@@ -413,7 +413,7 @@ class Attachments:
             try:
                 if link.parent is None:
                     excluded = self.fetcher._excluded() if self.fetcher else set()
-                    await self.choose(await self.records(0.0), excluded, link)
+                    await self.choose(await self.read_records(0.0), excluded, link)
                     if link.parent is not None and self.fetcher is not None:
                         await self.fetcher.refresh_now()
                 else:
