@@ -7,7 +7,7 @@ Records are real ``NodeRecord``/``RelayInfo`` objects, published on change and s
 later; a departed node's record stays until ``NODE_TTL_S`` after its last publish.
 
 Mirrored here (the decision lives in async code that cannot be imported; each is marked MIRROR below):
-attaching (``follower._choose``: ask in order, an answer per round trip, a silent one costs ``ASK_STAGGER_S``, a
+attaching (``links.Attachments.choose``: ask in order, an answer per round trip, a silent one costs ``ASK_STAGGER_S``, a
 503 puts its children first), admitting (``relay.ShardServer._attach``/``_admit``: rooted, not an ancestor,
 slots, a child silent ``CONTESTED_TTL_S`` replaced), leaving a parent (two keep-alives unanswered), the slots
 rule (``fanout``, no spare slot; the origin ``origin_fanout``) and the planned rate's inputs. A node at home in a
@@ -395,7 +395,7 @@ class Swarm:
         self.publish(n)
 
     def climb(self, n: Node) -> None:
-        """MIRROR of links.Attachments._climb (called where follower.keep_attached calls it, after the home
+        """MIRROR of links.Attachments.climb (called where follower.keep_attached calls it, after the home
         decision): a node at home whose parent in its home stripe is not the stripe's root asks its grandparent
         for a slot; a full one gives it a leaf's slot (``admit``), one that refuses is not asked again for
         CLIMB_REFUSED_S. The answer comes a round trip later."""
@@ -431,7 +431,7 @@ class Swarm:
         return self._moves
 
     def choose(self, n: Node, s: int) -> None:
-        """MIRROR of follower._choose, per stripe: the candidates ``tree.parents`` orders, asked in turn."""
+        """MIRROR of links.Attachments.choose, per stripe: the candidates ``tree.parents`` orders, asked in turn."""
         if not n.alive or n.parent[s] >= 0 or n.choosing[s]:
             return
         n.choosing[s] = True
@@ -523,7 +523,8 @@ class Swarm:
         return n.reachable and n.home == s and n.slots > 0
 
     def _refused(self, n: Node, s: int, t: Node) -> None:
-        """A keep-alive answered 503 (the slot went to another): follower._leave, avoiding it REFUSED_AVOID_S."""
+        """A keep-alive answered 503 (the slot went to another): links.Attachments.leave, avoiding it
+        REFUSED_AVOID_S."""
         if n.alive and n.parent[s] == t.idx and (n.idx, s) not in t.children:
             self.leave_parent(n, s, REFUSED_AVOID_S)
 
@@ -539,7 +540,7 @@ class Swarm:
             n.choosing[s] = False
             return
         self.stats.refused += 1
-        if status == 503 and kids:  # only those at home in the stripe take children in it (links._choose)
+        if status == 503 and kids:  # only those at home in the stripe take children in it (links.Attachments.choose)
             found = below(self.visible, [self.nodes[i].nid for i in kids], tried | {n.nid})
             queue[:0] = [c for c in found if self.k < 2 or st.announced_home(self.visible, c.node_id) == s]
         self._ask(n, s, queue, tried, deadline)
@@ -560,7 +561,7 @@ class Swarm:
             self.publish(n)
 
     def leave_parent(self, n: Node, s: int, avoid_s: float) -> None:
-        """follower._leave: drop the parent (avoided for a while) and choose again at once."""
+        """links.Attachments.leave: drop the parent (avoided for a while) and choose again at once."""
         p = n.parent[s]
         if p < 0:
             return

@@ -70,7 +70,10 @@ REHOME_JOIN_S = 5.0
 """About how often a node without children looks whether another stripe needs its upload more."""
 
 
-class WeightFollower(Attachments):
+class WeightFollower:
+    """Keeps the node's weights in step (module docstring); its place in the relay trees is ``attachments``
+    (links.Attachments), which it builds, hands what it needs, and drives."""
+
     def __init__(
         self,
         identity: Identity,
@@ -94,8 +97,7 @@ class WeightFollower(Attachments):
         self.max_bytes = max_bytes
         self.publish = publish
         self.fetching = -1
-        self.links = [Link(0, True)]
-        """One parent per stripe (links.py); a single tree until the origin's record says how many stripes."""
+        """The version being fetched (-1: none)."""
         self._planned = False
         self._moved_at = -1e9
         self.auto_slots = False
@@ -104,34 +106,42 @@ class WeightFollower(Attachments):
         """The newest record read of every node, kept for a record's lifetime: one DHT read that misses a
         node (timeouts under load return partial results) must not make this node drop a working parent."""
         self.fetcher: ShardFetcher | None = None
-        self.session: aiohttp.ClientSession | None = None
         self._read_at = -1e9
-        self._avoid: dict[str, float] = {}
-        """Nodes not to ask for a slot before the time given (we just left them)."""
-        self._climb_after: dict[str, float] = {}
-        """Nodes not to ask to move up to before the time given (they refused: links._climb)."""
         self._tasks: set[asyncio.Future[None]] = set()
         self.announced = -1
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
         self.news = asyncio.Event()
         """Set when ``announced`` grows."""
-        self._clock: dict[str, float] = {}
-        """How far each node we attach to has its clock ahead of ours (only when over CLOCK_TOLERANCE_S)."""
         self.disk_full_until = 0.0
         """Until then (monotonic) the node announces no free slot: its disk could not take the last version."""
+        self.attachments = Attachments(
+            identity,
+            run_id,
+            metrics,
+            store,
+            read_records=self._records,
+            plan_stripes=self._plan_stripes,
+            fetching=lambda: self.fetching,
+            moved_at=lambda: self._moved_at,
+            background=self._background,
+            publish_soon=self._publish_soon,
+        )
+        """The parent in each stripe (links.Attachments): chosen, held and left there."""
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
         self.fetcher = ShardFetcher(session, self.store, self.node_id, self.metrics)
-        self.fetcher.token_for = self._token_for
+        self.fetcher.token_for = self.attachments.token_for
         self.fetcher.stripes = len(self.links)
+        self.attachments.start(session, self.fetcher)
 
-    def _token_for(self, node: str) -> str:
-        return next((x.token for x in self.links if x.parent is not None and x.parent.node_id == node), "")
+    @property
+    def links(self) -> list[Link]:
+        """One parent per stripe (links.Attachments owns them)."""
+        return self.attachments.links
 
     @property
     def home_link(self) -> Link:
-        return next((x for x in self.links if x.home), self.links[0])
+        return self.attachments.home_link
 
     @property
     def home(self) -> int:
@@ -174,7 +184,7 @@ class WeightFollower(Attachments):
         if k == len(self.links) or any(x.parent is not None for x in self.links):
             return
         home = choose_home(records, self.node_id, k, self._rate(records)) if self.server is not None else -1
-        self.links = [Link(s, s == home) for s in range(k)]
+        self.attachments.links = [Link(s, s == home) for s in range(k)]
         self._moved_at = time.monotonic() - REHOME_HOLD_S + REHOME_JOIN_S  # its records miss others just joined
         if self.fetcher is not None:
             self.fetcher.stripes = k
@@ -254,17 +264,12 @@ class WeightFollower(Attachments):
             max_age=MEMBER_REFRESH_S
         )
 
-    def _avoiding(self) -> set[str]:
-        now = time.monotonic()
-        self._avoid = {n: t for n, t in self._avoid.items() if t > now}
-        return set(self._avoid)
-
     async def _find(self, exclude: set[str]) -> list[Candidate]:
         """The fetcher's sources (see fetch.SourceFinder): each stripe's parent first (chosen now if there is
         none, or if the fetcher saw it fail), then up to two nodes that hold the whole version, the origin last."""
         for link in self.links:
             if link.parent is not None and link.parent.node_id in exclude:
-                await self._drop_parent("it failed to serve", REFUSED_AVOID_S, link)
+                await self.attachments.drop_parent("it failed to serve", REFUSED_AVOID_S, link)
         # records read a few seconds ago will do even without a parent: after leaving one (a partition, say) a
         # fresh DHT read can take many seconds while part of the DHT does not answer. With a parent in every
         # stripe, any will do (they name alternates only), read again in the background: a read here held up each
@@ -276,14 +281,14 @@ class WeightFollower(Attachments):
         self._plan_stripes(records)
         orphans = [link for link in self.links if link.parent is None]
         if orphans:
-            await asyncio.gather(*(self._choose(records, exclude, link) for link in orphans))
+            await asyncio.gather(*(self.attachments.choose(records, exclude, link) for link in orphans))
         mine: dict[str, Candidate] = {}
         for link in self.links:
             if link.parent is not None:
                 c = mine.get(link.parent.node_id, link.parent)
                 mine[c.node_id] = Candidate(c.node_id, c.url, c.depth, True, c.parent_of | {link.stripe})
         sources = sorted(mine.values(), key=lambda c: min(c.parent_of))
-        skip = self._avoiding() | exclude | set(mine)
+        skip = self.attachments.avoiding() | exclude | set(mine)
         for link in self.links:  # a stripe's root two levels up serves us a share of the stripe (sources.above_due)
             r = records.get(link.path[1]) if len(link.path) == 4 else None
             if r is not None and r.http_url and r.node_id not in skip and r.relay is not None and r.relay.depth == 1:
@@ -307,16 +312,16 @@ class WeightFollower(Attachments):
         self._background(self.publish())
 
     async def keep_attached(self, session: aiohttp.ClientSession) -> None:
-        """Once the stripes are known (the origin's record), hold a parent in each (links.keep_link); between
-        versions, move its home to a stripe with less serving capacity (nodes that join at once all see the same
-        records, and choose alike: _rehome), and move up in its home stripe's tree (links._climb)."""
+        """Once the stripes are known (the origin's record), hold a parent in each (links.Attachments.keep_link);
+        between versions, move its home to a stripe with less serving capacity (nodes that join at once all see the
+        same records, and choose alike: _rehome), and move up in its home stripe's tree (links.Attachments.climb)."""
         while not self._planned:
             self._plan_stripes(await self._records(max_age=RECORDS_MAX_AGE_S))
             if not self._planned:
                 await asyncio.sleep(KEEPALIVE_S)
         async with asyncio.TaskGroup() as tasks:
             for link in self.links:
-                tasks.create_task(self.keep_link(session, link))
+                tasks.create_task(self.attachments.keep_link(session, link))
             while True:
                 await asyncio.sleep(REHOME_S * (0.5 + random.random()))
                 if not self._between_versions():  # both moves wait for it: no read of every record for nothing
@@ -325,7 +330,7 @@ class WeightFollower(Attachments):
                     records = await self._records(max_age=REHOME_S)
                     self._rehome(records)
                     if self._between_versions():
-                        await self._climb(records)
+                        await self.attachments.climb(records)
                 except Exception:  # a bug here must not take the node down with it: logged, counted, tried again
                     self.metrics.inc("node_errors_total", label="rehome")
                     logger.exception("moving home or up in the relay tree failed; trying again")
@@ -378,7 +383,7 @@ class WeightFollower(Attachments):
         self.metrics.inc("node_weights_versions_received_total")
         self.metrics.set("node_weights_versions_held", len(self.store.complete_versions()))
         self._publish_soon()
-        await self._leave_slow_parent()
+        await self.attachments.leave_slow_parent()
         return manifest
 
     async def watch_parent(self, session: aiohttp.ClientSession) -> None:
@@ -394,7 +399,7 @@ class WeightFollower(Attachments):
             asked = time.monotonic()
             version = -1
             try:
-                headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self._token_for(c.node_id)}
+                headers = {CHILD_HEADER: self.node_id, TOKEN_HEADER: self.attachments.token_for(c.node_id)}
                 async with session.get(
                     f"{c.url}/relay/next",
                     params={"after": str(after)},

@@ -3,7 +3,9 @@
 ``Link`` is the state of one: the parent, the path from the origin it last told us, the token it named us with.
 In the node's home stripe it takes children, so its path is what it tells them and a cycle is possible (two
 nodes that re-parented below each other at once): that link checks for one. In the other stripes it is a leaf.
-``Attachments`` is the half of ``follower.WeightFollower`` that chooses, holds and leaves parents, per link.
+``Attachments`` chooses, holds and leaves the parents, per link: a part that ``follower.WeightFollower`` builds
+and drives (``keep_link`` per stripe, ``climb`` between versions, ``choose`` and ``drop_parent`` when a fetch plans its
+sources, ``leave_slow_parent`` after a version), handed what it needs and never reaching into the follower.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -59,7 +60,7 @@ CHOOSE_BUDGET_S = 10.0
 ATTACH_BODY_LIMIT = 64 * 1024
 CLOCK_TOLERANCE_S = 5.0
 CLIMB_REFUSED_S = 30.0
-"""How long a grandparent that refused to take this node up (_climb) is not asked again."""
+"""How long a grandparent that refused to take this node up (Attachments.climb) is not asked again."""
 CLIMB_AFTER_MOVE_S = 10.0
 """Nor is one asked this soon after this node moved its home into the stripe: the grandparent decides who is at
 home by the records, where the move shows a DHT lag later (follower.REHOME_HOLD_S), and meanwhile takes the
@@ -94,40 +95,75 @@ class Link:
 
 
 class Attachments:
-    """Choosing, holding and leaving a parent in each stripe; mixed into WeightFollower, which provides these."""
+    """Choosing, holding and leaving a parent in each stripe: a part of ``follower.WeightFollower``, which builds
+    it and hands it what it needs. It owns the links (one per stripe), the nodes it avoids for a while, the clock
+    offsets it signs in and the grandparents not to ask again; it reads the records, the version being fetched and
+    when the node last moved its home through the callables it is given, and leaves its background work (slots
+    given back, records published) to ``background`` and ``publish_soon``. ``start`` hands it the session and
+    the fetcher (both made when the node starts)."""
 
-    identity: Identity
-    node_id: str
-    run_id: str
-    metrics: Metrics
-    session: aiohttp.ClientSession | None
-    fetcher: ShardFetcher | None
-    links: list[Link]
-    store: WeightStore
-    fetching: int
-    """The version being fetched (-1: none)."""
-    _avoid: dict[str, float]
-    _clock: dict[str, float]
-    _climb_after: dict[str, float]
-    _moved_at: float
-    """When this node last moved its home stripe (time.monotonic())."""
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        metrics: Metrics,
+        store: WeightStore,
+        read_records: Callable[[float], Awaitable[dict[str, NodeRecord]]],
+        plan_stripes: Callable[[dict[str, NodeRecord]], None],
+        fetching: Callable[[], int],
+        moved_at: Callable[[], float],
+        background: Callable[[Awaitable[object]], None],
+        publish_soon: Callable[[], None],
+    ) -> None:
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.run_id = run_id
+        self.metrics = metrics
+        self.store = store
+        self.read_records = read_records
+        """Every node's newest record, from a read at most this many seconds old (follower.WeightFollower._records)."""
+        self.plan_stripes = plan_stripes
+        """Replaces ``links`` with one per stripe once the origin's record says how many (before any parent)."""
+        self.fetching = fetching
+        """The version being fetched (-1: none)."""
+        self.moved_at = moved_at
+        """When this node last moved its home stripe (time.monotonic())."""
+        self.background = background
+        self.publish_soon = publish_soon
+        self.session: aiohttp.ClientSession | None = None
+        self.fetcher: ShardFetcher | None = None
+        self.links = [Link(0, True)]
+        """One parent per stripe; a single tree until the origin's record says how many stripes."""
+        self._avoid: dict[str, float] = {}
+        """Nodes not to ask for a slot before the time given (we just left them)."""
+        self._climb_after: dict[str, float] = {}
+        """Nodes not to ask to move up to before the time given (they refused: climb)."""
+        self._clock: dict[str, float] = {}
+        """How far each node we attach to has its clock ahead of ours (only when over CLOCK_TOLERANCE_S)."""
 
-    if TYPE_CHECKING:
+    def start(self, session: aiohttp.ClientSession, fetcher: ShardFetcher) -> None:
+        self.session = session
+        self.fetcher = fetcher
 
-        async def _records(self, max_age: float = 0.0) -> dict[str, NodeRecord]: ...
-        def _avoiding(self) -> set[str]: ...
-        def _background(self, work: Awaitable[object]) -> None: ...
-        def _publish_soon(self) -> None: ...
-        def _plan_stripes(self, records: dict[str, NodeRecord]) -> None: ...
-        @property
-        def home_link(self) -> Link: ...
+    @property
+    def home_link(self) -> Link:
+        return next((x for x in self.links if x.home), self.links[0])
 
-    async def _choose(self, records: dict[str, NodeRecord], exclude: set[str], link: Link | None = None) -> None:
+    def token_for(self, node: str) -> str:
+        """The token ``node`` named us with, if it is our parent in some stripe (sent on shard and news requests)."""
+        return next((x.token for x in self.links if x.parent is not None and x.parent.node_id == node), "")
+
+    def avoiding(self) -> set[str]:
+        now = time.monotonic()
+        self._avoid = {n: t for n, t in self._avoid.items() if t > now}
+        return set(self._avoid)
+
+    async def choose(self, records: dict[str, NodeRecord], exclude: set[str], link: Link | None = None) -> None:
         """Attach, then choose: ask the candidates for a slot, best first; a full node names its children, asked
         next (the free slots are further down). A candidate silent for ``ASK_STAGGER_S`` (cut off, its request
         would wait out the timeout) does not hold up the next: both are in flight, the first slot given wins."""
         if link is None:
-            self._plan_stripes(records)
+            self.plan_stripes(records)
             link = self.home_link
         async with link.choosing:
             if link.parent is not None or self.session is None:
@@ -135,7 +171,7 @@ class Attachments:
             tried: set[str] = set()
             answers: list[str] = []
             stripe = link.stripe if len(self.links) > 1 else None
-            queue = parents(records, self.node_id, self.run_id, exclude | self._avoiding(), stripe, link.home)
+            queue = parents(records, self.node_id, self.run_id, exclude | self.avoiding(), stripe, link.home)
             deadline = time.monotonic() + CHOOSE_BUDGET_S
             asking: dict[asyncio.Task[tuple[int | None, object]], Candidate] = {}
             try:
@@ -210,10 +246,10 @@ class Attachments:
         if was is not None:
             self.metrics.inc("node_relay_reparents_total")
         link.changed.set()
-        self._publish_soon()
+        self.publish_soon()
         return True
 
-    async def _drop_parent(self, why: str, avoid_s: float, link: Link | None = None) -> None:
+    async def drop_parent(self, why: str, avoid_s: float, link: Link | None = None) -> None:
         link = link or self.home_link
         c = link.parent
         if c is None:
@@ -226,14 +262,14 @@ class Attachments:
         if self.fetcher is not None and not any(x.parent and x.parent.node_id == c.node_id for x in self.links):
             self.fetcher.abort_source(c.node_id)  # what is in flight from it stops now, not at its deadline
         self._detach_soon(c, link)
-        self._publish_soon()
+        self.publish_soon()
 
-    async def _leave(self, why: str, avoid_s: float, link: Link | None = None) -> None:
-        """Drop the parent (see keep_attached), choose a new one now, and let a running fetch pick it up."""
+    async def leave(self, why: str, avoid_s: float, link: Link | None = None) -> None:
+        """Drop the parent (see attach_once), choose a new one now, and let a running fetch pick it up."""
         link = link or self.home_link
-        await self._drop_parent(why, avoid_s, link)
-        records = await self._records(max_age=RECORDS_MAX_AGE_S)
-        await self._choose(records, self.fetcher._excluded() if self.fetcher is not None else set(), link)
+        await self.drop_parent(why, avoid_s, link)
+        records = await self.read_records(RECORDS_MAX_AGE_S)
+        await self.choose(records, self.fetcher._excluded() if self.fetcher is not None else set(), link)
         if self.fetcher is not None:
             await self.fetcher.refresh_now()
 
@@ -251,7 +287,7 @@ class Attachments:
             except (aiohttp.ClientError, TimeoutError):
                 pass
 
-        self._background(detach())
+        self.background(detach())
 
     async def _post_attach(
         self, c: Candidate, link: Link | None = None, timeout: aiohttp.ClientTimeout | None = None
@@ -261,8 +297,9 @@ class Attachments:
         assert self.session is not None
         link = link or self.home_link
         where = link.attach_path()
-        if self.fetching >= 0:  # how far we are: a parent further behind refuses (relay.BEHIND_SHARDS)
-            where += f"&v={self.fetching}&have={self.store.held(self.fetching, link.stripe, len(self.links))}"
+        fetching = self.fetching()
+        if fetching >= 0:  # how far we are: a parent further behind refuses (relay.BEHIND_SHARDS)
+            where += f"&v={fetching}&have={self.store.held(fetching, link.stripe, len(self.links))}"
         headers = signed_headers(self.identity, "POST", where, c.node_id, self._clock.get(c.node_id, 0.0))
         try:
             async with self.session.post(f"{c.url}{where}", headers=headers, timeout=timeout or ATTACH_TIMEOUT) as resp:
@@ -281,7 +318,7 @@ class Attachments:
         except (aiohttp.ClientError, TimeoutError):
             return None, None
 
-    async def _leave_slow_parent(self) -> None:
+    async def leave_slow_parent(self) -> None:
         """In each stripe, move below a node that proved much faster than the parent, if it has a slot for us
         (one at home in another stripe refuses: we stay)."""
         for link in self.links:
@@ -307,7 +344,7 @@ class Attachments:
                 )
                 self._detach_soon(old, link)
 
-    async def _climb(self, records: dict[str, NodeRecord]) -> None:
+    async def climb(self, records: dict[str, NodeRecord]) -> None:
         """Move up in the home stripe: a node at home there serves children, and the shallower it sits the fewer
         relays its subtree's data passes through, each of which shares its upload unevenly between children
         (TCP) and leaves the slower-fed below it idle in a swarm that needs every upload busy. Nodes at home that
@@ -324,9 +361,9 @@ class Attachments:
             return
         up = path[-3]
         r = records.get(up)
-        if up == self.run_id or self._climb_after.get(up, 0.0) > now or up in self._avoiding():
+        if up == self.run_id or self._climb_after.get(up, 0.0) > now or up in self.avoiding():
             return
-        if now - self._moved_at < CLIMB_AFTER_MOVE_S:
+        if now - self.moved_at() < CLIMB_AFTER_MOVE_S:
             return
         if r is None or r.relay is None or not r.http_url or r.relay.stripe != link.stripe:
             return
@@ -376,7 +413,7 @@ class Attachments:
             try:
                 if link.parent is None:
                     excluded = self.fetcher._excluded() if self.fetcher else set()
-                    await self._choose(await self._records(), excluded, link)
+                    await self.choose(await self.read_records(0.0), excluded, link)
                     if link.parent is not None and self.fetcher is not None:
                         await self.fetcher.refresh_now()
                 else:
@@ -402,13 +439,13 @@ class Attachments:
         if status == 409 and reason == "ancestor":  # it found us in its own path: a cycle, as below
             status, path = 200, [self.node_id]
         elif status in (409, 503):  # the slot went to another node, or it lost its own way: choose again
-            await self._leave(f"it refused us ({status} {reason or ''})".strip(), REFUSED_AVOID_S, link)
+            await self.leave(f"it refused us ({status} {reason or ''})".strip(), REFUSED_AVOID_S, link)
             return
         if status != 200 or not is_path(path):
             # unreachable, or an answer that holds no slot for us: two in a row and we look elsewhere
             link.unreachable += 1
             if link.unreachable >= SILENT_KEEPALIVES:
-                await self._leave(f"no usable keep-alive answer ({status})", UNREACHABLE_AVOID_S, link)
+                await self.leave(f"no usable keep-alive answer ({status})", UNREACHABLE_AVOID_S, link)
             return
         link.unreachable = 0
         assert isinstance(path, list)
@@ -419,14 +456,14 @@ class Attachments:
             at = path.index(self.node_id)
             logger.warning("cycle in the relay tree through %s", "->".join(p[:8] for p in path[at:]))
             self.metrics.inc("node_relay_cycles_left_total", help="times this node found itself below its own child")
-            await self._leave("cycle", CYCLE_AVOID_S, link)
+            await self.leave("cycle", CYCLE_AVOID_S, link)
             return
         if not path or path[0] != self.run_id:  # the parent lost its way to the origin: it may find it again
             link.path = []
             now = time.monotonic()
             link.unrooted_since = link.unrooted_since or now
             if now - link.unrooted_since > UNROOTED_GRACE_S:
-                await self._leave("not connected to the origin", REFUSED_AVOID_S, link)
+                await self.leave("not connected to the origin", REFUSED_AVOID_S, link)
             return
         link.unrooted_since = None
         link.path = [*path[-MAX_PATH:], self.node_id]
@@ -434,7 +471,7 @@ class Attachments:
         if link.depth != len(path) or c.depth != len(path) - 1:
             link.depth = len(path)  # the parent moved in the tree: so did we
             link.parent = Candidate(c.node_id, c.url, len(path) - 1, True, frozenset({link.stripe}))
-            self._publish_soon()
+            self.publish_soon()
 
 
 def _home(r: NodeRecord | None) -> int:

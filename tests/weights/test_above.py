@@ -163,7 +163,7 @@ def test_the_follower_names_a_stripes_root_two_levels_up_and_no_other_node(
         path = [RUN, r.node_id, d.node_id, me.node_id][-path_len:] if path_len == 4 else [RUN, d.node_id, me.node_id]
         stripe0 = Link(0, False, parent=Candidate(d.node_id, "http://d", path_len - 2, True, frozenset({0})), path=path)
         stripe1 = Link(1, True, parent=Candidate(RUN, "http://o", 0, True, frozenset({1})), path=[RUN, me.node_id])
-        follower.links = [stripe0, stripe1]
+        follower.attachments.links = [stripe0, stripe1]
         await follower._records()  # read once, as the keep-alives do
         return await follower._find(set())
 

@@ -176,13 +176,13 @@ def test_a_child_of_the_origin_in_three_stripes_asking_in_the_fourth_keeps_its_s
             lambda: asyncio.sleep(0),
         )
         left: list[int] = []
-        drop = follower._drop_parent
+        drop = follower.attachments.drop_parent
 
         async def dropped(why: str, avoid_s: float, link: Link | None = None) -> None:
             left.append(link.stripe if link is not None else -1)
             await drop(why, avoid_s, link)
 
-        follower._drop_parent = dropped  # type: ignore[method-assign]
+        follower.attachments.drop_parent = dropped  # type: ignore[method-assign]
         try:
             async with aiohttp.ClientSession() as session:
                 follower.start(session)

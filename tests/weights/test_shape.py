@@ -1,5 +1,5 @@
 """The shape of a stripe's tree and how a node shares its upload: nodes at home in a stripe move up under their
-grandparent (links.Attachments._climb), a stripe's root keeps a slot spare when the stripe can afford it
+grandparent (links.Attachments.climb), a stripe's root keeps a slot spare when the stripe can afford it
 (stripes.root_fanout), and responses the link limits get equal parts of it (pacing.FairShare)."""
 
 from __future__ import annotations
@@ -102,28 +102,28 @@ def _climbing(tmp_path: Path, sibling_at_home: bool, just_moved: bool = False) -
             None,
             lambda: asyncio.sleep(0),
         )  # type: ignore[arg-type]
-        follower.links = [Link(0, True), Link(1, False)]
+        follower.attachments.links = [Link(0, True), Link(1, False)]
         try:
             async with aiohttp.ClientSession() as session:
                 assert await _attach(session, url_r, mid, root, "stripe=0") == 200
                 query = "stripe=0" if sibling_at_home else "stripe=0&home=0"
                 assert await _attach(session, url_r, other, root, query) == 200
                 follower.start(session)
-                await follower._choose(records, set(), follower.links[0])
+                await follower.attachments.choose(records, set(), follower.links[0])
                 out["first"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
                 refused = sr.metrics.counter("node_relay_requests_refused_total", "no_slot")
                 if just_moved:
                     follower._moved_at = time.monotonic()
-                    await follower._climb(records)
+                    await follower.attachments.climb(records)
                     await _settled(follower)
                     out["at_once"] = (follower.links[0].parent.node_id, sr.children())  # type: ignore[union-attr]
                     follower._moved_at = -1e9
-                await follower._climb(records)
+                await follower.attachments.climb(records)
                 await _settled(follower)
                 out["after"] = (follower.links[0].parent.node_id, follower.links[0].depth)  # type: ignore[union-attr]
                 out["root_children"] = sr.children()
                 out["mid_children"] = sm.children()
-                await follower._climb(records)  # again at once: a node that refused is not asked again soon
+                await follower.attachments.climb(records)  # again at once: a node that refused is not asked again soon
                 out["asked"] = sr.metrics.counter("node_relay_requests_refused_total", "no_slot") - refused
         finally:
             await http_r.close()
@@ -449,13 +449,13 @@ def test_a_node_reads_every_record_to_move_only_between_versions(tmp_path: Path,
             None,
             lambda: asyncio.sleep(0),
         )  # type: ignore[arg-type]
-        follower.links = [Link(0, True), Link(1, False)]
+        follower.attachments.links = [Link(0, True), Link(1, False)]
         follower._planned, follower.fetching = True, fetching
 
         async def hold(session: object, link: Link) -> None:
             await asyncio.sleep(3600)
 
-        follower.keep_link = hold  # type: ignore[method-assign]
+        follower.attachments.keep_link = hold  # type: ignore[method-assign]
         rounds, checked = asyncio.Event(), [0]
         between = follower._between_versions
 
@@ -507,7 +507,7 @@ def test_a_node_with_a_parent_in_every_stripe_reads_every_record_again_only_ever
             None,
             lambda: asyncio.sleep(0),
         )  # type: ignore[arg-type]
-        follower.links = [Link(0, True), Link(1, False)]
+        follower.attachments.links = [Link(0, True), Link(1, False)]
         for link in follower.links:
             link.parent = Candidate(parent, "http://127.0.0.1:9", 1, True, frozenset({link.stripe}))
         follower._planned = True

@@ -176,7 +176,7 @@ def test_a_full_node_sends_the_newcomer_down_to_a_free_slot(tmp_path: Path) -> N
                 }
                 follower = _follower(tmp_path, me, records, Metrics())
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 return follower.parent, follower.depth, follower.path, sb.children()
         finally:
             for h in (http_o, http_a, http_b):
@@ -225,10 +225,10 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
             async with aiohttp.ClientSession() as session:
                 follower = _follower(tmp_path, me, records, metrics)
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 assert follower.parent == b
                 b_server.path = lambda: [ORIGIN, me, b]  # meanwhile b re-parented below us
-                await follower.attach_once(session)
+                await follower.attachments.attach_once(session)
                 await _settled(follower)  # the slot at b is given back in the background
                 return (
                     follower.parent,
@@ -263,7 +263,7 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
         try:
             async with aiohttp.ClientSession() as session:
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 assert follower.parent == run
                 watch = asyncio.create_task(follower.watch_parent(session))
                 try:
@@ -303,7 +303,7 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
             async with aiohttp.ClientSession() as session:
                 follower = _follower(tmp_path, me, records, metrics)
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 assert follower.parent == slow and s_slow.children() == [me]
                 fetcher = follower.fetcher
                 assert fetcher is not None
@@ -311,7 +311,7 @@ def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> Non
                     slow: Source(slow, url_s, 1, is_parent=True, bps=0.5e6, ok=5),
                     fast: Source(fast, url_f, 1, bps=20e6, ok=4),
                 }
-                await follower._leave_slow_parent()
+                await follower.attachments.leave_slow_parent()
                 await _settled(follower)  # the slot at the slow parent is given back in the background
                 return (
                     follower.parent,
@@ -353,7 +353,7 @@ def test_a_peer_answering_attach_with_hostile_json_is_passed_over(tmp_path: Path
             async with aiohttp.ClientSession() as session:
                 follower = _follower(tmp_path, me, records, Metrics())
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 return follower.parent
         finally:
             for h in (http_n, http_h, http_o):
@@ -451,10 +451,10 @@ def test_a_parent_claiming_a_path_of_5000_nodes_is_left_not_believed(tmp_path: P
             async with aiohttp.ClientSession() as session:
                 follower = _follower(tmp_path, me, records, Metrics())
                 follower.start(session)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 assert follower.parent == liar
                 for _ in range(3):  # three answers that hold no usable path: it looks elsewhere
-                    await follower.attach_once(session)
+                    await follower.attachments.attach_once(session)
                     follower.relay_info()  # the record it would publish stays valid throughout
                 await _settled(follower)
                 return follower.parent, follower.path
@@ -534,7 +534,7 @@ def test_a_candidate_that_never_answers_does_not_hold_up_the_choice(
             async with aiohttp.ClientSession() as session:
                 follower = _follower(tmp_path, me, records, Metrics())
                 follower.start(session)
-                await asyncio.wait_for(follower._choose(await follower._records(), set()), 30)
+                await asyncio.wait_for(follower.attachments.choose(await follower._records(), set()), 30)
                 asked_silent = len(held)
                 return follower.parent, asked_silent, origin.children()
         finally:
@@ -564,7 +564,7 @@ def test_a_node_full_as_an_alternate_that_then_gives_a_slot_stays_the_parent(tmp
                 assert follower.fetcher is not None
                 now = asyncio.get_running_loop().time()
                 follower.fetcher.sources[ORIGIN] = Source(ORIGIN, url_o, 0, full=True, away_until=now + 60)
-                await follower._choose(await follower._records(), set())
+                await follower.attachments.choose(await follower._records(), set())
                 chosen = follower.parent
                 follower.fetcher._find = follower._find
                 await follower.fetcher.refresh_now()  # the fetch's next plan
