@@ -224,7 +224,7 @@ class RolloutServer:
 
     async def _on_stream(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Read the whole frame first, under deadlines and per-peer caps, and only then take a handling slot: a
-        peer holding streams open without sending cannot starve the others (it once held all 16 slots)."""
+        peer holding streams open without sending cannot take the handling slots from the others."""
         peer = info.peer_id.to_base58()
         penalized = self._penalized(peer)
         try:

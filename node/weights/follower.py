@@ -58,16 +58,16 @@ from intellect_protocol.records import NODE_TTL_S
 logger = logging.getLogger(__name__)
 MEMBER_REFRESH_S = 2.0
 REHOME_S = 3.0
+"""About how often a node without children looks whether another stripe needs its upload more."""
 REHOME_IDLE_S = 3.0
 """A node moves its home only after sending no shard for this long: between versions, never in the middle of one."""
 REHOME_HOLD_S = 10.0
 """After a move, a node stays this long: the records others decide on show the move a DHT lag later (a record goes
 out within volunteer.PUBLISH_MIN_S and is read at most REHOME_S old). Not longer: the plan every node computes names the
-movers, and one still holding blocks the fix (at 20 s a stripe stayed short through two netns versions while the
-node the plan named, the one with the fewest children because it had just moved, waited)."""
+movers, and one still holding blocks the fix: the node the plan names is often the one that just moved (it has the
+fewest children), and a stripe stays short while it waits (docs/notes/weights-findings.md)."""
 REHOME_JOIN_S = 5.0
 """Nor does it move this soon after joining (nodes joining at once miss each other's records for a moment)."""
-"""About how often a node without children looks whether another stripe needs its upload more."""
 
 
 class WeightFollower:
@@ -201,8 +201,8 @@ class WeightFollower:
 
     def _slots(self) -> int:
         """Children this node can serve in its home stripe: its upload over the planned stripe rate (stripes.py;
-        no spare slot: the shallowest nodes fill first, and a fifth child there slows a whole stripe by a fifth,
-        measured); or the number the operator set."""
+        no spare slot: the shallowest nodes fill first, and one child too many there slows the whole stripe by that
+        share); or the number the operator set."""
         assert self.server is not None
         if not self.auto_slots:
             return self.server.slots
@@ -220,8 +220,8 @@ class WeightFollower:
     def relay_info(self) -> RelayInfo | None:
         """What the node's record says of it as a relay. A node not yet rooted in its home stripe still says which
         stripe that is (at depth MAX_DEPTH: never a candidate, no free slot): without it, the origin could not
-        tell it from a leaf, would not give it a leaf's slot, and a stripe whose slots leaves held never rooted
-        (six relays in a test: four of them without a parent in their home stripe for minutes)."""
+        tell it from a leaf, would not give it a leaf's slot, and a stripe whose slots leaves hold would never root
+        (tests/weights/test_relay_tree.py)."""
         if self.server is None:
             return None
         slots = self._slots()
@@ -257,8 +257,8 @@ class WeightFollower:
 
     async def is_member(self, node_id: str) -> bool:
         """Whether ``node_id`` has a valid record in the run (relay slots are for members only): known within
-        NODE_TTL_S, at once (reading all records per keepalive was most of a relay's libp2p bytes); an unknown id
-        costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
+        NODE_TTL_S, at once (a read of all records per keep-alive would be most of a relay's libp2p bytes); an
+        unknown id costs at most one DHT read per MEMBER_REFRESH_S, whoever asks."""
         seen = self._seen.get(node_id)
         return (seen is not None and time.monotonic() - seen[0] < NODE_TTL_S) or node_id in await self._records(
             max_age=MEMBER_REFRESH_S
@@ -272,8 +272,8 @@ class WeightFollower:
                 await self.attachments.drop_parent("it failed to serve", REFUSED_AVOID_S, link)
         # records read a few seconds ago will do even without a parent: after leaving one (a partition, say) a
         # fresh DHT read can take many seconds while part of the DHT does not answer. With a parent in every
-        # stripe, any will do (they name alternates only), read again in the background: a read here held up each
-        # version's first request at every level of the tree (netns N=16, 2 cores: first requests 0.7 to 2.0 s).
+        # stripe, any will do (they name alternates only), read again in the background: a read here would hold up
+        # each version's first request at every level of the tree (docs/notes/stripes-history.md).
         rooted = self._planned and all(link.parent is not None for link in self.links)
         records = await self._records(max_age=float("inf") if rooted else RECORDS_MAX_AGE_S)
         if rooted and time.monotonic() - self._read_at > ROOTED_RECORDS_AGE_S:

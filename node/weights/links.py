@@ -45,7 +45,7 @@ RECORDS_MAX_AGE_S = 5.0
 ROOTED_RECORDS_AGE_S = 15.0
 """With a parent in every stripe, records are read again in the background this often: they name only alternates
 (the root above, holders for the endgame). Each read is answered by every DHT node a lookup visits with the run's
-whole record dictionary (~12 KB at 17 nodes): read every 5 s, an estimated 35 KB/s of each node's upload (N=16)."""
+whole record dictionary (~12 KB at 17 nodes), so reading more often costs every node's upload."""
 SILENT_KEEPALIVES = 2
 """Keep-alives in a row without a usable answer after which a node leaves its parent."""
 FAST_ROUNDS, FAST_KEEPALIVE_S = 6, 0.5
@@ -64,8 +64,8 @@ CLIMB_REFUSED_S = 30.0
 CLIMB_AFTER_MOVE_S = 10.0
 """Nor is one asked this soon after this node moved its home into the stripe: the grandparent decides who is at
 home by the records, where the move shows a DHT lag later (follower.REHOME_HOLD_S), and meanwhile takes the
-climber for a leaf and refuses it. Measured at N=16 in netns: two nodes asked within 3 ms of moving home, were
-refused, and, not asking again for CLIMB_REFUSED_S, stayed a level too deep through the timed version."""
+climber for a leaf and refuses it; refused, a node would not ask again for CLIMB_REFUSED_S and stay a level too
+deep for a whole version."""
 
 
 @dataclass(eq=False)
@@ -348,9 +348,8 @@ class Attachments:
         """Move up in the home stripe: a node at home there serves children, and the shallower it sits the fewer
         relays its subtree's data passes through, each of which shares its upload unevenly between children
         (TCP) and leaves the slower-fed below it idle in a swarm that needs every upload busy. Nodes at home that
-        attached late found the nodes near the root full of leaves and went deeper: a netns run at N=16 built a
-        stripe of four levels, two of its four serving nodes under a third rather than under the root, whose
-        other three children were leaves. So, between versions, a node at home whose parent there is not the
+        attach late find the nodes near the root full of leaves and go deeper (docs/notes/stripes-history.md). So,
+        between versions, a node at home whose parent there is not the
         stripe's root asks its grandparent (its path's, at home there like every node on it) for a slot; a full
         one gives it a leaf's slot (stripes.to_release) and the leaf attaches lower at its next keep-alive. One
         level a round, each node asking only its own grandparent: a node is asked by its grandchildren, at most
