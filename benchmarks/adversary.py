@@ -94,7 +94,13 @@ root, ``Namespaces``) it is 10.78.0.2, across a veth from the swarm's namespace;
 SWARM_HOST = "127.0.0.1"
 """The address every node of the swarm listens on and announces (10.78.0.1 in the swarm's namespace)."""
 SWARM_PREFIX: list[str] = []
-"""What the swarm's node processes are started under (``ip netns exec <the swarm's namespace>``)."""
+"""What the swarm's node processes are started under (``netns_prefix(<the swarm's namespace>)``)."""
+
+
+def netns_prefix(ns: str) -> list[str]:
+    """Run a command in the network namespace ``ns`` and nothing else: ``ip netns exec`` would also mount a sysfs
+    of its own over /sys, and with it the cgroups the jail needs would be gone."""
+    return ["nsenter", f"--net=/var/run/netns/{ns}"]
 
 
 class Namespaces:
@@ -1304,13 +1310,13 @@ def main() -> int:
     global ATTACKER_IP, SWARM_HOST
     if args.inside:
         ATTACKER_IP, SWARM_HOST = "10.78.0.2", "10.78.0.1"
-        SWARM_PREFIX[:] = ["ip", "netns", "exec", args.inside]
+        SWARM_PREFIX[:] = netns_prefix(args.inside)
     elif args.netns == "on" or (args.netns == "auto" and netns.available()):
         root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
         inner = ["--window", str(args.window), "--workdir", str(root), "--attacks", ",".join(args.attacks)]
         with Namespaces() as ns:
             argv = [sys.executable, os.path.abspath(__file__), *inner, "--inside", ns.swarm]
-            return subprocess.run(["ip", "netns", "exec", ns.attacker, *argv]).returncode
+            return subprocess.run([*netns_prefix(ns.attacker), *argv]).returncode
     root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
     outcomes = asyncio.run(main_async(args, root))
     print(
