@@ -98,18 +98,6 @@ SWARM_PREFIX: list[str] = []
 """What the swarm's node processes are started under (``netns_prefix(<the swarm's namespace>)``)."""
 
 
-def cores() -> tuple[list[str], list[str]]:
-    """The trainer's cores and everybody else's (the other nodes and the attacker): the trainer has a core of its
-    own, as it has a machine of its own in a real run, so that its steps measure what attacks cost it rather than
-    how five busy processes happened to share two cores (30 s windows of that read 0.77 to 1.15 for harmless
-    attacks). One core: no placement."""
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) < 2:
-        return [], []
-    half = len(mine) // 2
-    return [str(c) for c in mine[:half]], [str(c) for c in mine[half:]]
-
-
 def netns_prefix(ns: str) -> list[str]:
     """Run a command in the network namespace ``ns`` and nothing else: ``ip netns exec`` would also mount a sysfs
     of its own over /sys, and with it the cgroups the jail needs would be gone."""
@@ -215,10 +203,7 @@ class Swarm:
         self.tok = build_tokenizer(self.run.model)
 
     def start(self, name: str, argv: list[str]) -> dict[str, Any]:
-        trainer_cores, other_cores = cores()
-        where = trainer_cores if name == "trainer" else other_cores
-        pin = ["taskset", "-c", ",".join(where)] if where else []
-        node = NodeProcess(name, [*argv, "--host", SWARM_HOST], self.logs, prefix=[*SWARM_PREFIX, *pin])
+        node = NodeProcess(name, [*argv, "--host", SWARM_HOST], self.logs, prefix=SWARM_PREFIX)
         self.nodes[name] = node
         self.ready[name] = node.wait_ready(timeout=120)
         self.up_at[name] = time.monotonic()
@@ -1222,9 +1207,6 @@ def _rss_mb(pid: int) -> float:
 
 
 async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
-    _, other_cores = cores()
-    if other_cores:  # the attacker, and what it starts, beside the swarm's other nodes (not on the trainer's core)
-        os.sched_setaffinity(0, {int(c) for c in other_cores})
     swarm = Swarm(root)
     try:
         validator_id = subprocess.run(
