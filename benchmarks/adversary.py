@@ -1297,10 +1297,21 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         swarm.close()
 
 
+def new_workdir() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="intellect-adversary-", dir=shm if shm.is_dir() else None))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=float, default=30.0, help="seconds each attack (and each control) lasts")
-    p.add_argument("--workdir", type=Path, help="keep the swarm's files and logs here")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the swarm's files and logs here (default: a new folder on /dev/shm where it exists: every node "
+        "writes each version and the trainer fsyncs every accepted batch, and a disk's latency is not what the "
+        "attacks aim at)",
+    )
     p.add_argument(
         "--attacks",
         type=lambda v: [a for a in v.split(",") if a],
@@ -1326,12 +1337,12 @@ def main() -> int:
     elif args.netns == "on" or (args.netns == "auto" and netns.available()):
         # SIGTERM ends this process through the context below, which removes the namespaces and what runs in them
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
+        root = args.workdir or new_workdir()
         inner = ["--window", str(args.window), "--workdir", str(root), "--attacks", ",".join(args.attacks)]
         with Namespaces() as ns:
             argv = [sys.executable, os.path.abspath(__file__), *inner, "--inside", ns.swarm]
             return subprocess.run([*netns_prefix(ns.attacker), *argv]).returncode
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="intellect-adversary-"))
+    root = args.workdir or new_workdir()
     outcomes = asyncio.run(main_async(args, root))
     print(
         "\n| attack | its aim | achieved | honest rate | attack-free around it, steps/s | our extra CPU-s | "
