@@ -1,10 +1,12 @@
-"""Red team: a real swarm on loopback, and one attacker at a time trying to take over, freeze or poison it.
+"""Red team: a real swarm, and one attacker at a time trying to take over, freeze or poison it.
 
-    python benchmarks/adversary.py [--window 30] [--attacks sybil_flood,submission_flood]
+    sudo python benchmarks/adversary.py [--window 30] [--attacks sybil_flood,submission_flood] [--netns off]
 
 The swarm: a trainer (tiny model, async level 16 so that cheaters' batches reach the validator rather than going
-stale, no online filter so that the attack-free rate stays stationary), a validator it trusts, two honest inference
-nodes and a relay, as separate processes. Its training rate (trainer steps per second)
+stale; no online filter and a learning rate that leaves the policy where it starts, so that a step's work stays the
+same without an attack), a validator it trusts, two honest inference nodes and a relay, as separate processes in a
+network namespace of their own; the attacker in another, across a veth (as root; ``--netns off``: on loopback,
+from 127.0.0.2). Its training rate (trainer steps per second)
 is measured in a window without attack, then during each attack, each followed by another attack-free window (an
 attack's share is against the mean of the attack-free windows on either side of it: on two shared cores the
 attack-free rate drifts by a fifth over a run); the attacker is this process, with real keys,
@@ -14,9 +16,9 @@ second review (docs/threat-model.md): DHT answers that never expire, invite rede
 slots, a jailed program filling /dev/shm, announcement floods, digest echoes, strangers' signed slot requests,
 acknowledgements on demand and dial-backs to silent ports. For each: whether the attack achieved its aim (key read,
 bad data accepted, duplicate trained, node crashed, swarm frozen, ...), the honest training rate during it as a
-share of the attack-free rate, and what it cost: the CPU seconds the swarm's processes spent over the attack-free
-windows around it, per CPU second of the attacker's own processes (on this machine both share two cores: work the
-attack diverts shows partly as a lower honest rate). A table, then one line:
+share of the attack-free rate, and what it cost: the CPU seconds the swarm's processes spent beyond what their honest
+steps explain (at the CPU per step of the attack-free windows around it), per CPU second of the attacker's own
+processes (the attacker runs at the lowest priority on the same two cores). A table, then one line:
 
     adversary attacks=N held=N bad_accepted=0 crashes=0 honest_rate_min=0.xx
 """
