@@ -22,7 +22,11 @@ logger = logging.getLogger(__name__)
 REGISTRY_REFRESH_S = 1.0
 """An unknown signer triggers a fresh DHT lookup at most this often per node id ..."""
 REGISTRY_MIN_INTERVAL_S = 0.2
-"""... and all unknown signers together at most this often."""
+"""... and all unknown signers together at most this often, or ``READ_SHARE`` of the time, if that is rarer."""
+READ_SHARE = 0.1
+"""At most this share of the time goes to reads that unknown signers trigger: a read of the ``nodes`` key costs
+in proportion to the records in it, so a flood of announcements from keys whose records went stale (each one an
+unknown signer again) would otherwise buy a whole read every REGISTRY_MIN_INTERVAL_S however large the key grew."""
 MAX_TRACKED_LOOKUPS = 10_000
 MAX_REGISTRY_WAITERS = 4
 """Submissions from unknown keys waiting for a registry lookup at once; more are refused at once."""
@@ -39,6 +43,9 @@ class NodeRegistry:
         """The run's ``nodes`` key as last read, by node id."""
         self._lookup_at: dict[str, float] = {}
         self._registry_at = -math.inf
+        self._spacing = REGISTRY_MIN_INTERVAL_S
+        """Between two reads unknown signers trigger: the last such read's duration over READ_SHARE, at least
+        REGISTRY_MIN_INTERVAL_S."""
         self._validators_at = -math.inf
         self._lock = asyncio.Lock()
         self._waiters = 0
@@ -67,11 +74,12 @@ class NodeRegistry:
             record = self.records.get(node_id)  # a lookup that finished while we waited may have found it
             if record is not None:
                 return record
-            wait = self._registry_at + REGISTRY_MIN_INTERVAL_S - time.monotonic()
+            wait = self._registry_at + self._spacing - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             self._registry_at = time.monotonic()
             await self.refresh()
+            self._spacing = max(REGISTRY_MIN_INTERVAL_S, (time.monotonic() - self._registry_at) / READ_SHARE)
             return self.records.get(node_id)
 
     async def refresh(self) -> None:
