@@ -131,8 +131,19 @@ class WeightFollower:
     def start(self, session: aiohttp.ClientSession) -> None:
         self.fetcher = ShardFetcher(session, self.store, self.node_id, self.metrics)
         self.fetcher.token_for = self.attachments.token_for
-        self.fetcher.stripes = len(self.links)
+        self._set_stripes(len(self.links))
         self.attachments.start(session, self.fetcher)
+
+    def _set_stripes(self, k: int) -> None:
+        """Stripes per version, for the fetcher and for the server: the server tells a child in another stripe (an
+        alternate there, answered at once) from a child in the shard's stripe (answered when the shard arrives).
+        A server that thought there was one stripe gave every child a long poll for every shard: two nodes that
+        are each other's parents in stripes a version has no shard in held each other's only fetch for the whole
+        poll (a version took 10 s to load while the trainer published one every 0.3 s)."""
+        if self.fetcher is not None:
+            self.fetcher.stripes = k
+        if self.server is not None:
+            self.server.stripes = k
 
     @property
     def links(self) -> list[Link]:
@@ -186,8 +197,7 @@ class WeightFollower:
         home = choose_home(records, self.node_id, k, self._rate(records)) if self.server is not None else -1
         self.attachments.links = [Link(s, s == home) for s in range(k)]
         self._moved_at = time.monotonic() - REHOME_HOLD_S + REHOME_JOIN_S  # its records miss others just joined
-        if self.fetcher is not None:
-            self.fetcher.stripes = k
+        self._set_stripes(k)
         logger.info("stripes=%d home=%d", k, home)
 
     def _rate(self, records: dict[str, NodeRecord]) -> float:
