@@ -39,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,9 @@ class Outcome:
     less). Work an attack diverts from training on saturated cores counts here too."""
     steps: int = 0
     """Training steps made during the window."""
+    by_node: dict[str, float] = field(default_factory=dict)
+    """``swarm_cpu`` by node (each with its DHT process and daemons); after the attack-free windows around it are
+    known, the part of each that its honest steps do not explain."""
 
     @property
     def cost_ratio(self) -> float:
@@ -297,7 +300,7 @@ class Swarm:
                 swarm_procs.update((p.pid, p) for p in procs)
         return swarm_procs, joined
 
-    def cpu(self) -> tuple[float, float]:
+    def cpu(self) -> tuple[float, float, dict[str, float]]:
         """CPU seconds used so far by the swarm's processes (not the nodes that join during an attack) and by the
         attacker (this process and the peers, daemons, servers and programs it started, the ended ones included
         once reaped). A swarm process that ended is not counted."""
@@ -316,7 +319,10 @@ class Swarm:
         attacker = [p for p in _tree(os.getpid()) if p.pid not in swarm_procs and p.pid not in joined]
         # and the attacker's children that ended (its fresh peers' daemons, jailed programs): reaped, so counted here
         ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return used(list(swarm_procs.values())), used(attacker) + ended.ru_utime + ended.ru_stime
+        by_node = {
+            name: used(_tree(node.proc.pid)) for name, node in self.nodes.items() if not name.startswith("newcomer")
+        }
+        return used(list(swarm_procs.values())), used(attacker) + ended.ru_utime + ended.ru_stime, by_node
 
     def attacker_priority(self, nice: int) -> None:
         """The attacker's processes (not the swarm's, nor the newcomers') at ``nice``."""
@@ -400,6 +406,7 @@ async def measure(
     cpu_after = swarm.cpu()
     outcome.swarm_cpu = cpu_after[0] - cpu_before[0]
     outcome.attacker_cpu = max(0.0, cpu_after[1] - cpu_before[1])
+    outcome.by_node = {n: cpu_after[2][n] - cpu_before[2].get(n, cpu_after[2][n]) for n in cpu_after[2]}
     outcome.steps = await asyncio.to_thread(steps, swarm) - before
     outcome.rate = outcome.steps / (time.monotonic() - started)
     return outcome
@@ -484,11 +491,18 @@ async def relay_squat(swarm: Swarm, until: float) -> Outcome:
     )
 
 
+PEER_START_S = 90.0
+"""How long the attacker's libp2p daemon may take to start (hivemind's default is 15 s; at the lowest priority on
+two busy cores a start can take longer, and a start that fails ends the run)."""
+
+
 async def fresh_peer(swarm: Swarm) -> P2P:
     """A libp2p peer of the attacker's own for one attack (peer ids cost it nothing; a penalty earned by one
     attack must not hide the next)."""
     maddrs = swarm.ready["trainer"]["p2p_maddrs"][:1]
-    return await P2P.create(initial_peers=maddrs, host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"])
+    return await P2P.create(
+        initial_peers=maddrs, host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"], startup_timeout=PEER_START_S
+    )
 
 
 async def warm_up(swarm: Swarm, key: Identity) -> None:
@@ -514,12 +528,7 @@ DUPLICATE_SENDER = Identity.generate()
 async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
     """One signed batch on 16 streams at once, from 8 libp2p peers."""
     sender = DUPLICATE_SENDER
-    peers = [
-        await P2P.create(
-            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"]
-        )
-        for _ in range(8)
-    ]
+    peers = [await fresh_peer(swarm) for _ in range(8)]
     data = seal(sender, swarm.fake_batch(sender, published(swarm), 0))  # the newest version, once the peers are up
     try:
         answers = await asyncio.gather(
@@ -541,12 +550,7 @@ async def duplicate_streams(swarm: Swarm, until: float) -> Outcome:
 
 async def stalled_streams(swarm: Swarm, until: float) -> Outcome:
     """Submit streams held open without a byte, reopened as the trainer cuts them, from 4 peers."""
-    peers = [
-        await P2P.create(
-            initial_peers=swarm.ready["trainer"]["p2p_maddrs"][:1], host_maddrs=[f"/ip4/{ATTACKER_IP}/tcp/0"]
-        )
-        for _ in range(4)
-    ]
+    peers = [await fresh_peer(swarm) for _ in range(4)]
     opened = 0
     held: list[Any] = []
     try:
@@ -1199,46 +1203,63 @@ async def reack(swarm: Swarm, until: float, key: Identity, _p2p: P2P, gossip: Go
     )
 
 
-async def dialback_flood(swarm: Swarm, until: float) -> Outcome:
-    """Fresh peer ids ask the trainer to dial back silent ports, as many at once as it lets them."""
-    silent = [socket.socket() for _ in range(4)]
-    for sock in silent:  # accepts connections in the kernel's backlog, never answers a byte
-        sock.bind((ATTACKER_IP, 0))
-        sock.listen(1024)
-    ports = [sock.getsockname()[1] for sock in silent]
-    counts: dict[str, int] = {}
-    slowest = 0.0
+class DialbackFlood:
+    """Fresh peer ids ask the trainer to dial back silent ports, as many at once as it lets them. ``prepare``
+    starts the attacker's peers (a peer id costs it a daemon start: at the lowest priority on two busy cores eight
+    at once outlasted hivemind's start timeout); the attack asks from 8 at a time, each peer once a round."""
 
-    async def one() -> None:
-        nonlocal slowest
-        p2p = await fresh_peer(swarm)
-        key = Identity.generate()
-        maddrs = [f"/ip4/{ATTACKER_IP}/tcp/{port}/p2p/{p2p.peer_id.to_base58()}" for port in ports]
-        t0 = time.monotonic()
+    PEERS = 24
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+        self.peers: list[P2P] = []
+
+    async def prepare(self) -> None:
+        for start in range(0, self.PEERS, 8):
+            self.peers += await asyncio.gather(*(fresh_peer(self.swarm) for _ in range(start, start + 8)))
+
+    async def attack(self, until: float) -> Outcome:
+        swarm = self.swarm
+        silent = [socket.socket() for _ in range(4)]
+        for sock in silent:  # accepts connections in the kernel's backlog, never answers a byte
+            sock.bind((ATTACKER_IP, 0))
+            sock.listen(1024)
+        ports = [sock.getsockname()[1] for sock in silent]
+        counts: dict[str, int] = {}
+        slowest = 0.0
+
+        async def one(p2p: P2P) -> None:
+            nonlocal slowest
+            key = Identity.generate()
+            maddrs = [f"/ip4/{ATTACKER_IP}/tcp/{port}/p2p/{p2p.peer_id.to_base58()}" for port in ports]
+            t0 = time.monotonic()
+            try:
+                await ask_dialback(p2p, key, swarm.run_id, swarm.trainer_peer, maddrs, ports[0])
+                outcome = "answered"
+            except Rejected as e:
+                outcome = e.reason
+            except DELIVERY_ERRORS:
+                outcome = "network"
+            slowest = max(slowest, time.monotonic() - t0)
+            counts[outcome] = counts.get(outcome, 0) + 1
+
         try:
-            await ask_dialback(p2p, key, swarm.run_id, swarm.trainer_peer, maddrs, ports[0])
-            outcome = "answered"
-        except Rejected as e:
-            outcome = e.reason
-        except DELIVERY_ERRORS:
-            outcome = "network"
+            rounds = 0
+            while time.monotonic() < until - 5:  # a round takes at most the trainer's deadline per request
+                at = rounds * 8 % len(self.peers)
+                await asyncio.gather(*(one(p2p) for p2p in self.peers[at : at + 8]))
+                rounds += 1
         finally:
-            await p2p.shutdown()
-        slowest = max(slowest, time.monotonic() - t0)
-        counts[outcome] = counts.get(outcome, 0) + 1
-
-    try:
-        while time.monotonic() < until - 5:  # a round takes at most the trainer's deadline per request
-            await asyncio.gather(*(one() for _ in range(8)))
-    finally:
-        for sock in silent:
-            sock.close()
-    return Outcome(
-        "dial-backs to silent ports",
-        "swarm frozen",
-        slowest > 30,
-        f"{sum(counts.values())} asked: {counts}; slowest answer {slowest:.1f} s",
-    )
+            for sock in silent:
+                sock.close()
+            await asyncio.gather(*(p2p.shutdown() for p2p in self.peers), return_exceptions=True)
+            self.peers = []
+        return Outcome(
+            "dial-backs to silent ports",
+            "swarm frozen",
+            slowest > 30,
+            f"{sum(counts.values())} asked from {self.PEERS} peer ids: {counts}; slowest answer {slowest:.1f} s",
+        )
 
 
 def _metric(url: str, name: str) -> float:
@@ -1318,7 +1339,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         control = await measure(swarm, args.window, lambda until: idle(swarm, until))
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         trickler, pather = HostileParent(swarm, "trickle"), HostileParent(swarm, "path")
-        squat, cheats = OriginSquat(swarm), Cheaters(swarm)
+        squat, cheats, dialback = OriginSquat(swarm), Cheaters(swarm), DialbackFlood(swarm)
         flood = FromPeer(swarm, announce_flood, register=False, also=lambda: register_all(swarm, SYBILS))
         echo, reacker = FromPeer(swarm, digest_echo, register=True), FromPeer(swarm, reack, register=True)
         Attack = Callable[[float], Awaitable[Outcome]]
@@ -1343,13 +1364,14 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "digest_echo": (echo.prepare, echo.attack),
             "nonce_flood": (None, lambda u: nonce_flood(swarm, u)),
             "reack": (reacker.prepare, reacker.attack),
-            "dialback_flood": (None, lambda u: dialback_flood(swarm, u)),
+            "dialback_flood": (dialback.prepare, dialback.attack),
         }
         assert set(attacks) == set(ATTACKS)
         outcomes = []
         controls = [control.rate]
         controls_cpu = [control.swarm_cpu]
         controls_steps = [control.steps]
+        controls_by_node = [control.by_node]
         for name in args.attacks or list(attacks):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
@@ -1360,16 +1382,23 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             controls.append(after.rate)
             controls_cpu.append(after.swarm_cpu)
             controls_steps.append(after.steps)
+            controls_by_node.append(after.by_node)
             baseline = (controls[-2] + controls[-1]) / 2
             outcome.control = baseline
             outcome.rate /= max(baseline, 1e-9)
             per_step = (controls_cpu[-2] + controls_cpu[-1]) / max(1, controls_steps[-2] + controls_steps[-1])
             outcome.extra_cpu = max(0.0, outcome.swarm_cpu - per_step * outcome.steps)
+            around = max(1, controls_steps[-2] + controls_steps[-1])
+            outcome.by_node = {
+                n: used - (controls_by_node[-2].get(n, 0.0) + controls_by_node[-1].get(n, 0.0)) / around * outcome.steps
+                for n, used in outcome.by_node.items()
+            }
+            by_node = ", ".join(f"{n} {x:+.1f}" for n, x in sorted(outcome.by_node.items(), key=lambda kv: -kv[1]))
             print(
                 f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
                 f"(attack-free around it {baseline:.2f} steps/s) cost={outcome.cost_ratio:.2f} "
-                f"({outcome.extra_cpu:.1f} of our CPU-s, {outcome.attacker_cpu:.1f} of the attacker's) "
-                f"{outcome.detail}",
+                f"({outcome.extra_cpu:.1f} of our CPU-s [{by_node}], {outcome.attacker_cpu:.1f} of the "
+                f"attacker's) {outcome.detail}",
                 flush=True,
             )
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
