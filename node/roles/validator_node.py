@@ -55,6 +55,11 @@ HOLDERS = 4096
 """Batch digests whose claims (and producers) are remembered, the newest."""
 CLAIMANTS = 4
 """Keys remembered as announcing one digest: an honest batch has one (its producer); the rest are echoes."""
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 1.0
+"""A source that answered busy or dropped the stream is asked again after this pause, doubling up to the second
+figure, until its fetch deadline: a server refuses past its rate per peer (batches.RATE, 10 a second), and a
+validator that catches up after a pause (a version it waited for) asks faster than that; giving up at the first
+refusal left batches unjudged, and the trainer waited its whole verdict wait before judging them itself."""
 FETCH_SHARE = 0.25
 """Each source of a body gets this share of ``verify.verdict_wait_s`` (15 s of the default 60, at most
 FETCH_TIMEOUT_S): the sources are asked at once, so a stalling one costs at most this, and at least three quarters
@@ -209,10 +214,7 @@ class ValidatorNode(Volunteer):
         assert self.p2p is not None
         digest, deadline = ack.batch_sha256, self.fetch_deadline()
         asks = {
-            asyncio.ensure_future(within(fetch_batch(self.p2p, self.identity, self.run_id, peer, digest), deadline)): (
-                peer,
-                source,
-            )
+            asyncio.ensure_future(self._fetch_from(peer, digest, deadline)): (peer, source)
             for peer, source in self._sources(ack, trainer_peer).items()
         }
         pending = set(asks)
@@ -241,7 +243,25 @@ class ValidatorNode(Volunteer):
             for ask in asks:
                 ask.cancel()
             await asyncio.gather(*asks, return_exceptions=True)
-        raise Rejected("unavailable", f"nobody served batch {digest[:12]} within {deadline:.0f}s")
+        raise Rejected("unavailable", f"nobody served batch {digest[:12]} (each source asked for {deadline:.0f}s)")
+
+    async def _fetch_from(self, peer: str, digest: str, deadline: float) -> bytes | None:
+        """The batch from one source within ``deadline`` seconds, asked again after a pause (RETRY_FIRST_S) while it
+        answers busy or drops the stream (ConnectionError). None (it does not hold it), a wrong body and a
+        timeout are final."""
+        assert self.p2p is not None
+        until = time.monotonic() + deadline
+        pause = RETRY_FIRST_S
+        while True:
+            try:
+                left = until - time.monotonic()
+                return await within(fetch_batch(self.p2p, self.identity, self.run_id, peer, digest), max(0.0, left))
+            except ConnectionError:
+                if time.monotonic() + pause >= until:
+                    raise
+                self.metrics.inc("node_validator_fetch_retries_total", help="batch fetches asked again (busy)")
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, RETRY_MAX_S)
 
     async def judge(self, data: bytes, full: bool = False) -> Verdict:
         """A signed verdict about exactly ``data``, a producer's batch; Rejected when it cannot be judged here."""

@@ -30,7 +30,7 @@ from intellect_node.p2p.gossip import LIMITS, Gossip
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.roles.trainer_gossip import VerdictWait
 from intellect_node.roles.validator_node import ValidatorNode
-from intellect_protocol.envelope import kind_of, open_signed, seal
+from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import (
     BatchAck,
@@ -309,3 +309,59 @@ async def _sleep_until(predicate: Callable[[], bool], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not predicate() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+
+
+def test_a_validator_catching_up_gets_every_batch_from_a_server_that_answers_busy(tmp_path: Path) -> None:
+    """Thirty acknowledged batches fetched one after another as fast as they come (a validator catching up after
+    waiting for a version) from the trainer alone, whose batch server answers RATE requests a second per peer and
+    drops the rest: a refused fetch is asked again after a pause, and none is left unjudged (giving up at the first
+    refusal left a third of them to the trainer)."""
+    asyncio.run(_busy_server(tmp_path))
+
+
+async def _busy_server(tmp_path: Path) -> None:
+    producer = Identity.generate()
+    trainer = Membership(RUN_KEY, RUN_ID, Metrics())
+    started: list[Membership] = []
+    server: BatchServer | None = None
+    try:
+        maddrs = await trainer.start("127.0.0.1", 0, [])
+        started.append(trainer)
+        node = ValidatorNode(NodeConfig(data_dir=tmp_path / "v", run_id=RUN_ID, peers=maddrs[:1]))
+        await node.membership.start("127.0.0.1", 0, maddrs[:1])
+        started.append(node.membership)
+        node.p2p = await node.membership.replicate_p2p()
+        spec = VerifySpec(verdict_wait_s=VERDICT_WAIT_S)
+        node.spec = RunSpec(run_id=RUN_ID, created=time.time(), seed=0, model=ModelSpec(), verify=spec)
+        t_p2p = await trainer.replicate_p2p()
+        envelopes = [_batch(producer, i) for i in range(30)]
+        held = {hashlib.sha256(e).hexdigest(): e for e in envelopes}
+        server = BatchServer(t_p2p, RUN_ID, held.get, Metrics())
+        await server.start()
+        acks = [
+            BatchAck(
+                run_id=RUN_ID,
+                node_id=producer.node_id,
+                version=0,
+                batch_index=i,
+                batch_sha256=d,
+                judges=[node.identity.node_id],
+                issued=time.time(),
+            )
+            for i, d in enumerate(held)
+        ]
+        bodies: list[bytes | Exception] = []
+        for ack in acks:  # one after another, as judge_forever takes its jobs, as fast as the server answers
+            try:
+                bodies.append(await node._fetch(ack, t_p2p.peer_id.to_base58()))
+            except Rejected as e:
+                bodies.append(e)
+        failed = [b for b in bodies if not isinstance(b, bytes)]
+        assert not failed, f"{len(failed)} of 30 not fetched: {failed[:2]}"
+        assert sorted(bodies) == sorted(envelopes)  # type: ignore[type-var]
+        assert node.metrics.counter("node_validator_fetch_retries_total") > 0  # the server did refuse some at first
+    finally:
+        if server is not None:
+            await server.close()
+        for m in reversed(started):
+            await m.close()
