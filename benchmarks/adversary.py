@@ -18,7 +18,9 @@ acknowledgements on demand and dial-backs to silent ports. For each: whether the
 bad data accepted, duplicate trained, node crashed, swarm frozen, ...), the honest training rate during it as a
 share of the attack-free rate, and what it cost: the CPU seconds the swarm's processes spent beyond what their honest
 steps explain (at the CPU per step of the attack-free windows around it), per CPU second of the attacker's own
-processes (the attacker runs at the lowest priority on the same two cores). A table, then one line:
+processes (the attacker runs at the lowest priority on the same two cores, but while it prepares an attack). A
+node of the swarm that crashed, or an honest node the trainer banned, is a failure of its own. A table, then one
+line:
 
     adversary attacks=N held=N bad_accepted=0 crashes=0 honest_rate_min=0.xx
 """
@@ -1404,6 +1406,11 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
         if crashes:
             outcomes.append(Outcome("any attack", "node crashed", True, f"crashed: {crashes}"))
+        # an honest node banned is a failure whatever caused it (an attack, or the validator's own numerics)
+        banned = swarm.status()["banned"]
+        wronged = {n: banned[r["node_id"]] for n, r in swarm.ready.items() if r["node_id"] in banned}
+        if wronged:
+            outcomes.append(Outcome("any attack", "honest node banned", True, f"banned: {wronged}"))
         return outcomes
     finally:
         swarm.close()
