@@ -38,6 +38,7 @@ from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, SubmitReply, Verdict
 from intellect_protocol.records import NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
+from tests.helpers.wait import until
 
 pytestmark = pytest.mark.integration
 
@@ -147,8 +148,16 @@ def test_training_steps_complete(swarm: Swarm) -> None:
 
 
 def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swarm) -> None:
+    """Every worker follows the trainer's versions. The trainer can make its STEPS steps from one worker's batches
+    within a second or two of the other's start (a worker that began late had loaded only version 0 when they were
+    done, on a loaded machine), so each worker is given a bounded time to load a newer one."""
     trainer = swarm.status()
     for ready in swarm.worker_ready:
+
+        def followed(url: str = ready["status_url"]) -> bool:
+            return len(swarm.status(url)["versions_loaded"]) >= 2
+
+        asyncio.run(until(followed, f"{ready['node_id'][:8]} to load a second version", timeout=60))
         worker = swarm.status(ready["status_url"])
         versions = worker["versions_loaded"]
         assert len(versions) >= 2, versions
