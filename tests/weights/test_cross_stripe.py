@@ -17,18 +17,11 @@ from intellect_node.weights import relay
 from intellect_node.weights.follower import WeightFollower
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord, RelayInfo
+from tests.weights.test_hostile_parent import _Records
 from tests.weights.test_spare import RUN, _attach, _checkpoint, _server, _shard
 
 STRIPES = 4
 HOME = 3
-
-
-class _Records:
-    def __init__(self, records: dict[str, NodeRecord]) -> None:
-        self.records = records
-
-    async def get_nodes(self) -> dict[str, NodeRecord]:
-        return self.records
 
 
 def _origin() -> NodeRecord:
