@@ -148,21 +148,23 @@ def test_training_steps_complete(swarm: Swarm) -> None:
 
 
 def test_each_inference_node_loaded_several_versions_and_contributed(swarm: Swarm) -> None:
-    """Every worker follows the trainer's versions. The trainer can make its STEPS steps from one worker's batches
-    within a second or two of the other's start (a worker that began late had loaded only version 0 when they were
-    done, on a loaded machine), so each worker is given a bounded time to load a newer one."""
-    trainer = swarm.status()
+    """Every worker follows the trainer's versions and has groups accepted. The trainer can make its STEPS steps
+    from one worker's batches within a second or two of the other's start (on a loaded machine a worker that began
+    late had loaded only version 0, and had no batch judged yet, when they were done). The trainer goes on
+    admitting and judging fresh batches after its last step, so each worker is given a bounded time for both."""
     for ready in swarm.worker_ready:
+        node_id = ready["node_id"]
 
         def followed(url: str = ready["status_url"]) -> bool:
             return len(swarm.status(url)["versions_loaded"]) >= 2
 
-        asyncio.run(until(followed, f"{ready['node_id'][:8]} to load a second version", timeout=60))
-        worker = swarm.status(ready["status_url"])
-        versions = worker["versions_loaded"]
-        assert len(versions) >= 2, versions
+        def contributed(node_id: str = node_id) -> bool:
+            return bool(swarm.status()["accepted_groups_by_node"].get(node_id, 0) > 0)
+
+        asyncio.run(until(followed, f"{node_id[:8]} to load a second version", timeout=60, every=0.5))
+        asyncio.run(until(contributed, f"the trainer to accept groups of {node_id[:8]}", timeout=90, every=0.5))
+        versions = swarm.status(ready["status_url"])["versions_loaded"]
         assert versions == sorted(set(versions))  # a node that joins late starts at the newest version
-        assert trainer["accepted_groups_by_node"].get(ready["node_id"], 0) > 0
 
 
 def _batch(identity: Identity, swarm: Swarm, version: int, batch_index: int) -> RolloutBatch:
