@@ -151,9 +151,20 @@ def seeded_sample(logits: torch.Tensor, temperature: float, keys: torch.Tensor) 
     return best_scores(logits, temperature, keys)[0]
 
 
+SCORE_ULPS = 64
+"""Two evaluations of the same float64 score (the compiled pass's fused loop and the eager gather) may differ in
+their last bits (3.6e-15 seen on scores near 20); gaps within this many of the score's ULPs are rounding, not a
+choice between tokens. Logit differences between the producer's and the validator's forward passes are larger
+by ten orders of magnitude and are judged by ``verify.max_sampling_gap``."""
+
+
 def sampling_gaps(logits: torch.Tensor, temperature: float, keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """best score - claimed token's score per row: 0 where the claimed token is the one re-derived."""
+    """best score - claimed token's score per row: exactly 0 where the claimed token is the one re-derived (or
+    scores within float64 rounding of the best), > 0 where the validator's own draw is another token."""
     keys, tokens = keys.to(logits.device), tokens.to(logits.device)
-    _, best = best_scores(logits, temperature, keys)
+    index, best = best_scores(logits, temperature, keys)
     claimed = logits.double().gather(1, tokens.view(-1, 1)).squeeze(1) / temperature + gumbel(keys, tokens)
-    return (best - claimed).float()
+    gap = best - claimed
+    rounding = SCORE_ULPS * torch.finfo(torch.float64).eps * torch.maximum(best.abs(), claimed.abs()).clamp(min=1.0)
+    tie = (index == tokens) | (gap.abs() <= rounding)
+    return torch.where(tie, torch.zeros_like(gap), gap).float()

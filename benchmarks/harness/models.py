@@ -25,8 +25,11 @@ def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
         return (tiny.half() if compute == "fp16" else tiny), tok
     from intellect_node.policy.hf import load_causal_lm
 
-    m, tok = load_causal_lm("smollm2")
-    return {"fp32": m.float(), "bf16": m, "fp16": m.half()}[compute], tok
+    m, tok = load_causal_lm("smollm2")  # the bf16 checkpoint
+    return m.to(COMPUTE[compute]), tok  # one conversion: ``.float()`` and ``.half()`` convert the module in place
+
+
+COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_spec(model: str, verify: VerifySpec, seed: int, tasks_per_batch: int = 4) -> RunSpec:
