@@ -1,10 +1,13 @@
 """Choose the validator's thresholds from measured honest and dishonest distributions.
 
-    python benchmarks/calibrate_validator.py --model tiny       # the built-in tiny model (fp32)
-    python benchmarks/calibrate_validator.py --model smollm2    # SmolLM2-135M-Instruct, bf16
+    python benchmarks/calibrate_validator.py --model tiny                    # the built-in tiny model (fp32)
+    python benchmarks/calibrate_validator.py --model smollm2 --compute bf16  # SmolLM2-135M-Instruct in bf16
 
-Generates honest rollouts at several generation batch sizes (the numerics of a decode step depend on the batch
-and on the KV cache; the validator's are one prefill), and dishonest ones: one decoder layer's weights with
+Generates honest rollouts at generation batch sizes 1 to 64 (the numerics of a decode step depend on the batch,
+on the KV cache and on the thread count; the validator's are one prefill), made on ``--producer-threads``
+threads and judged on the others (a producer and its validator rarely share a machine), every other batch as
+a newcomer's is judged (the first completion alone, then 16 to a prefill: another batch composition), and
+dishonest ones: one decoder layer's weights with
 relative noise, greedy decoding, and another sampling temperature. For the tiny model also the swarm's own
 setting (``--versions``, ``--run-batches``): the run's task and sampling (node/configs/tiny.toml: one-digit
 sums, 8 new tokens, so many completions of 2-3 tokens and one-step decode chunks), a whole batch in one
@@ -13,7 +16,9 @@ of the weights, each trained from the last by a GRPO step of the run's settings 
 trainer does; and the perturbed layer on the last version. The validator measures every rollout with
 no thresholds; then each threshold is set above the largest honest value by a margin (``--headroom`` times it,
 plus a floor), and the table shows how many honest and dishonest rollouts the chosen thresholds reject.
-The ``[verify]`` section printed (and written with ``--out``) goes into the run's TOML config. Calibration
+The ``[verify]`` section printed (and written with ``--out``) is what every run of that model and compute dtype
+takes when saved as node/configs/verify/<model>-<dtype>.toml (``tiny``/``smollm2``, ``float32``/``bfloat16``/
+``float16``), or goes under a run config's ``[run.verify]``. Calibration
 uses its own seeds: benchmarks/toploc_detect.py measures detection on rollouts never used here.
 """
 
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 
 from intellect_kernels.grpo import group_advantages
-from intellect_node.config import RunConfig
+from intellect_node.config import THRESHOLDS, RunConfig
 from intellect_node.judging.validator import Finding, Validator
 from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.policy.model import load_weights
@@ -55,6 +60,10 @@ def run_topk(model: str) -> int:
     return RunConfig().verify.topk if model == "tiny" else 128
 
 
+THREADS = {"producer": torch.get_num_threads(), "validator": torch.get_num_threads()}
+"""Thread counts of generation and of validation (``--producer-threads``): reductions split differently."""
+
+
 def rollouts(
     spec: RunSpec,
     producer: Any,
@@ -65,20 +74,23 @@ def rollouts(
     node: str,
     first_index: int = 0,
     version: int = 0,
-    newcomer: bool = False,
+    newcomer: bool | None = False,
     made: list[Any] | None = None,
     **sampling: Any,
 ) -> tuple[list[Finding], float, float]:
     """(findings, generation seconds, validation seconds) for ``batches`` batches. ``newcomer``: judged as a key
     on probation is (every completion, the first alone, then the rest 16 to a prefill), else exhaustively (16 to a
-    prefill). ``made`` collects the batches."""
+    prefill); None: every other batch each way. ``made`` collects the batches."""
     findings, gen_s, val_s = [], 0.0, 0.0
     for b in range(first_index, first_index + batches):
+        torch.set_num_threads(THREADS["producer"])
         t = time.perf_counter()
         batch = generate_batch(spec, producer, tok, node, version, b, max_rows=max_rows, **sampling)
         gen_s += time.perf_counter() - t
+        torch.set_num_threads(THREADS["validator"])
         t = time.perf_counter()
-        findings.append(validator.check(batch, full=True) if newcomer else validator.check(batch, exhaustive=True))
+        as_newcomer = bool(b % 2) if newcomer is None else newcomer
+        findings.append(validator.check(batch, full=True) if as_newcomer else validator.check(batch, exhaustive=True))
         val_s += time.perf_counter() - t
         if made is not None:
             made.append(batch)
@@ -203,8 +215,15 @@ def main() -> int:
     )
     p.add_argument("--run-batches", type=int, default=4, help="tiny: batches per version in the swarm's setting")
     p.add_argument("--out", type=Path, help="write the [verify] section here")
+    p.add_argument(
+        "--producer-threads",
+        type=int,
+        default=1,
+        help="threads the producer generates on (the validator uses the rest of the machine's)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
+    THREADS["producer"] = args.producer_threads
     model, tok = load(args.model, args.compute)
     if args.layer is None:
         args.layer = len(model.model.layers) // 2
@@ -214,9 +233,13 @@ def main() -> int:
     node = "d" * 32
     rows: list[tuple[str, dict[str, list[float]], float, float]] = []
     honest: dict[str, list[float]] = {}
-    for max_rows in (1, 8, 32):
+    wide = make_spec(args.model, measure, seed=1_000_003, tasks_per_batch=8)  # 64 rows: one call of 64
+    wide_validator = Validator(wide, tok, model)
+    for max_rows in (1, 8, 32, 64):
         batches = max(1, args.batches // 2) if max_rows == 1 else args.batches
-        findings, g, v = rollouts(spec, model, tok, validator, batches, max_rows, node, first_index=100 * max_rows)
+        s_, v_ = (wide, wide_validator) if max_rows == 64 else (spec, validator)
+        first = 100 * max_rows
+        findings, g, v = rollouts(s_, model, tok, v_, batches, max_rows, node, first_index=first, newcomer=None)
         s = stats(findings)
         rows.append((f"honest, batch size {max_rows}", s, g, v))
         for k, vals in s.items():
@@ -243,7 +266,8 @@ def main() -> int:
                     honest.setdefault(k, []).extend(vals)
     chosen = choose(honest, args.headroom, measure.topk)
     print(
-        f"calibration on {args.model} ({args.compute} compute): {len(honest['exp'])} honest rollouts; "
+        f"calibration on {args.model} ({args.compute} compute, producer on {THREADS['producer']} thread(s), "
+        f"validator on {THREADS['validator']}): {len(honest['exp'])} honest rollouts; "
         f"thresholds {chosen.model_dump()}"
     )
     print(
@@ -256,13 +280,13 @@ def main() -> int:
             f"{min(s['rederived']):14.3f} {max(s['gap']):8.3f} {max(s['lp']):9.4f} "
             f"{rejects(s, chosen):5d}/{len(s['exp']):<4d} {g:6.1f} {v:6.1f}"
         )
-    section = "[verify]\n" + "".join(
-        f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in chosen.model_dump().items()
-    )
+    section = "[verify]\n" + "".join(f"{k} = {v}\n" for k, v in chosen.model_dump().items() if k in THRESHOLDS)
     print(section, end="")
     if args.out:
         args.out.write_text(
-            f"# from benchmarks/calibrate_validator.py --model {args.model} --compute {args.compute}\n{section}"
+            f"# from benchmarks/calibrate_validator.py --model {args.model} --compute {args.compute} "
+            f"--batches {args.batches}: {len(honest['exp'])} honest rollouts at generation batch sizes 1 to 64\n"
+            f"{section}"
         )
     honest_rejected = sum(rejects(s, chosen) for name, s, _, _ in rows if name.startswith("honest"))
     dishonest_n = sum(len(s["exp"]) for name, s, _, _ in rows if not name.startswith("honest"))

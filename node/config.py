@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import SPECIAL_TOKENS, RunSettings, RunSpec, tiny_model
+from intellect_protocol.messages import SPECIAL_TOKENS, ModelSpec, RunSettings, RunSpec, tiny_model
 
 
 class RunConfig(RunSettings):
@@ -273,7 +273,58 @@ def node_settings(
     return tree
 
 
+CALIBRATED = Path(__file__).resolve().parent / "configs" / "verify"
+"""``<model>-<compute dtype>.toml``: a ``[verify]`` section from benchmarks/calibrate_validator.py for the built-in
+tiny model (``tiny``) or SmolLM2 (``smollm2``) computing in that dtype."""
+THRESHOLDS = (
+    "topk",
+    "decode_batch",
+    "max_exp_mismatches",
+    "max_mant_err_mean",
+    "max_mant_err_median",
+    "max_sampling_gap",
+    "min_rederived",
+    "max_logprob_error",
+)
+"""The verify settings a calibration measures under (topk, decode_batch) or chooses; the others (``check_fraction``,
+``ban``, ...) are each run's choice."""
+
+
+def calibrated_verify(kind: str, name: str, compute_dtype: str) -> dict[str, Any] | None:
+    """The shipped thresholds for a model computing in ``compute_dtype``, or None where none were measured."""
+    model = "tiny" if kind == "tiny-llama" else name
+    path = CALIBRATED / f"{model}-{compute_dtype}.toml"
+    if "/" in model or not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        section: dict[str, Any] = tomllib.load(f)["verify"]
+    return {k: v for k, v in section.items() if k in THRESHOLDS}
+
+
+def _with_calibrated_thresholds(tree: dict[str, Any]) -> None:
+    """Fill ``tree["verify"]`` from the shipped calibration for the run's model and compute dtype, under the values
+    the run gives itself. A run computing in bf16 or fp16 with neither is refused: the fp32 defaults would refuse
+    every honest rollout (bf16's honest TOPLOC errors are ten times fp32's limits) and ban its producers."""
+    if not isinstance(tree.get("model", {}), dict) or not isinstance(tree.get("verify", {}), dict):
+        return  # refused by the validation that follows, with the field's name
+    model = {**ModelSpec().model_dump(), **tree.get("model", {})}
+    own = tree.get("verify", {})
+    found = calibrated_verify(model["kind"], model["name"], model["compute_dtype"])
+    if found is not None:
+        tree["verify"] = {**found, **own}
+    elif model["compute_dtype"] != "float32" and not any(k in own for k in THRESHOLDS):
+        which = "the tiny model" if model["kind"] == "tiny-llama" else repr(model["name"])
+        shipped = ", ".join(sorted(p.stem for p in CALIBRATED.glob("*.toml")))
+        raise ValueError(
+            f"no verify thresholds were calibrated for {which} computing in {model['compute_dtype']} (shipped: "
+            f"{shipped}): run benchmarks/calibrate_validator.py for it and put the [verify] section it prints "
+            "under [run.verify], or compute in float32"
+        )
+
+
 def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
+    """The run a TOML file (or the defaults) and ``--set`` overrides describe; verify thresholds the run does not
+    give come from the calibration shipped for its model and compute dtype (``calibrated_verify``)."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -300,4 +351,5 @@ def load_run_config(path: Path | None, overrides: tuple[str, ...] | list[str] = 
     _reject_unknown(tree, RunConfig)
     if "model" in tree and "vocab" not in tree["model"] and tree["model"].get("kind", "tiny-llama") == "tiny-llama":
         tree["model"]["vocab"] = tiny_model().vocab
+    _with_calibrated_thresholds(tree)
     return RunConfig.model_validate(tree)

@@ -11,13 +11,10 @@ import pytest
 
 from intellect_node.config import NodeConfig, RunConfig, load_run_config, node_settings, parse_override, split_overrides
 
-CONFIGS = sorted(
-    p
-    for p in (Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml")
-    if not p.name.startswith("verify-")
-)
-"""Run configs; ``verify-*.toml`` are [verify] sections measured by benchmarks/calibrate_validator.py, to copy
-under [run.verify] (given as --config, they are refused: test below)."""
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "node" / "configs").glob("*.toml"))
+"""Run configs; ``verify/<model>-<dtype>.toml`` are [verify] sections measured by benchmarks/calibrate_validator.py,
+the thresholds of every run of that model and compute dtype (given as --config, they are refused: test below)."""
+CALIBRATIONS = sorted((CONFIGS[0].parent / "verify").glob("*.toml"))
 
 
 def test_configs_ship() -> None:
@@ -29,14 +26,36 @@ def test_shipped_config_parses(path: Path) -> None:
     assert isinstance(load_run_config(path), RunConfig)
 
 
-@pytest.mark.parametrize("path", sorted((CONFIGS[0].parent).glob("verify-*.toml")), ids=lambda p: p.name)
-def test_shipped_verify_fragment_parses(path: Path) -> None:
+@pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)
+def test_a_run_of_a_calibrated_model_and_dtype_takes_its_thresholds(path: Path) -> None:
     import tomllib
 
     from intellect_protocol.messages import VerifySpec
 
     with open(path, "rb") as f:
-        assert VerifySpec.model_validate(tomllib.load(f)["verify"])  # every key known, every value in bounds
+        section = tomllib.load(f)["verify"]
+    assert VerifySpec.model_validate(section)  # every key known, every value in bounds
+    model, dtype = path.stem.split("-")
+    kind = ["model.kind=tiny-llama"] if model == "tiny" else ["model.kind=hf", f"model.name={model}"]
+    run = load_run_config(None, [*kind, f"model.compute_dtype={dtype}", "verify.check_fraction=1.0"])
+    assert run.verify.model_dump() == {**VerifySpec().model_dump(), **section, "check_fraction": 1.0}
+
+
+def test_a_run_in_bf16_without_calibrated_thresholds_is_refused_with_the_way_out() -> None:
+    """The fp32 defaults would refuse every honest bf16 rollout and ban its producer."""
+    hf = ["model.kind=hf", "model.name=/models/other", "model.compute_dtype=bfloat16"]
+    with pytest.raises(ValueError, match=r"no verify thresholds were calibrated for '/models/other' computing in "):
+        load_run_config(None, hf)
+    given = load_run_config(None, [*hf, "verify.max_mant_err_mean=4.0", "verify.max_exp_mismatches=12"])
+    assert (given.verify.max_mant_err_mean, given.verify.max_exp_mismatches) == (4.0, 12)  # the run's own
+
+
+def test_the_runs_own_verify_settings_win_over_the_calibration() -> None:
+    run = load_run_config(
+        None, ["model.compute_dtype=float16", "verify.max_mant_err_median=9", "verify.check_fraction=1.0"]
+    )
+    calibrated = load_run_config(None, ["model.compute_dtype=float16"]).verify
+    assert run.verify.max_mant_err_median == 9 and run.verify.max_mant_err_mean == calibrated.max_mant_err_mean
 
 
 def test_tiny_config_equals_the_defaults() -> None:
@@ -255,7 +274,7 @@ def test_id_prints_the_same_node_id_before_and_after_the_key_exists(tmp_path: Pa
 
 
 def test_a_verify_fragment_given_as_a_run_config_is_refused() -> None:
-    fragment = Path(__file__).resolve().parent.parent / "node" / "configs" / "verify-smollm2.toml"
+    fragment = CALIBRATIONS[0]
     with pytest.raises(ValueError, match=r"\[verify\] outside \[run\].*\[run\.verify\]"):
         load_run_config(fragment)
 

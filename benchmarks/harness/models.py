@@ -17,12 +17,12 @@ from intellect_protocol.messages import RunSpec, SamplingSpec, TaskSpec, VerifyS
 def load(model: str, compute: str = "fp32") -> tuple[Any, Any]:
     """The model and tokenizer. SmolLM2's weights are the bf16 checkpoint; ``compute`` fp32 upcasts them
     (exactly) so producer and validator compute in fp32, bf16 computes in bf16, fp16 in fp16 (GPUs without bf16;
-    proofs are then over fp16 activations). The tiny model is fp32, or fp16 with ``compute`` fp16."""
+    proofs are then over fp16 activations). The tiny model's fp32 weights are converted to ``compute``'s dtype."""
     if model == "tiny":
         run = RunConfig()
         tok = build_tokenizer(run.model)
         tiny = build_model(run.model, tok)
-        return (tiny.half() if compute == "fp16" else tiny), tok
+        return tiny.to(COMPUTE[compute]), tok
     from intellect_node.policy.hf import load_causal_lm
 
     m, tok = load_causal_lm("smollm2")  # the bf16 checkpoint
