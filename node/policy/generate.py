@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,21 @@ class HiddenCapture:
         return out
 
 
+def truncate(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """``logits`` with every token outside the ``top_k`` likeliest, or outside the smallest set whose probability
+    at ``temperature`` reaches ``top_p``, set to -inf (a truncating sampler's support)."""
+    out = logits.float().clone()
+    if top_k is not None:
+        kth = out.topk(min(top_k, out.shape[-1]), dim=-1).values[:, -1:]
+        out[out < kth] = -math.inf
+    if top_p is not None:
+        ordered, order = out.sort(dim=-1, descending=True)
+        mass = torch.softmax(ordered / temperature, dim=-1).cumsum(dim=-1)
+        outside = mass - torch.softmax(ordered / temperature, dim=-1) >= top_p  # the mass before it already reached p
+        out.scatter_(-1, order, ordered.masked_fill(outside, -math.inf))
+    return out
+
+
 @torch.no_grad()
 def sample_groups(
     model: torch.nn.Module,
@@ -103,12 +119,16 @@ def sample_groups(
     proofs: ProofSettings | None = None,
     draw_temperature: float | None = None,
     greedy: bool = False,
+    draw_top_k: int | None = None,
+    draw_top_p: float | None = None,
 ) -> list[list[Completion]]:
     """``row_seeds[g * group_size + j]`` seeds sample ``j`` of prompt ``g``.
 
-    ``draw_temperature`` (a plain multinomial sampler at that temperature, not the seeded one) and ``greedy``
-    change how tokens are drawn but not the reported log-probs: they exist to play a dishonest worker in tests
-    and benchmarks (a validator must catch both).
+    ``draw_temperature`` (a plain multinomial sampler at that temperature, not the seeded one), ``greedy``, and
+    ``draw_top_k`` / ``draw_top_p`` (the seeded draw over the k likeliest tokens / the nucleus of mass p only: the
+    same token as the honest draw wherever that one lies inside) change how tokens are drawn but not the reported
+    log-probs, which stay those of the run's full distribution: they exist to play a dishonest worker in tests and
+    benchmarks (a validator must catch them; the truncating ones change few rows, benchmarks/toploc_detect.py).
     """
     rng: torch.Generator | None = None
     device = next(model.parameters()).device
@@ -148,6 +168,9 @@ def sample_groups(
                     rng = torch.Generator().manual_seed(row_seeds[0] % 2**63)
                 probs = torch.softmax(logits.float().cpu() / draw_temperature, dim=-1)
                 token = torch.multinomial(probs, 1, generator=rng).squeeze(-1).to(device)
+            elif draw_top_k is not None or draw_top_p is not None:
+                keys = position_keys(row_seeds, [step] * len(rows))
+                token = seeded_draw(truncate(logits, temperature, draw_top_k, draw_top_p), temperature, keys)[0]
             else:
                 keys = position_keys(row_seeds, [step] * len(rows))
                 token, logprob = seeded_draw(logits, temperature, keys)

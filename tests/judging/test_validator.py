@@ -213,3 +213,16 @@ def test_a_bf16_run_accepts_honest_rollouts_made_in_other_batch_shapes_and_refus
         assert finding.ok, (finding.reason, finding.detail)
     other = build_model(spec.model.model_copy(update={"init_seed": 1}), TOK)
     assert validator.check(generate_batch(spec, other, TOK, NODE, 0, 2), full=True).reason in ("toploc", "sampling")
+
+
+def test_truncating_samplers_are_caught_on_the_rows_they_change() -> None:
+    """A cheater that draws with the run's seeds over the top-k tokens (or the top-p nucleus) only reports the full
+    distribution's log-probs and agrees with the honest draw wherever that lies inside: only the rows where it does
+    not are refused, each by the sampling check."""
+    honest = VALIDATOR.check(_batch(index=5), exhaustive=True)
+    assert honest.ok
+    for cheat in ({"draw_top_k": 2}, {"draw_top_p": 0.5}):
+        finding = VALIDATOR.check(_batch(index=5, **cheat), exhaustive=True)
+        changed = [r for r in finding.row_reasons if r]
+        assert changed and set(changed) == {"sampling"}, finding.row_reasons
+        assert finding.reason == "sampling"
