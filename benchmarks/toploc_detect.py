@@ -271,7 +271,11 @@ def main() -> int:
         for b in batches:
             for g in b.groups:
                 proof_sizes.update(len(x) for proofs in g.proofs for x in proofs)
+            started_judging = time.perf_counter()
             verdicts = judge(b)
+            if honest:
+                cost["validate_s"] += time.perf_counter() - started_judging
+                cost["tokens"] += sum(len(c) for g in b.groups for c in g.completions)
             own = sum(1 for r in verdicts if r and r != "batch_refused")  # rejected on their own rows
             power.append(caught_probability(len(verdicts), own, args.check_fraction))
             own_rows += own
@@ -283,6 +287,9 @@ def main() -> int:
         rows.append((name, n, flagged, reasons, time.perf_counter() - started, caught, own_rows))
         print(f"  {name}: {flagged}/{n} {'rejected' if honest else 'detected'} {dict(reasons)}", flush=True)
 
+    cost: dict[str, float] = dict.fromkeys(
+        ("generate_s", "validate_s", "tokens", "generated"), 0.0
+    )  # honest rollouts: generation and validation seconds and tokens
     index: Counter[str] = Counter()
     workers = iter(f"{i:032x}" for i in range(1, 1000))
 
@@ -292,7 +299,12 @@ def main() -> int:
         if sampling and by is not model:  # a dishonest draw from the vLLM engine: vLLM's own sampler
             by = Drawing(by, model, **sampling)
             sampling = {}
-        return generate_batch(spec, by, tok, who, STEP, index[who] - 1, max_rows=max_rows, **sampling)
+        started_generating = time.perf_counter()
+        made = generate_batch(spec, by, tok, who, STEP, index[who] - 1, max_rows=max_rows, **sampling)
+        if by is producer and not sampling and max_rows == 32:  # honest, at the batch size a volunteer runs
+            cost["generate_s"] += time.perf_counter() - started_generating
+            cost["generated"] += sum(len(c) for g in made.groups for c in g.completions)
+        return made
 
     honest_batches: list[RolloutBatch] = []
     for bs, count in zip((1, 8, 32), args.honest_batches, strict=True):
@@ -382,9 +394,17 @@ def main() -> int:
     bound = 3.0 / h_n if h_n and not h_bad else h_bad / max(h_n, 1)  # rule of three: 95% upper bound at 0 seen
     size = max(proof_sizes) if proof_sizes else 0
     print(f"mostly undetected: {'; '.join(missed) or 'none'}")
+    gen_ms = 1000 * cost["generate_s"] / max(cost["generated"] / 1000, 1e-9)
+    val_ms = 1000 * cost["validate_s"] / max(cost["tokens"] / 1000, 1e-9)
+    print(
+        f"cost per 1k rollout tokens ({model.dtype}, {torch.get_num_threads()} threads): generating at batch 32 "
+        f"{gen_ms:.0f} ms (with proofs), validating {val_ms:.0f} ms (prefill, proofs, re-derived sampling): "
+        f"{val_ms / max(gen_ms, 1e-9):.2f} of generating"
+    )
     print(
         f"toploc model={args.model} compute={args.compute} honest_rejected={h_bad}/{h_n} "
         f"(<= {bound:.2%} at 95%) attacks_detected={a_caught}/{a_n} undetected_attacks={len(missed)} "
+        f"validate_vs_generate={val_ms / max(gen_ms, 1e-9):.2f} "
         f"proof_bytes_per_32_tokens={size}"
     )
     return 0
