@@ -189,7 +189,8 @@ class VerifySpec(BaseModel):
     commit near-zero values, bf16 rounding noise of fp32). 64 for the tiny model, 128 for real ones."""
     decode_batch: Annotated[int, Field(ge=1, le=4096)] = 32
     max_exp_mismatches: Annotated[int, Field(ge=0)] = 3
-    """Per proof: top-k values whose bf16 exponent differs from the validator's."""
+    """Per proof: top-k values whose exponent differs from the validator's, or whose mantissa differs by more than
+    an eighth of its range (kernels/toploc.py FOREIGN_SHARE: an index the producer never committed to)."""
     max_mant_err_mean: Annotated[float, Field(ge=0.0)] = 0.266
     max_mant_err_median: Annotated[float, Field(ge=0.0)] = 1.0
     max_sampling_gap: Annotated[float, Field(ge=0.0)] = 0.05

@@ -335,7 +335,7 @@ class Validator:
             steps += range(n)
             tokens += completion
             reported += logprobs
-        results = toploc.verify_chunk_proofs(chunks, claimed, v.topk)
+        results = toploc.verify_chunk_proofs(chunks, claimed, v.topk, foreign_share=toploc.FOREIGN_SHARE)
         all_logits = torch.cat(step_logits)
         all_tokens = torch.tensor(tokens, device=device)
         logprob_err = (
