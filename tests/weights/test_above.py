@@ -80,7 +80,11 @@ def _fetch_below(tmp_path: Path, shards: int, root_up: bool) -> tuple[list[float
 def test_a_node_two_levels_below_a_stripes_root_takes_its_share_from_the_slot_the_root_keeps(tmp_path: Path) -> None:
     (from_root, from_parent), held, ours = _fetch_below(tmp_path, 64, root_up=True)
     assert held == [1]
-    assert ours == 2 and from_root == ours and from_parent == 64 - ours
+    assert ours == 2 and from_root + from_parent == 64  # every shard once
+    # our share of stripe 0 from the root; a worker done with its stripe before the other may also take that one's
+    # last shards from the root, which holds the whole version (the endgame, fetch.pick_spare): on a loaded machine
+    # the root served 4 (a CI run with benchmarks beside it), so its share is a floor here, not a count
+    assert from_root >= ours
 
 
 def test_a_root_that_cannot_be_reached_costs_nothing_but_the_try_the_parent_sends_the_rest(tmp_path: Path) -> None:
