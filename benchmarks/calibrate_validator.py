@@ -138,7 +138,7 @@ def swarm_setting(
         train=run.train,
         verify=verify,
     )
-    engine = PolicyEngine(spec, copy.deepcopy(model))
+    engine = PolicyEngine(spec, copy.deepcopy(model).float())  # fp32 master weights, as the trainer's
     policy = copy.deepcopy(model)  # producer and validator: each version in turn
     validator = Validator(spec, tok, policy)
     rows = []

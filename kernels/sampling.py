@@ -165,6 +165,6 @@ def sampling_gaps(logits: torch.Tensor, temperature: float, keys: torch.Tensor, 
     index, best = best_scores(logits, temperature, keys)
     claimed = logits.double().gather(1, tokens.view(-1, 1)).squeeze(1) / temperature + gumbel(keys, tokens)
     gap = best - claimed
-    rounding = SCORE_ULPS * torch.finfo(torch.float64).eps * torch.maximum(best.abs(), claimed.abs()).clamp(min=1.0)
-    tie = (index == tokens) | (gap.abs() <= rounding)
+    rounding = SCORE_ULPS * torch.finfo(torch.float64).eps * best.abs().clamp(min=1.0)
+    tie = (index == tokens) | (torch.isfinite(claimed) & (gap.abs() <= rounding))  # a -inf logit is never a tie
     return torch.where(tie, torch.zeros_like(gap), gap).float()

@@ -288,6 +288,8 @@ THRESHOLDS = (
 )
 """The verify settings a calibration measures under (topk, decode_batch) or chooses; the others (``check_fraction``,
 ``ban``, ...) are each run's choice."""
+LIMITS = THRESHOLDS[2:]
+"""The thresholds themselves: what a run computing in bf16 or fp16 without a shipped calibration must give."""
 
 
 def calibrated_verify(kind: str, name: str, compute_dtype: str) -> dict[str, Any] | None:
@@ -311,8 +313,15 @@ def _with_calibrated_thresholds(tree: dict[str, Any]) -> None:
     own = tree.get("verify", {})
     found = calibrated_verify(model["kind"], model["name"], model["compute_dtype"])
     if found is not None:
+        shape = [k for k in ("topk", "decode_batch") if k in own and own[k] != found[k]]
+        if shape and not all(k in own for k in LIMITS):
+            raise ValueError(
+                f"verify.{shape[0]} = {own[shape[0]]}: the calibrated thresholds of this model and dtype were measured "
+                f"at {shape[0]} = {found[shape[0]]}; give every threshold for the new value ({', '.join(LIMITS)}; "
+                "benchmarks/calibrate_validator.py measures them) or leave it"
+            )
         tree["verify"] = {**found, **own}
-    elif model["compute_dtype"] != "float32" and not any(k in own for k in THRESHOLDS):
+    elif model["compute_dtype"] != "float32" and not all(k in own for k in LIMITS):
         which = "the tiny model" if model["kind"] == "tiny-llama" else repr(model["name"])
         shipped = ", ".join(sorted(p.stem for p in CALIBRATED.glob("*.toml")))
         raise ValueError(

@@ -46,8 +46,18 @@ def test_a_run_in_bf16_without_calibrated_thresholds_is_refused_with_the_way_out
     hf = ["model.kind=hf", "model.name=/models/other", "model.compute_dtype=bfloat16"]
     with pytest.raises(ValueError, match=r"no verify thresholds were calibrated for '/models/other' computing in "):
         load_run_config(None, hf)
-    given = load_run_config(None, [*hf, "verify.max_mant_err_mean=4.0", "verify.max_exp_mismatches=12"])
+    some = [*hf, "verify.max_mant_err_mean=4.0", "verify.max_exp_mismatches=12"]
+    with pytest.raises(ValueError, match="no verify thresholds were calibrated"):  # the rest would be fp32's
+        load_run_config(None, some)
+    rest = ["verify.max_mant_err_median=3", "verify.max_sampling_gap=0.7", "verify.min_rederived=0.8"]
+    given = load_run_config(None, [*some, *rest, "verify.max_logprob_error=0.7"])
     assert (given.verify.max_mant_err_mean, given.verify.max_exp_mismatches) == (4.0, 12)  # the run's own
+
+
+def test_a_calibration_is_not_mixed_with_another_proof_shape() -> None:
+    """Thresholds measured at one topk do not hold at another: a run changing it gives them all."""
+    with pytest.raises(ValueError, match=r"verify.topk = 32: the calibrated thresholds .* measured at topk = 64"):
+        load_run_config(None, ["model.compute_dtype=bfloat16", "verify.topk=32"])
 
 
 def test_the_runs_own_verify_settings_win_over_the_calibration() -> None:

@@ -217,12 +217,17 @@ def test_a_bf16_run_accepts_honest_rollouts_made_in_other_batch_shapes_and_refus
 
 def test_truncating_samplers_are_caught_on_the_rows_they_change() -> None:
     """A cheater that draws with the run's seeds over the top-k tokens (or the top-p nucleus) only reports the full
-    distribution's log-probs and agrees with the honest draw wherever that lies inside: only the rows where it does
-    not are refused, each by the sampling check."""
-    honest = VALIDATOR.check(_batch(index=5), exhaustive=True)
-    assert honest.ok
-    for cheat in ({"draw_top_k": 2}, {"draw_top_p": 0.5}):
-        finding = VALIDATOR.check(_batch(index=5, **cheat), exhaustive=True)
-        changed = [r for r in finding.row_reasons if r]
-        assert changed and set(changed) == {"sampling"}, finding.row_reasons
-        assert finding.reason == "sampling"
+    distribution's log-probs and agrees with the honest draw wherever that lies inside: only rows where it does not
+    are refused, each by the sampling check."""
+    honest_batch = _batch(index=5)
+    assert VALIDATOR.check(honest_batch, exhaustive=True).ok
+    honest = [c for g in honest_batch.groups for c in g.completions]
+    for cheat in ({"draw_top_k": 14}, {"draw_top_p": 0.9}):  # the untrained model's 20 tokens: ~half the rows
+        batch = _batch(index=5, **cheat)
+        finding = VALIDATOR.check(batch, exhaustive=True)
+        changed = [c != h for c, h in zip((c for g in batch.groups for c in g.completions), honest, strict=True)]
+        assert any(changed) and not all(changed)
+        refused = [bool(r) for r in finding.row_reasons]
+        # refused only where it drew another token, and there unless the other token was a near-tie the run excuses
+        assert any(refused) and all(c for c, r in zip(changed, refused, strict=True) if r)
+        assert set(finding.row_reasons) - {""} == {"sampling"}

@@ -84,7 +84,7 @@ def test_a_node_two_levels_below_a_stripes_root_takes_its_share_from_the_slot_th
     # our share of stripe 0 from the root; a worker done with its stripe before the other may also take that one's
     # last shards from the root, which holds the whole version (the endgame, fetch.pick_spare): on a loaded machine
     # the root served 4 (a CI run with benchmarks beside it), so its share is a floor here, not a count
-    assert from_root >= ours
+    assert ours <= from_root <= ours + 64 // 2  # the endgame takes at most the other stripe's shards from the root
 
 
 def test_a_root_that_cannot_be_reached_costs_nothing_but_the_try_the_parent_sends_the_rest(tmp_path: Path) -> None:
