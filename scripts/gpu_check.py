@@ -102,9 +102,22 @@ def judge(spec: Any, tok: Any, model: Any, batches: list[Any]) -> tuple[int, int
     return refused, total, time.perf_counter() - started, tokens
 
 
+def on_device(reference: Any, device: torch.device) -> Any:
+    """The transformers backend over a copy of ``reference`` on ``device`` (made when the producer's turn comes)."""
+    from intellect_node.policy.backend import TransformersBackend
+
+    return TransformersBackend(copy.deepcopy(reference).to(device))
+
+
+def free(device: torch.device) -> None:
+    """Give the device's cached memory back (vLLM takes a share of what is free when it starts)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def rollouts(args: argparse.Namespace, table: Table, device: torch.device) -> tuple[int, int]:
     """Part 1: (refused, judged) over every producer x validator pair."""
-    from intellect_node.policy.backend import TransformersBackend, vllm_available
+    from intellect_node.policy.backend import vllm_available
     from intellect_node.policy.model import build_model, build_tokenizer
     from intellect_node.roles.inference import generate_batch
 
@@ -113,9 +126,7 @@ def rollouts(args: argparse.Namespace, table: Table, device: torch.device) -> tu
         spec = run_config(args.model, compute).spec("c" * 32)
         tok = build_tokenizer(spec.model)
         reference = build_model(spec.model, tok).eval()  # in the compute dtype, on the CPU
-        producers: list[tuple[str, Callable[[], Any]]] = [
-            ("transformers", partial(TransformersBackend, copy.deepcopy(reference).to(device)))
-        ]
+        producers: list[tuple[str, Callable[[], Any]]] = [("transformers", partial(on_device, reference, device))]
         if vllm_available():
             from intellect_node.policy.vllm_backend import VLLMBackend
 
@@ -158,7 +169,8 @@ def rollouts(args: argparse.Namespace, table: Table, device: torch.device) -> tu
                     f"{refused}/{total} refused",
                     f"{1000 * seconds / max(tokens / 1000, 1e-9):.0f} ms per 1k rollout tokens",
                 )
-            del validators
+            del validators, backend
+            free(device)
     return refused_all, judged_all
 
 
