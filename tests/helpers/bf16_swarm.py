@@ -16,6 +16,8 @@ from intellect_node.p2p.keys import load_or_create
 from tests.helpers.wait import until
 
 STEPS = 4
+FLOW_CONTROL = {"busy", "backlog_full", "stale_version"}
+"""Refusals that decide nothing about a batch (the producer sends it again later): flow control, not judgements."""
 
 
 def status(url: str) -> dict[str, Any]:
@@ -72,3 +74,12 @@ def run_bf16_swarm(root: Path, producers: list[tuple[str, int]]) -> dict[str, An
     finally:
         for node in reversed(nodes):
             node.stop()
+
+
+def assert_no_honest_rollout_refused(trainer: dict[str, Any]) -> None:
+    """The run trained its steps with every producer's groups accepted, none judged bad, none banned."""
+    assert trainer["step"] == STEPS
+    assert all(trainer["accepted_groups_by_node"].get(n, 0) > 0 for n in trainer["producers"])
+    assert not trainer["banned"]
+    assert trainer["validation_failures_by_reason"] == {}, trainer["validation_failures_by_reason"]
+    assert set(trainer["rejected_batches_by_reason"]) <= FLOW_CONTROL, trainer["rejected_batches_by_reason"]
