@@ -194,13 +194,24 @@ def announced_home(records: dict[str, NodeRecord], node: str) -> int | None:
     return r.relay.stripe if r.relay is not None else -1
 
 
+def planned(r: NodeRecord, stripes: int) -> bool:
+    """Whether ``r`` is the record of a relay that planned its home among ``stripes`` stripes. A node announces a
+    home before it has read the origin's record (one stripe, home 0: ``RelayInfo``'s defaults); counted, those
+    records made every node that joined at once see stripe 0 as the fullest and all of them chose the same home, so
+    the first version crossed one stripe with no parent but the origin and the moves between versions
+    (``rehome_moves``) reshaped the whole tree at once (tests/weights/test_relay_tree.py once waited 60 s for it)."""
+    return r.relay is not None and r.relay.stripes == max(1, stripes)
+
+
 def stripe_capacity(records: dict[str, NodeRecord], me: str, stripes: int, rate: float) -> list[float]:
     """Per stripe, the children the nodes at home there can serve (announced slots; else ``fanout`` of their
-    claimed upload), leaving out ``me``, the origin and nodes nobody can reach."""
+    claimed upload), leaving out ``me``, the origin, nodes nobody can reach and nodes that have not planned their
+    stripes yet (``planned``)."""
     capacity = [0.0] * max(1, stripes)
     for nid, r in records.items():
-        if nid == me or r.relay is None or r.role == "trainer" or not r.http_url:
+        if nid == me or r.role == "trainer" or not r.http_url or not planned(r, stripes):
             continue
+        assert r.relay is not None
         s = r.relay.stripe
         if 0 <= s < len(capacity):
             capacity[s] += r.relay.slots_total if r.relay.slots_total else fanout(claim(r), rate, stripes)
@@ -266,7 +277,7 @@ def rehome_moves(records: dict[str, NodeRecord], stripes: int, rate: float, need
     capacity = [0.0] * k
     nodes: list[tuple[int, int, str, int, float]] = []
     for nid, r in records.items():
-        if r.relay is None or r.role == "trainer" or not r.http_url or not 0 <= r.relay.stripe < k:
+        if r.relay is None or r.role == "trainer" or not r.http_url or not planned(r, k) or not 0 <= r.relay.stripe < k:
             continue
         c = float(r.relay.slots_total or fanout(claim(r), rate, k))
         capacity[r.relay.stripe] += c

@@ -48,7 +48,13 @@ KEYS = Keys()
 
 
 def _rec(
-    nid: str, stripe: int = 0, slots: int = 4, bps: float = 0.0, role: str = "relay", free: int | None = None
+    nid: str,
+    stripe: int = 0,
+    slots: int = 4,
+    bps: float = 0.0,
+    role: str = "relay",
+    free: int | None = None,
+    stripes: int = 4,
 ) -> NodeRecord:
     free = slots if free is None else free
     return NodeRecord(
@@ -57,7 +63,7 @@ def _rec(
         role=role,
         updated=0.0,
         http_url=f"http://{nid[:4]}",  # type: ignore[arg-type]
-        relay=RelayInfo(depth=1, slots_total=slots, slots_free=free, upload_bps=bps, stripe=stripe, stripes=4),
+        relay=RelayInfo(depth=1, slots_total=slots, slots_free=free, upload_bps=bps, stripe=stripe, stripes=stripes),
     )
 
 
@@ -201,6 +207,20 @@ def test_joining_nodes_lean_to_where_capacity_is_lowest_and_simultaneous_joiners
     assert len(homes) >= 3
 
 
+def test_records_of_nodes_that_have_not_planned_their_stripes_count_nowhere() -> None:
+    """A relay's record before it read the origin's says one stripe, home 0. Six relays joining at once each read
+    the others' such records: counted, stripe 0 looked full to all of them and all six chose stripe 1, which left
+    stripe 0 without a parent but the origin for the first version (tests/weights/test_relay_tree.py)."""
+    early = [KEYS.new() for _ in range(5)]
+    recs = {n: _rec(n, 0, stripes=1) for n in early} | {ORIGIN: _rec(ORIGIN, 0, role="trainer", stripes=2)}
+    assert stripe_capacity(recs, KEYS.new(), 2, 1.0) == [0.0, 0.0]
+    homes = [choose_home(recs, KEYS.new(), 2, 1.0) for _ in range(64)]
+    assert 16 <= homes.count(0) <= 48, homes.count(0)
+    assert rehome_moves(recs, 2, 1.0, stripe_need(recs, 2)) == {}  # nobody planned: nobody moves by their word
+    recs[early[0]] = _rec(early[0], 0, stripes=2)  # once planned, it counts
+    assert stripe_capacity(recs, KEYS.new(), 2, 1.0) == [4.0, 0.0]
+
+
 def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_then_nobody_moves() -> None:
     # sixteen nodes of 4 slots that joined at once, homes 7, 3, 3, 3 (as in a netns run): stripes 1 to 3 serve 12
     # of the 15 their receivers need beyond the origin's slot; stripe 0 can spare three nodes
@@ -217,7 +237,7 @@ def test_short_stripes_get_nodes_from_those_that_can_spare_them_all_at_once_and_
     assert rehome_moves(recs, 4, 1.0, need) == {}  # 4, 4, 4, 4: every stripe serves its receivers
     # uneven but each enough: nobody moves (evening them out made nodes chase each other)
     a, b, c = KEYS.new(), KEYS.new(), KEYS.new()
-    recs = {a: _rec(a, 0), b: _rec(b, 0), c: _rec(c, 1)}
+    recs = {a: _rec(a, 0, stripes=2), b: _rec(b, 0, stripes=2), c: _rec(c, 1, stripes=2)}
     assert rehome_moves(recs, 2, 1.0, stripe_need(recs, 2)) == {}
     # not enough anywhere (six nodes, four stripes): evened out as far as it goes, then still
     six = [KEYS.new() for _ in range(6)]
