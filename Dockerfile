@@ -15,11 +15,13 @@ ARG PIP_FIND_LINKS
 ARG PIP_TRUSTED_HOST
 
 # The node's key, weights, logs and the converted SmolLM2 live on the volume (/data): a restarted container keeps
-# its identity and does not convert the model again.
+# its identity and does not convert the model again; it waits for the trainer however long that takes (a join
+# timeout of 0), so a container restarted while the trainer restarts comes back with it.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     INTELLECT_NODE_HOME=/data \
+    INTELLECT_NODE_JOIN_TIMEOUT=0 \
     INTELLECT_NODE_CACHE=/data/cache \
     HOME=/data
 

@@ -241,12 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LEDGER_LOG_ENV = "INTELLECT_NODE_LEDGER_LOG"
+"""Set to 1, the trainer logs a LEDGER line per accepted batch and per outcome of its groups (roles/trainer_state.py;
+~110 KB a minute with two producers): what benchmarks/chaos.py and gossip.py add up. Off by default."""
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if os.environ.get(LEDGER_LOG_ENV) != "1":
+        logging.getLogger("intellect_node.ledger").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -322,13 +329,15 @@ def _main(args: argparse.Namespace) -> None:
             "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend or threads"
         )
     fields = node_settings(node_overrides, node_fields(args), role=args.node_role)  # --set wins over a flag
-    _writable(Path(fields["data_dir"]) if "data_dir" in fields else None)
+    from intellect_node.runtime import lock_data_dir, run_until_signalled
+
+    data_dir = _writable(Path(fields["data_dir"]) if "data_dir" in fields else None)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 uses the data dir (_bootstrap)
+        lock_data_dir(data_dir)
     from intellect_node.policy.model import resolve_device
 
     # no GPU where one was asked for: say so now, not once the node has joined
     resolve_device(str(fields.get("device", NodeConfig.model_fields["device"].default)))
-    from intellect_node.runtime import run_until_signalled
-
     if args.command == "bootstrap":
         run = load_run_config(args.config, args.overrides)
         _bootstrap(NodeConfig(**fields), run)
@@ -348,8 +357,8 @@ def _main(args: argparse.Namespace) -> None:
         run_until_signalled(InferenceNode(node).run())
 
 
-def _writable(data_dir: Path | None) -> None:
-    """The data dir exists (made if need be) and takes files: said now, with the flag to change, not as an errno
+def _writable(data_dir: Path | None) -> Path:
+    """The data dir (made if need be), once it takes files: said now, with the flag to change, not as an errno
     from deep inside a node."""
     import tempfile
 
@@ -365,6 +374,7 @@ def _writable(data_dir: Path | None) -> None:
             f"intellect-node: --data-dir {path}: cannot create or write files there ({e.strerror}); give a "
             "directory you can write to (or set INTELLECT_NODE_HOME)"
         )
+    return path
 
 
 def _invite(args: argparse.Namespace) -> None:

@@ -160,14 +160,32 @@ class TrainerSettings(BaseModel):
     """Bootstrap of an invite-only run: how many days the printed invite is valid."""
 
 
+JOIN_TIMEOUT_ENV = "INTELLECT_NODE_JOIN_TIMEOUT"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds (0 or more) from the environment variable ``name``, else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise SystemExit(f"intellect-node: ${name}={raw!r}: give a number of seconds, 0 or more (0: for ever)")
+    return value
+
+
 class VolunteerSettings(BaseModel):
     """A volunteer's (``join``: inference, relay, validator): which run it joins and how."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
     """The run to join, as `bootstrap` prints it; pins the run key, so a spec signed by any other key is ignored."""
-    join_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    """Seconds `join` looks for the run in the DHT before giving up with advice."""
+    join_timeout_s: Annotated[float, Field(ge=0)] = Field(default_factory=lambda: _env_seconds(JOIN_TIMEOUT_ENV, 60.0))
+    """Seconds `join` tries to reach the run (its peers, its record, the trainer) before giving up with advice; 0:
+    for ever. Default: $INTELLECT_NODE_JOIN_TIMEOUT (the Docker image sets 0), else 60."""
     relay: bool = True
     """Serve the weights this node holds to other nodes (inference nodes; ``--no-relay`` turns it off)."""
     invite: Annotated[str, Field(max_length=1024)] | None = None

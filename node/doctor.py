@@ -43,7 +43,9 @@ def status_url(data_dir: Path) -> str:
 
 def summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     """The rows worth a glance, for any role."""
+    state: dict[str, Any] = s["state"] if isinstance(s.get("state"), dict) else {}
     rows = [
+        ("state", ("ok: " if state.get("ok", True) else "NOT WORKING: ") + str(state.get("doing", "?"))),
         ("role", str(s.get("role"))),
         ("node", str(s.get("node_id"))),
         ("run", f"{s.get('run_id')} epoch {s.get('epoch')}"),
@@ -133,6 +135,9 @@ def show_status(url: str) -> None:
             f"could not read {url}/status ({e}): is the node running, and is that its HTTP port?"
         ) from None
     print_rows(f"intellect-node at {url}", summary(s))
+    state = s.get("state")
+    if isinstance(state, dict) and state.get("ok") is False:
+        raise SystemExit(1)  # not doing its job: the first row says why (scripts and health checks read the code)
 
 
 @dataclass
@@ -248,7 +253,10 @@ async def reach_check(
     membership = Membership(identity, run_id, Metrics())
     http = HttpServer(Metrics(), lambda: {}, [])
     try:
-        maddrs = await membership.start(host, p2p_port, peers)
+        try:
+            maddrs = await membership.start(host, p2p_port, peers)
+        except SystemExit as e:  # no peer answered, a port taken: a failed check, not the end of the others
+            return [Check("run", False, str(e.code), "start the trainer first, or check --peers and the ports")]
         port = await http.start(host, http_port)
         trainer = None
         for _ in range(40):

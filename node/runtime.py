@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from intellect_node import __version__
@@ -18,6 +21,38 @@ from intellect_node import __version__
 logger = logging.getLogger(__name__)
 READY_PREFIX = "READY "
 STOP_GRACE_S = 15.0
+LOCK_NAME = "node.lock"
+_held_locks: list[int] = []
+"""The data dir locks this process holds (their descriptors stay open as long as it lives)."""
+
+
+def lock_data_dir(path: Path) -> None:
+    """Hold ``path``'s lock for as long as this process lives, or exit saying which process holds it. Two nodes on
+    one data dir run as one identity (each one's batches refused as duplicates of the other's) and overwrite each
+    other's saved HTTP URL (``intellect-node status`` then asks a dead port); two containers on the README's volume
+    name are the easy way there. A POSIX record lock (``fcntl.lockf``): the kernel drops it when the process ends,
+    however it ends (a restart after ``kill -9`` finds it free), a forked child (the DHT process) does not inherit
+    it, and it holds between containers that share the volume. The file names the holder: its pid and host name
+    (a container's id, in Docker), for the message only."""
+    lock = path / LOCK_NAME
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.read(fd, 256).decode(errors="replace").split()
+        except OSError:
+            holder = []
+        os.close(fd)
+        who = f"process {holder[0]} on {holder[1]}" if len(holder) >= 2 else "another process"
+        raise SystemExit(
+            f"intellect-node: --data-dir {path} is in use by {who}: one node per data dir (they would run as one "
+            "identity). Stop that node first, or give this one its own --data-dir (in Docker, its own volume: "
+            "-v intellect-data-2:/data)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    _held_locks.append(fd)
 
 
 @functools.cache
@@ -95,6 +130,37 @@ def dump_tasks() -> None:
     logger.warning("\n".join(lines))
 
 
+def _run_loop(main: Coroutine[Any, Any, None], join_threads: bool) -> None:
+    """``asyncio.run`` on uvloop (where installed), except that without ``join_threads`` the end does not wait for
+    the threads of ``asyncio.to_thread`` still running: ``asyncio.run`` joins them, and a trainer sent SIGTERM during
+    a training step waited for the step to end (~50 s with SmolLM2 on two cores) before it exited. What such a thread
+    did not finish is not durable yet, and what is durable is on disk (checkpoints and spool appends are atomic or
+    replayed): the node ends without it."""
+    loop: asyncio.AbstractEventLoop
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in rest:
+                task.cancel()
+            if rest:
+                loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            if join_threads:
+                loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # the default executor is shut down without waiting for its threads
+
+
 def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True) -> None:
     """Run ``main`` on uvloop; SIGINT/SIGTERM cancel it, so its ``finally`` blocks drain and close.
 
@@ -133,12 +199,7 @@ def run_until_signalled(main: Coroutine[Any, Any, None], hard_exit: bool = True)
 
     code = 0
     try:
-        try:
-            import uvloop
-
-            uvloop.run(_runner())
-        except ImportError:
-            asyncio.run(_runner())
+        _run_loop(_runner(), join_threads=not hard_exit)
     except SystemExit as e:
         if not hard_exit:
             raise

@@ -71,6 +71,11 @@ T = TypeVar("T")
 _CLOCK = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
 
 
+class PeersUnreachable(SystemExit):
+    """The DHT peer could not start through the peers given: none answered (the trainer restarting, say, or a
+    wrong address). Worth trying again, unlike a taken port or a clock off by minutes."""
+
+
 def _require_free(host: str, port: int) -> None:
     """Refuse a --p2p-port another program listens on, saying so (the daemon reports it as a failure to reach
     the bootstrap peers)."""
@@ -405,6 +410,8 @@ class Membership:
                     "peers, and the DHT accepts a few seconds at most: turn on time sync (`timedatectl set-ntp true`, "
                     "or install chrony) and join again"
                 ) from None
+            if peers:
+                raise PeersUnreachable(f"could not start the DHT peer: {e}; {hint}") from None
             raise SystemExit(f"could not start the DHT peer: {e}; {hint}") from None
         self.dht = dht
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]

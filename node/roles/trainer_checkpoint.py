@@ -379,6 +379,7 @@ class Durability:
             tensors,
             self.cfg.shard_bytes,
             epoch=self.epoch,
+            stripes=self.cfg.stripes,
         )
         try:
             write()

@@ -16,9 +16,10 @@ from typing import Any
 import aiohttp
 
 from intellect_node import __version__
+from intellect_node.aio import Backoff
 from intellect_node.config import NodeConfig
 from intellect_node.judging.tasks import require_jail
-from intellect_node.p2p.dht import Membership
+from intellect_node.p2p.dht import Membership, PeersUnreachable
 from intellect_node.p2p.gossip import Gossip
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.keys import load_or_create
@@ -46,6 +47,8 @@ TRAINER_REFRESH_S = 10.0
 REBOOTSTRAP_S = 20.0
 """Without a trainer record signed in the last this many seconds (it republishes every 8), a volunteer re-joins
 the DHT through the trainer's last known address and --peers."""
+JOIN_RETRY_MAX_S = 30.0
+"""Longest wait between two tries to join the DHT through --peers (doubling from 1 s, with jitter)."""
 RECHECK_S = 120.0
 """A node whose reachability could not be checked (the trainer refused, was silent or could not be found) asks
 again this often, announcing no address meanwhile."""
@@ -146,10 +149,30 @@ class Volunteer(abc.ABC):
             # travels to several DHT peers, and a record's stores are most of a node's libp2p bytes
             await asyncio.sleep(PUBLISH_MIN_S)
 
+    def state(self) -> dict[str, Any]:
+        """Whether this node does its job now, and what it does or waits for, in words: in ``/status``, in
+        ``intellect-node status`` (which exits 1 when it is not ok) and on the dashboard. A volunteer whose trainer
+        is gone, or whose every batch is refused, says so rather than looking healthy."""
+        if self.spec is None:
+            return {"ok": False, "doing": "looking for the run in the DHT (check --run-id and --peers)"}
+        away = time.monotonic() - self._trainer_seen
+        if away > REBOOTSTRAP_S:
+            return {
+                "ok": False,
+                "doing": f"waiting for the trainer: no record of it for {away:.0f} s (stopped, restarting, or cut off "
+                "from this node); nothing to do until it is back",
+            }
+        return self.working()
+
+    def working(self) -> dict[str, Any]:
+        """The role's own part of ``state`` (the run and its trainer are found)."""
+        return {"ok": True, "doing": f"relaying the weights (version {self.version})"}
+
     def status(self) -> dict[str, Any]:
         f = self.follower
         return {
             "role": self.role,
+            "state": self.state(),
             "node_id": self.identity.node_id,
             "run_id": self.run_id,
             "epoch": self.store.epoch,
@@ -175,8 +198,33 @@ class Volunteer(abc.ABC):
             },
         }
 
+    def _join_deadline(self) -> float:
+        """When ``join`` stops looking for the run: ``--join-timeout`` seconds from now, never for 0 (the Docker
+        image's default: a container restarted while the trainer restarts waits for it)."""
+        t = self.cfg.join_timeout_s
+        return time.monotonic() + t if t > 0 else math.inf
+
+    async def _join_dht(self) -> list[str]:
+        """Join the DHT through ``--peers``, trying again while none of them answers (a trainer restarting, a
+        volunteer started first) with waits doubling from 1 s to ``JOIN_RETRY_MAX_S`` (aio.Backoff), until
+        ``--join-timeout``. A taken port or a clock far off ends the node at once (no try would do better)."""
+        deadline, waits = self._join_deadline(), Backoff(1.0, JOIN_RETRY_MAX_S)
+        while True:
+            try:
+                return await self.membership.start(self.cfg.host, self.cfg.p2p_port, self.cfg.peers, self.cfg.data_dir)
+            except PeersUnreachable as e:
+                pause = waits.next()
+                if time.monotonic() + pause >= deadline:
+                    raise SystemExit(
+                        f"{e.code} (tried {waits.failures} times in {self.cfg.join_timeout_s:.0f}s; --join-timeout 0 "
+                        "waits for ever)"
+                    ) from None
+                logger.warning("none of --peers answered (try %d); trying again in %.0fs", waits.failures, pause)
+                self.metrics.inc("node_join_retries_total", help="tries to join the DHT that found no peer answering")
+                await asyncio.sleep(pause)
+
     async def _wait_for_spec(self) -> RunSpec:
-        deadline = time.monotonic() + self.cfg.join_timeout_s
+        deadline = self._join_deadline()
         while time.monotonic() < deadline:
             spec = await self.membership.get_spec()
             if spec is not None:
@@ -300,9 +348,7 @@ class Volunteer(abc.ABC):
     async def run(self) -> None:
         try:
             # the DHT process first: it must not inherit a listening socket (it would hold the port after a crash)
-            self.maddrs = await self.membership.start(
-                self.cfg.host, self.cfg.p2p_port, self.cfg.peers, self.cfg.data_dir
-            )
+            self.maddrs = await self._join_dht()
             port = await self.http.start(self.cfg.host, self.cfg.http_port)
             self.maddrs, self.status_url = announced(self.cfg.host, self.cfg.announce, self.maddrs, port)
             (self.cfg.data_dir / "http.url").write_text(f"http://127.0.0.1:{port}\n")  # for `intellect-node status`
@@ -360,7 +406,7 @@ class Volunteer(abc.ABC):
         trainer cannot be reached or is busy; a refusal ends the node with the reason and what to do."""
         if spec.admission.policy != "invite":
             return
-        deadline = time.monotonic() + self.cfg.join_timeout_s
+        deadline = self._join_deadline()
         detail = "the trainer's record could not be read"
         while time.monotonic() < deadline:
             trainer = await self.membership.get_trainer()

@@ -51,6 +51,19 @@ def test_write_splits_into_shards_and_round_trips(tmp_path: Path) -> None:
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 
+def test_a_small_model_is_cut_so_that_every_stripe_has_a_shard(tmp_path: Path) -> None:
+    """A version under ``shard_bytes`` was one shard: with four stripes, relays at home in three of them had nothing
+    to serve. It is cut into about one shard per stripe (never below files.MIN_SPLIT_BYTES)."""
+    tensors = {f"layer{i}.weight": torch.zeros(128, 128) for i in range(16)}  # 64 KiB each, 1 MiB in all
+    manifest = write_checkpoint(tmp_path, RUN_KEY, RUN, 0, tensors, shard_bytes=64 << 20, stripes=4)
+    assert len(manifest.shards) == 4 and {i % 4 for i in range(len(manifest.shards))} == {0, 1, 2, 3}
+    assert len(write_checkpoint(tmp_path, RUN_KEY, RUN, 1, tensors, shard_bytes=64 << 20).shards) == 1  # 1 stripe
+    small = {"w": torch.zeros(16, 16)}  # 1 KiB: not cut further (one tensor is one shard at least)
+    assert len(write_checkpoint(tmp_path, RUN_KEY, RUN, 2, small, shard_bytes=64 << 20, stripes=4).shards) == 1
+    loaded = load_checkpoint(tmp_path / "0", manifest)
+    assert loaded.keys() == tensors.keys()
+
+
 def test_manifest_signed_by_another_key_is_refused(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, Identity.generate(), RUN, 0, _tensors(), shard_bytes=1 << 20)
     with pytest.raises(Rejected) as e:

@@ -1,0 +1,151 @@
+"""Starting a node as an operator or a volunteer does it, through the real CLI and processes (issue 38 items 2
+and 3): one node per data dir, the second start told which process holds it; and a volunteer started while the
+trainer is down waits for it (until ``--join-timeout``) instead of exiting after one try."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from intellect_node.launch import NodeExited, NodeProcess, join_argv
+from tests.helpers.net import free_port
+from tests.helpers.wait import until
+
+pytestmark = pytest.mark.integration
+
+
+def _state(data_dir: Path) -> tuple[int, str]:
+    """``intellect-node status --data-dir``: its exit code (1: the node is not doing its job) and what it printed."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "intellect_node.cli", "status", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "1000"},  # one table row a line: no text wrapped inside a cell
+    )
+    return shown.returncode, " ".join((shown.stdout + shown.stderr).split())
+
+
+def _exits_refused(node: NodeProcess, timeout: float) -> str:
+    """The node's log once it exited with a non-zero code (it must not get as far as READY)."""
+    with pytest.raises(NodeExited):
+        node.wait_ready(timeout=timeout)
+    assert node.proc.returncode not in (0, None)
+    return node.log_path.read_text(errors="replace")
+
+
+def test_a_second_node_on_a_data_dir_is_refused_naming_the_first_and_a_kill_frees_it(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    nodes: list[NodeProcess] = []
+    try:
+        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t"), "--max-steps", "0"], logs)
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r"), logs)
+        nodes.append(relay)
+        relay.wait_ready(timeout=120)
+        saved_url = (tmp_path / "r" / "http.url").read_text()
+
+        twin = NodeProcess("relay-twin", join_argv("relay", ready, tmp_path / "r"), logs)
+        nodes.append(twin)
+        said = _exits_refused(twin, timeout=60)
+        assert f"--data-dir {tmp_path / 'r'} is in use by process {relay.proc.pid} on " in said, said
+        assert "Traceback" not in said
+        assert (tmp_path / "r" / "http.url").read_text() == saved_url  # `status --data-dir` still finds the first
+
+        second_trainer = NodeProcess("trainer-twin", ["bootstrap", "--data-dir", str(tmp_path / "t")], logs)
+        nodes.append(second_trainer)
+        said = _exits_refused(second_trainer, timeout=60)
+        assert f"is in use by process {trainer.proc.pid} on " in said, said
+
+        relay.proc.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops the lock with the process
+        relay.proc.wait(timeout=10)
+        again = NodeProcess("relay-again", join_argv("relay", ready, tmp_path / "r"), logs)
+        nodes.append(again)
+        again.wait_ready(timeout=120)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def test_a_volunteer_started_while_the_trainer_is_down_waits_for_it(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    http_port, p2p_port = free_port(), free_port()
+    boot = ["bootstrap", "--data-dir", str(tmp_path / "t"), "--max-steps", "0"]
+    boot += ["--http-port", str(http_port), "--p2p-port", str(p2p_port)]
+    nodes: list[NodeProcess] = []
+    try:
+        first = NodeProcess("trainer", boot, logs)
+        nodes.append(first)
+        ready = first.wait_ready(timeout=120)
+        first.stop()  # the trainer restarts (its join line stays valid: same key, same ports)
+
+        relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r", "--join-timeout", "300"), logs)
+        nodes.append(relay)
+
+        def retried() -> bool:
+            assert relay.proc.poll() is None, relay.tail()  # it must not give up while the trainer is away
+            return "none of --peers answered (try 2)" in relay.log_path.read_text(errors="replace")
+
+        asyncio.run(until(retried, "the volunteer's second try to join", timeout=120, every=0.5))
+        # doctor against the same dead trainer: its local checks still shown, the run's check failed with the fix
+        doctor = subprocess.run(
+            [sys.executable, "-m", "intellect_node.cli", "doctor", "--data-dir", str(tmp_path / "d"), "--host"]
+            + ["127.0.0.1", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+        assert "memory" in doctor.stdout and "FAIL could not start the DHT peer" in doctor.stdout, doctor.stdout
+        assert "Traceback" not in doctor.stderr, doctor.stderr
+        back = NodeProcess("trainer-back", boot, logs)
+        nodes.append(back)
+        back.wait_ready(timeout=120)
+        relay.wait_ready(timeout=180)
+        assert _state(tmp_path / "r")[0] == 0
+
+        # the trainer gone for good: the volunteer says so (it looked healthy), and `status` exits 1
+        back.stop()
+        asyncio.run(until(lambda: _state(tmp_path / "r")[0] == 1, "the relay to say its trainer is gone", 90, 1.0))
+        assert "waiting for the trainer: no record of it for" in _state(tmp_path / "r")[1]
+
+        # a finite --join-timeout still ends a volunteer whose peers never answer, with the reason and the way out
+        gone = NodeProcess("relay-alone", join_argv("relay", ready, tmp_path / "r2", "--join-timeout", "5"), logs)
+        nodes.append(gone)
+        said = _exits_refused(gone, timeout=120)
+        assert "could not start the DHT peer" in said and "--join-timeout 0 waits for ever" in said, said
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def test_a_validator_the_trainer_does_not_trust_says_so(tmp_path: Path) -> None:
+    """Started without --validator for it, the trainer judges every batch itself and never names the validator;
+    the validator used to judge nothing and say nothing. Now its status names the fix, and `status` exits 1."""
+    logs = tmp_path / "logs"
+    nodes: list[NodeProcess] = []
+    try:
+        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t")], logs)
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        validator = NodeProcess("validator", join_argv("validator", ready, tmp_path / "v"), logs)
+        nodes.append(validator)
+        vid = validator.wait_ready(timeout=120)["node_id"]
+        worker = NodeProcess("inference", join_argv("inference", ready, tmp_path / "i"), logs)
+        nodes.append(worker)
+        worker.wait_ready(timeout=120)
+        assert _state(tmp_path / "i")[0] == 0
+        asyncio.run(until(lambda: _state(tmp_path / "v")[0] == 1, "the validator to say it is not asked", 240, 2.0))
+        said = _state(tmp_path / "v")[1]
+        assert "not asked to judge" in said and f"--validator {vid}" in said, said
+        assert _state(tmp_path / "i")[0] == 0  # the producer's batches are judged (by the trainer): it works
+    finally:
+        for node in reversed(nodes):
+            node.stop()
