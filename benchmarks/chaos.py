@@ -119,7 +119,7 @@ class Swarm:
 
     def start(self, name: str, argv: list[str], prefix: list[str] | None = None, wait: bool = True) -> dict[str, Any]:
         self.argv[name], self.prefix[name] = argv, prefix or []
-        node = NodeProcess(f"{name}-{len(self.lives[name])}", argv, self.logs, prefix=prefix)
+        node = NodeProcess(f"{name}-{len(self.lives[name])}", argv, self.logs, prefix=prefix, env=LEDGER_ON)
         self.procs[name] = node
         self.lives[name].append(node)
         return node.wait_ready(timeout=180) if wait else {}
@@ -273,6 +273,8 @@ def steps_in(history: list[dict[str, Any]], t0: float, t1: float) -> tuple[int, 
     return len(times), max(b - a for a, b in zip(edges, edges[1:], strict=False))
 
 
+LEDGER_ON = {"INTELLECT_NODE_LEDGER_LOG": "1"}
+"""The trainer's LEDGER lines are what the accounting adds up (off by default: node/cli.py LEDGER_LOG_ENV)."""
 _LEDGER = re.compile(r"LEDGER (\w+) (\d+) ([0-9a-f]{32}) (\d+) (\d+) (\d+) (\d+)")
 _RESUMED = re.compile(r"resuming run [0-9a-f]+ from its checkpoint at step (\d+)")
 

@@ -272,7 +272,7 @@ def main() -> None:
             str(work / "t"),
             *[a for v in vids for a in ("--validator", v)],
         ]
-        nodes["t"] = NodeProcess("trainer", boot, logs, prefix=net.prefix("t"))
+        nodes["t"] = NodeProcess("trainer", boot, logs, prefix=net.prefix("t"), env={"INTELLECT_NODE_LEDGER_LOG": "1"})
         ready["t"] = t = nodes["t"].wait_ready(timeout=180)
         for name in ("v0", "v1", *producers):
             role = "validator" if name.startswith("v") else "inference"

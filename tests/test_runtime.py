@@ -95,3 +95,37 @@ def test_a_part_that_swallows_its_cancellation_costs_seconds_not_a_hung_node(tmp
     assert proc.returncode == 0, err
     assert "still stopping after 1 s" in err
     assert "stubborn (" in err  # the dump names where the stuck task waited
+
+
+def test_a_stop_does_not_wait_for_a_thread_still_working() -> None:
+    """A trainer sent SIGTERM during a training step (``asyncio.to_thread``, ~50 s with SmolLM2 on two cores) waited
+    for the step to end: ``asyncio.run`` joins those threads at its end. The node ends without them."""
+    script = textwrap.dedent(
+        """
+        import asyncio, time
+        from intellect_node import runtime
+
+        async def main() -> None:
+            started = asyncio.get_running_loop().create_future()
+
+            def step() -> None:
+                started.get_loop().call_soon_threadsafe(started.set_result, None)
+                time.sleep(120)
+
+            work = asyncio.ensure_future(asyncio.to_thread(step))
+            await started
+            print("ready", flush=True)
+            await work
+
+        runtime.run_until_signalled(main())
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)  # the thread sleeps 120 s: exiting here means it was not waited for
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err

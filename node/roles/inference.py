@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from intellect_node.aio import Backoff
 from intellect_node.judging.tasks import task_source
 from intellect_node.judging.validator import task_reward
 from intellect_node.p2p.metrics import TOKENS_PER_S
@@ -30,6 +31,7 @@ from intellect_node.p2p.rollouts import Endpoint, RolloutSink, make_sink
 from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
+from intellect_node.roles.invites import FIXES
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
@@ -40,6 +42,14 @@ from intellect_protocol.tasks import sampling_seed
 logger = logging.getLogger(__name__)
 RETRY_SAME = frozenset({"busy", "unknown_signer"})
 """Refusals that decide nothing about the batch (the trainer is full, or has not read our record yet)."""
+FLOW_CONTROL = frozenset({"busy", "unknown_signer", "backlog_full", "duplicate", "out_of_order"})
+"""Refusals an honest producer gets in the normal course of a run: logged at INFO, not as a warning."""
+DELIVERY_BACKOFF_MAX_S = 8.0
+"""The longest wait between two tries to deliver a batch to a trainer that cannot be reached."""
+DEFERRED_BACKOFF_MAX_S = 4.0
+"""The longest wait between two tries of a batch the trainer deferred (busy: judging takes seconds)."""
+REFUSED_IN_ROW = 3
+"""Refusals (other than flow control) or failed deliveries in a row after which the node says it is not working."""
 DISK_RETRY_S = 5.0
 """After a local disk error (full, out of file handles), the node waits this long before trying again."""
 REANNOUNCE_S = 5.0
@@ -72,8 +82,35 @@ class InferenceNode(Volunteer):
         self._made_at: dict[str, float] = {}
         self.delivery_ms: deque[float] = deque(maxlen=2000)
         """Milliseconds from a batch made to its acknowledgement (the push's reply or gossip), the last 2000."""
+        self.unreachable = Backoff(POLL_S, DELIVERY_BACKOFF_MAX_S)
+        """Waits between tries to deliver to a trainer that cannot be reached."""
+        self.refused_in_row = 0
+        self.last_refusal = ("", "")
+        """The reason and detail of the trainer's last refusal of a batch (``refused_in_row`` in a row since one was
+        accepted)."""
         self.sink: RolloutSink | None = None
         """Where sealed batches go (node/p2p/rollouts): made once the node's gossip is up."""
+
+    def working(self) -> dict[str, Any]:
+        reason, detail = self.last_refusal
+        if self.refused_in_row >= REFUSED_IN_ROW and reason not in FLOW_CONTROL:
+            return {
+                "ok": False,
+                "doing": f"every batch refused: the trainer refused the last {self.refused_in_row} ({reason}: "
+                f"{detail[:200]}); {FIXES.get(reason, 'ask the run operator why')}",
+            }
+        if self.unreachable.failures >= REFUSED_IN_ROW:
+            return {
+                "ok": False,
+                "doing": f"cannot deliver batches: {self.unreachable.failures} tries in a row failed to reach the "
+                "trainer (sending again, waits doubling)",
+            }
+        if self.loaded < 0:
+            return {"ok": True, "doing": f"fetching the weights (version {self.version} held)"}
+        return {
+            "ok": True,
+            "doing": f"generating with version {self.loaded}: {self.batches_accepted} batches accepted",
+        }
 
     def status(self) -> dict[str, Any]:
         return {
@@ -200,6 +237,9 @@ class InferenceNode(Volunteer):
         paused_since = 0.0
         unsent: tuple[RolloutBatch, bytes] | None = None
         """A batch whose delivery failed: sent again as it is (same index) before anything new is generated."""
+        unreachable = self.unreachable
+        deferred = Backoff(POLL_S, DEFERRED_BACKOFF_MAX_S)
+        """Waits between tries of a batch the trainer deferred (busy, or our record not read yet)."""
         while True:
             trainer = await self.trainer()
             if trainer is None or not trainer.p2p_maddrs:
@@ -259,18 +299,25 @@ class InferenceNode(Volunteer):
                 reply = await sink.push(trainer, data)
             except (*DELIVERY_ERRORS, Rejected) as e:
                 self.metrics.inc("node_inference_submit_failures_total")
-                logger.warning(
-                    "could not deliver batch version=%d index=%d (will send it again): %r",
+                pause = unreachable.next()
+                # said once when it starts (and once when it ends), not at every try
+                say = logger.warning if unreachable.failures == 1 else logger.debug
+                say(
+                    "could not deliver batch version=%d index=%d: %r; sending it again, waits doubling to %.0fs",
                     batch.version,
                     batch.batch_index,
                     e,
+                    DELIVERY_BACKOFF_MAX_S,
                 )
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(pause)
                 continue
+            if unreachable.failures:
+                logger.info("the trainer answers again (after %d failed deliveries)", unreachable.reset())
             if not reply.ok and reply.reason in RETRY_SAME:  # nothing decided about this batch: the same, later
                 self.metrics.inc("node_inference_batches_deferred_total", label=reply.reason)
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(deferred.next())
                 continue
+            deferred.reset()
             current = batch.version == self.loaded  # the index counts batches of the loaded version
             self.batches_sent += 1
             self.metrics.inc("node_inference_batches_sent_total")
@@ -281,14 +328,18 @@ class InferenceNode(Volunteer):
             if reply.ok:
                 unsent = None
                 self.batches_accepted += 1
+                self.refused_in_row = 0
                 if current:
                     self.batch_index = max(self.batch_index, batch.batch_index + 1)
                 if reply.backlog >= max(2, spec.train.async_level) * spec.train.batch_groups:  # enough to train on
                     paused_at, paused_since = self.loaded, time.monotonic()
                 continue
             self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
+            self.refused_in_row += 1
+            self.last_refusal = (reply.reason, reply.detail)
             self.metrics.inc("node_inference_batches_refused_total", label=reply.reason)
-            logger.warning("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
+            say = logger.info if reply.reason in FLOW_CONTROL else logger.warning
+            say("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
             if reply.reason == "backlog_full":  # kept, and sent again when the trainer has room
                 paused_at, paused_since = self.loaded, time.monotonic()
                 continue

@@ -43,6 +43,12 @@ FIXES = {
     "invite_expired": "the invite has expired: ask the run's operator for a new one (intellect-node invite)",
     "invite_used_up": "the invite was already used by as many nodes as it admits: ask the run's operator for a new "
     "one (intellect-node invite --uses N)",
+    "banned": "the trainer banned this node's key: its rollouts failed verification against the run's model; run the "
+    "run's model and backend unmodified (`intellect-node doctor`), and ask the run's operator",
+    "pow": "this node's proof of work was not accepted: restart it (it makes a new one for the run's epoch)",
+    "stale_version": "its batches arrive too late for the trainer's staleness limit: a faster machine, or fewer "
+    "--threads taken by other programs, keeps up",
+    "wrong_epoch": "the run was started over: the node follows the new start within seconds; if not, restart it",
 }
 """What a volunteer is told to do about each refusal."""
 

@@ -62,6 +62,8 @@ from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import NodeRecord, RunSpec
 
 logger = logging.getLogger(__name__)
+WAITING_S = 60.0
+"""A trainer that took no step for this long says it waits for rollouts (``Trainer.state``)."""
 
 
 class Trainer:
@@ -321,10 +323,26 @@ class Trainer:
             relay=self.origin.origin_info(self.registry.records, self.store.complete_versions(), self.cfg.relay_slots),
         )
 
+    def state(self) -> dict[str, Any]:
+        """What the trainer does, in words (``/status``, ``intellect-node status``, the dashboard). Waiting for
+        rollouts is its job too: it is never "not ok" for want of volunteers, but it says that it waits."""
+        step, history = self.progress.step, self.learner.history
+        if self.cfg.max_steps is not None and step >= self.cfg.max_steps:
+            return {"ok": True, "doing": f"done: {step} steps (max_steps); serving the weights until stopped"}
+        since = time.time() - history[-1]["time"] if history else None
+        if since is None or since > WAITING_S:
+            return {
+                "ok": True,
+                "doing": f"waiting for rollouts: no step for {'ever' if since is None else f'{since:.0f} s'}, "
+                f"{len(self.shared.queue)} groups queued; volunteers join with the line printed at start",
+            }
+        return {"ok": True, "doing": f"training: step {step}"}
+
     def status(self) -> dict[str, Any]:
         shared = self.shared
         return {
             "role": "trainer",
+            "state": self.state(),
             "node_id": self.identity.node_id,
             "run_id": self.run_id,
             "epoch": self.spec.epoch,

@@ -36,7 +36,7 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +144,9 @@ class TrainerGossip:
         self._pulling: Counter[str] = Counter()
         """Announced batches being fetched, by producer: at most PULLS_PER_NODE each (a producer announcing made-up
         digests gets one fetch at a time, each read only up to the size it announced)."""
+        self._tasks: set[asyncio.Future[None]] = set()
+        """Acknowledgements being published and pulls in flight: cancelled at ``stop``, their errors logged (a pull
+        that failed as the daemon went away printed "Task exception was never retrieved" at one stop in five)."""
 
     async def start(self, p2p: Any, source: RolloutSource) -> None:
         self.p2p = p2p
@@ -156,7 +159,22 @@ class TrainerGossip:
         self.dialback = DialBackServer(self.p2p, self.identity, self.run_id, self.metrics)  # joiners' reachability
         await self.dialback.start()
 
+    def _spawn(self, work: Coroutine[Any, Any, None], what: str) -> asyncio.Future[None]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+
+        def ended(t: asyncio.Future[None]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.metrics.inc("node_errors_total", label=what)
+                logger.warning("%s failed: %r", what, t.exception())
+
+        task.add_done_callback(ended)
+        return task
+
     async def stop(self) -> None:
+        for task in list(self._tasks):  # before the daemon they talk to goes
+            task.cancel()
         if self.batch_server is not None:
             await self.batch_server.close()
         if self.dialback is not None:
@@ -223,7 +241,7 @@ class TrainerGossip:
         self.held[digest] = envelope
         while len(self.held) > KNOWN // 8:
             self.held.popitem(last=False)
-        asyncio.ensure_future(self._ack(batch, digest, judges, full))
+        self._spawn(self._ack(batch, digest, judges, full), "acknowledgement")
         return digest
 
     async def _ack(self, batch: RolloutBatch, digest: str, judges: list[str], full: bool = False) -> None:
@@ -273,7 +291,7 @@ class TrainerGossip:
             return  # its batch is being fetched, or many are: it announces this one again later
         self._remember(a.batch_sha256, Known(None, [], 0.0, False, a.node_id))
         self._pulling[a.node_id] += 1
-        task = asyncio.ensure_future(self._pull(a, peer))
+        task = self._spawn(self._pull(a, peer), "pull")
         task.add_done_callback(lambda _: self._forget_pull(a.node_id))
 
     def _forget_pull(self, node_id: str) -> None:

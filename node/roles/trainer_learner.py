@@ -172,7 +172,8 @@ class Learner:
         m.observe("node_trainer_step_seconds", stats["seconds"], help="a training step and snapshot")
         m.set("node_trainer_step", stats["step"])
         m.set("node_trainer_reward_mean", stats["reward_mean"])
-        m.set("node_trainer_idle_seconds", self.idle_s, help="time the trainer waited for rollouts")
+        # a counter of this process's waits (as Prometheus counters go, from 0 at each start); /status has the run's
+        m.inc("node_trainer_idle_seconds_total", idle, help="seconds the trainer waited for rollouts before a step")
         m.set(
             "node_trainer_staleness_max",
             stats["staleness_max"],

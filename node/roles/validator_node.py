@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from typing import Any
@@ -51,6 +52,9 @@ from intellect_protocol.messages import BatchAck, BatchAnnounce, Role, RolloutBa
 logger = logging.getLogger(__name__)
 WATCH_S = 0.5
 JOBS = 256
+UNASKED_ACKS, UNASKED_S = 32, 60.0
+"""A validator that heard this many acknowledgements in a row naming other judges (or none), the last within
+UNASKED_S, says it is not asked (the trainer names each validator it trusts and sees in turn)."""
 HOLDERS = 4096
 """Batch digests whose claims (and producers) are remembered, the newest."""
 CLAIMANTS = 4
@@ -127,6 +131,23 @@ class ValidatorNode(Volunteer):
         self.holders = Holders()
         self.seen: OrderedDict[str, bool] = OrderedDict()
         self.jobs: asyncio.Queue[tuple[BatchAck, str]] = asyncio.Queue(JOBS)
+        self.acks_at = -math.inf
+        """When the trainer's last acknowledgement was heard (time.monotonic())."""
+        self.unasked = 0
+        """Acknowledgements heard in a row that named other judges, or none."""
+
+    def working(self) -> dict[str, Any]:
+        """Not working while the trainer acknowledges batches (one heard within ``UNASKED_S``) and the last
+        ``UNASKED_ACKS`` named other judges only, or none: the trainer asks, in turn, only the validators it was
+        started with that it sees in the run, and says nothing to the others."""
+        if time.monotonic() - self.acks_at < UNASKED_S and self.unasked >= UNASKED_ACKS:
+            return {
+                "ok": False,
+                "doing": f"not asked to judge: the trainer's last {self.unasked} acknowledgements named other judges "
+                "or none. It asks only the validators it was started with: its operator adds --validator "
+                f"{self.identity.node_id} to `intellect-node bootstrap` (a restart keeps the run)",
+            }
+        return {"ok": True, "doing": f"judging batches: {self.judged} judged, version {self.loaded} loaded"}
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "loaded_version": self.loaded, "judged": self.judged, "refused": self.refused}
@@ -180,6 +201,8 @@ class ValidatorNode(Volunteer):
                 ack.batch_sha256[:12],
                 ack.node_id,
             )
+        self.acks_at = time.monotonic()
+        self.unasked = 0 if self.identity.node_id in ack.judges else self.unasked + 1
         if self.identity.node_id not in ack.judges or ack.batch_sha256 in self.seen:
             return
         self.seen[ack.batch_sha256] = True

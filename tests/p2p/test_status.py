@@ -66,3 +66,30 @@ def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only
     assert '<link rel="icon" href="data:,">' in page  # no favicon request (a 404 in every browser's console)
     assert 'fetch("status"' in page and "setInterval(refresh" in page  # it refreshes itself from its own node
     assert "esc(" in page  # peer-controlled strings (ids, reasons) are escaped before they are shown
+
+
+def test_every_metric_the_code_names_says_what_it_counts_and_labels_are_named_for_what_they_hold() -> None:
+    """A scrape's HELP line is what an operator reads on a dashboard: never the metric's name again (26 of 57 were,
+    found in review). Every metric named in node/ gets a help where it is counted or in ``metrics.HELP``."""
+    import re
+    from pathlib import Path
+
+    from intellect_node.p2p.metrics import HELP, LABEL_NAMES
+
+    root = Path(__file__).resolve().parents[2] / "node"
+    named: dict[str, bool] = {}
+    for path in root.rglob("*.py"):
+        for m in re.finditer(r'\.(?:inc|set|observe)\(\s*"(node_[a-z0-9_]+)"(.*?)\)\n', path.read_text(), re.S):
+            named[m.group(1)] = named.get(m.group(1), False) or "help=" in m.group(2)
+    assert len(named) > 80  # the scan finds them
+    assert sorted(n for n, helped in named.items() if not helped and n not in HELP) == []
+    assert set(HELP) <= set(named) and set(LABEL_NAMES) <= set(named)  # no help for a metric that is gone
+
+    metrics = Metrics()
+    metrics.inc("node_dht_stores_total", label="nodes")
+    metrics.inc("node_relay_requests_refused_total", label="no_slot")
+    metrics.inc("node_trainer_steps_total")
+    text = metrics.render()
+    assert 'node_dht_stores_total{key="nodes"} 1.0' in text
+    assert 'node_relay_requests_refused_total{reason="no_slot"} 1.0' in text
+    assert "# HELP node_trainer_steps_total training steps taken by this process" in text

@@ -75,6 +75,7 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
                 "verify.verdict_wait_s=4",
             ],
             logs,
+            env={"INTELLECT_NODE_LEDGER_LOG": "1"},  # the LEDGER lines this test adds up (off by default)
         )
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)

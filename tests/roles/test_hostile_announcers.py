@@ -42,7 +42,7 @@ def _metric(url: str, name: str, reason: str | None = None) -> float:
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
-            if reason is None or f'reason="{reason}"' in line:
+            if reason is None or f'="{reason}"' in line:  # reason=, or outcome= (metrics.LABEL_NAMES)
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
