@@ -142,6 +142,25 @@ def bounded_answer(answer: Any) -> Any:
     return ValueWithExpiration(answer.value, min(answer.expiration_time, latest))
 
 
+_CLOSING_NOISE = (
+    ("hivemind.p2p.p2p_daemon", "use of closed network connection"),
+    ("hivemind.dht.dht", "DHT did not shut down within the grace period"),
+)
+"""What hivemind logs at WARNING or ERROR on every clean stop of a node: the daemon's socket closing under its
+accept loop, and a DHT process slower to end than hivemind's grace (Membership.close ends what is left of it)."""
+
+
+def _not_closing_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and text in record.getMessage() for name, text in _CLOSING_NOISE)
+
+
+def quiet_clean_stops() -> None:
+    """Drop ``_CLOSING_NOISE`` (an operator read every stop's go-libp2p ERROR line as a failure)."""
+    for name, _ in _CLOSING_NOISE:
+        if _not_closing_noise not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_not_closing_noise)
+
+
 def bound_answers() -> None:
     """In the DHT process, before it starts: every find answer a peer sends goes through ``bounded_answer``."""
     if getattr(DHTProtocol, "_intellect_bounded", False):
@@ -181,6 +200,7 @@ class _NodeDHT(DHT):
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)  # the node that created this DHT object
+        quiet_clean_stops()
         bound_answers()  # no peer's answer may freeze a run key (bounded_answer)
         enable_pubsub()  # the run's gossip topics (node/p2p/gossip.py) ride on this daemon
         super().run()
@@ -341,6 +361,7 @@ class Membership:
     """Owns the node's DHT peer: start, publish, read, close."""
 
     def __init__(self, identity: Identity, run_id: str, metrics: Metrics) -> None:
+        quiet_clean_stops()  # hivemind's word on a slow DHT stop is logged here, in the node's process
         self.identity = identity
         self.run_id = run_id
         self.metrics = metrics

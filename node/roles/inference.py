@@ -259,7 +259,7 @@ class InferenceNode(Volunteer):
                 await self._swap_weights(trainer, backend)
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                logger.warning("could not fetch version %d: %s", trainer.weight_version, e)
+                self.fetch_failed(trainer.weight_version, e)
                 await asyncio.sleep(POLL_S)
                 continue
             except OSError as e:  # our disk (full?) or a version pruned under us: shed, wait, try again

@@ -73,7 +73,7 @@ class RelayNode(Volunteer):
                 print(f"HOLDING {self.version} at={time.time():.6f}", flush=True)
             except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                logger.warning("could not fetch version %d: %s", target, e)
+                self.fetch_failed(target, e)
                 if target == f.announced:
                     failed_news = target
                 await asyncio.sleep(POLL_S)

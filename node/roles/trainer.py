@@ -439,6 +439,7 @@ class Trainer:
                 tasks.create_task(self.judging.watch_validators())
                 tasks.create_task(self.gossip.repeat_notices(self.progress.published))
         finally:
+            self.durability.abandon()
             await self.gossip.stop()
             if self.learner.tracker is not None:
                 self.learner.tracker.close()

@@ -368,6 +368,13 @@ class Durability:
         if self._persisting is not None:
             await self._persisting
 
+    def abandon(self) -> None:
+        """The node stops: the version being written is left unfinished (a checkpoint and a version are renamed into
+        place only once whole, so what is on disk is whole; a resume redoes the rest) rather than published while
+        the DHT and gossip it announces on close under it."""
+        if self._persisting is not None:
+            self._persisting.cancel()
+
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write, sign and make visible ``version`` (blocking: run it in a thread), then prune old versions."""
         write = partial(

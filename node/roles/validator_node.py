@@ -370,7 +370,7 @@ class ValidatorNode(Volunteer):
                         await self.follower.sync(version)
                     except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
                         self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                        logger.warning("could not fetch version %d: %r", version, e)
+                        self.fetch_failed(version, repr(e))
                         await asyncio.sleep(POLL_S)
         finally:
             worker.cancel()

@@ -93,6 +93,10 @@ class Volunteer(abc.ABC):
         self.status_url = ""
         self.maddrs: list[str] = []
         self._trainer_seen = time.monotonic()
+        self._fetch_failed = -1
+        self._said_away = -math.inf
+        """When the trainer's absence was last logged (once per absence at WARNING)."""
+        """The version whose fetch last failed (``fetch_failed``)."""
         self._trainer_maddrs: list[str] = []
         self._rebootstrapped = -math.inf
         self.p2p: Any = None
@@ -148,6 +152,13 @@ class Volunteer(abc.ABC):
             # at most one DHT store a second, however busy the slots and versions are: each store of a record
             # travels to several DHT peers, and a record's stores are most of a node's libp2p bytes
             await asyncio.sleep(PUBLISH_MIN_S)
+
+    def fetch_failed(self, version: int, error: object) -> None:
+        """A version could not be fetched: said at WARNING once per version, at DEBUG when it fails again (while the
+        trainer is down a volunteer tries every few seconds; the state says it waits)."""
+        say = logger.debug if version == self._fetch_failed else logger.warning
+        say("could not fetch version %d: %s", version, error)
+        self._fetch_failed = version
 
     def state(self) -> dict[str, Any]:
         """Whether this node does its job now, and what it does or waits for, in words: in ``/status``, in
@@ -295,7 +306,10 @@ class Volunteer(abc.ABC):
             known = [*self._trainer_maddrs, *self.cfg.peers]
             try:
                 answered = await self.membership.rebootstrap(known)
-                logger.warning(
+                # said once while the trainer is away (the state says it waits), then at DEBUG
+                say = logger.warning if self._trainer_seen > self._said_away else logger.debug
+                self._said_away = now
+                say(
                     "no trainer record for %.0fs: re-joined the DHT through %d of %d known peers",
                     now - self._trainer_seen,
                     answered,

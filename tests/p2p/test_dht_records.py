@@ -176,3 +176,32 @@ def test_a_record_is_verified_once_but_its_age_is_judged_at_every_read(monkeypat
     assert len(calls) - before == 20  # the DHT process's validator too: once per record
     forged = _record(nodes_key(RUN_ID), keys[0].node_id, _node(keys[1]))
     assert not validator.validate(forged) and not validator.validate(forged)  # a refusal is never remembered
+
+
+def test_a_clean_stop_logs_no_go_libp2p_error() -> None:
+    """Every clean stop printed the daemon's "error accepting connection ... use of closed network connection" at
+    ERROR, and often hivemind's "DHT did not shut down within the grace period" at WARNING: dropped, and only those."""
+    import logging
+
+    from intellect_node.p2p.dht import quiet_clean_stops
+
+    quiet_clean_stops()
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    daemon, dht = logging.getLogger("hivemind.p2p.p2p_daemon"), logging.getLogger("hivemind.dht.dht")
+    keep = Keep()
+    for log in (daemon, dht):
+        log.addHandler(keep)
+    try:
+        daemon.error("error accepting connection: accept unix /tmp/x.sock: use of closed network connection")
+        dht.warning("DHT did not shut down within the grace period; terminating it the hard way")
+        daemon.error("failed to connect to bootstrap peers")
+        dht.warning("could not store the record")
+    finally:
+        for log in (daemon, dht):
+            log.removeHandler(keep)
+    assert seen == ["failed to connect to bootstrap peers", "could not store the record"]
