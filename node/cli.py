@@ -241,18 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LEDGER_LOG_ENV = "INTELLECT_NODE_LEDGER_LOG"
-"""Set to 1, the trainer logs a LEDGER line per accepted batch and per outcome of its groups (roles/trainer_state.py;
-~110 KB a minute with two producers): what benchmarks/chaos.py and gossip.py add up. Off by default."""
-
-
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if os.environ.get(LEDGER_LOG_ENV) != "1":
+    from intellect_node.config import ledger_log_enabled
+
+    if not ledger_log_enabled():  # (config.LEDGER_LOG_ENV)
         logging.getLogger("intellect_node.ledger").setLevel(logging.WARNING)
 
 
@@ -329,10 +326,11 @@ def _main(args: argparse.Namespace) -> None:
             "fixes (bootstrap --set); a volunteer sets only its own node's, e.g. inference.backend or threads"
         )
     fields = node_settings(node_overrides, node_fields(args), role=args.node_role)  # --set wins over a flag
+    from intellect_node.config import distributed_rank
     from intellect_node.runtime import lock_data_dir, run_until_signalled
 
     data_dir = _writable(Path(fields["data_dir"]) if "data_dir" in fields else None)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 uses the data dir (_bootstrap)
+    if distributed_rank() == 0:  # under torchrun only rank 0 uses the data dir (_bootstrap)
         lock_data_dir(data_dir)
     from intellect_node.policy.model import resolve_device
 

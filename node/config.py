@@ -94,6 +94,9 @@ class CommonSettings(BaseModel):
     data_dir: Path = Field(default_factory=default_data_dir)
     """Holds node.key (the identity) and downloaded or published checkpoints (default: $INTELLECT_NODE_HOME or
     ~/.intellect-node)."""
+    fresh: bool = False
+    """Start over: a trainer deletes this run key's checkpoints and weights and starts the run over; a volunteer
+    deletes the weights it holds and fetches them again (its identity, and the trust it earned, stay)."""
     host: str = "127.0.0.1"
     """Address to listen on and announce (libp2p and HTTP). Use a public address to serve other machines."""
     announce: str | None = None
@@ -143,8 +146,6 @@ class TrainerSettings(BaseModel):
     """Trainer: log every step's metrics to TensorBoard event files or a W&B run in offline mode."""
     track_dir: Path | None = None
     """Trainer: where tracking writes (default ``<data_dir>/tracking``)."""
-    fresh: bool = False
-    """Trainer: delete this run key's checkpoints and weights and start the run over."""
     shard_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Trainer: the largest safetensors shard it writes."""
     validators: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = []
@@ -161,6 +162,19 @@ class TrainerSettings(BaseModel):
 
 
 JOIN_TIMEOUT_ENV = "INTELLECT_NODE_JOIN_TIMEOUT"
+LEDGER_LOG_ENV = "INTELLECT_NODE_LEDGER_LOG"
+"""Set to 1, the trainer logs a LEDGER line per accepted batch and per outcome of its groups (roles/trainer_state.py;
+~110 KB a minute with two producers): what benchmarks/chaos.py and gossip.py add up. Off by default."""
+
+
+def ledger_log_enabled() -> bool:
+    return os.environ.get(LEDGER_LOG_ENV) == "1"
+
+
+def distributed_rank() -> int:
+    """This process's rank under torchrun ($RANK), 0 without it."""
+    raw = os.environ.get("RANK", "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def _env_seconds(name: str, default: float) -> float:

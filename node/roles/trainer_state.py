@@ -30,7 +30,7 @@ ledger_log = logging.getLogger("intellect_node.ledger")
 """One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
 unscorable): ``LEDGER <event> <epoch> <node> <version> <index> <groups> <step>``. benchmarks/chaos.py adds these up
 across a trainer's lives to find accepted rollouts that were lost. Off unless $INTELLECT_NODE_LEDGER_LOG is 1
-(cli.LEDGER_LOG_ENV): at INFO they were most of a trainer's log."""
+(config.LEDGER_LOG_ENV): at INFO they were most of a trainer's log."""
 
 
 class TrainQueue:

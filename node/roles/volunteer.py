@@ -10,6 +10,7 @@ import abc
 import asyncio
 import logging
 import math
+import shutil
 import time
 from typing import Any
 
@@ -67,6 +68,9 @@ class Volunteer(abc.ABC):
         self.identity = load_or_create(node.data_dir / "node.key")
         self.metrics = Metrics()
         self.membership = Membership(self.identity, self.run_id, self.metrics)
+        if node.fresh:  # (join --fresh) the weights go; the keys stay
+            shutil.rmtree(node.data_dir / "weights", ignore_errors=True)
+            logger.info("--fresh: deleted the weights held under %s", node.data_dir / "weights")
         self.store = WeightStore(node.data_dir / "weights" / self.run_id, self.run_id)
         limit = node.upload_limit_mbps * 1e6 / 8 if node.upload_limit_mbps else None
         self._publish_soon = asyncio.Event()

@@ -49,7 +49,7 @@ def test_a_second_node_on_a_data_dir_is_refused_naming_the_first_and_a_kill_free
         ready = trainer.wait_ready(timeout=120)
         relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r"), logs)
         nodes.append(relay)
-        relay.wait_ready(timeout=120)
+        relay_id = relay.wait_ready(timeout=120)["node_id"]
         saved_url = (tmp_path / "r" / "http.url").read_text()
 
         twin = NodeProcess("relay-twin", join_argv("relay", ready, tmp_path / "r"), logs)
@@ -66,9 +66,13 @@ def test_a_second_node_on_a_data_dir_is_refused_naming_the_first_and_a_kill_free
 
         relay.proc.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops the lock with the process
         relay.proc.wait(timeout=10)
-        again = NodeProcess("relay-again", join_argv("relay", ready, tmp_path / "r"), logs)
+        # and `join --fresh` (a volunteer's reset) starts it with no weights, as the same node
+        held = tmp_path / "r" / "weights"
+        assert any(held.rglob("*.safetensors"))
+        again = NodeProcess("relay-again", join_argv("relay", ready, tmp_path / "r", "--fresh"), logs)
         nodes.append(again)
-        again.wait_ready(timeout=120)
+        assert again.wait_ready(timeout=120)["node_id"] == relay_id
+        assert "--fresh: deleted the weights held under" in again.log_path.read_text()
     finally:
         for node in reversed(nodes):
             node.stop()
