@@ -5,10 +5,13 @@ trainer is down waits for it (until ``--join-timeout``) instead of exiting after
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,14 @@ def _state(data_dir: Path) -> tuple[int, str]:
         env={**os.environ, "COLUMNS": "1000"},  # one table row a line: no text wrapped inside a cell
     )
     return shown.returncode, " ".join((shown.stdout + shown.stderr).split())
+
+
+def _metric(node: NodeProcess, name: str) -> float:
+    """A counter of a running node (summed over its labels), from its /metrics."""
+    assert node.ready is not None
+    with urllib.request.urlopen(node.ready["status_url"] + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + " ", name + "{")))
 
 
 def _exits_refused(node: NodeProcess, timeout: float) -> str:
@@ -150,6 +161,17 @@ def test_a_validator_the_trainer_does_not_trust_says_so(tmp_path: Path) -> None:
         said = _state(tmp_path / "v")[1]
         assert "not asked to judge" in said and f"--validator {vid}" in said, said
         assert _state(tmp_path / "i")[0] == 0  # the producer's batches are judged (by the trainer): it works
+
+        # the trainer goes away: the producer backs off (it sent its batch every 250 ms, and warned each time) and
+        # says it is not working
+        went = time.monotonic()  # deliveries start failing during the stop
+        trainer.stop()
+        asyncio.run(until(lambda: _state(tmp_path / "i")[0] == 1, "the producer to say it cannot work", 90, 1.0))
+        away = time.monotonic() - went
+        log = worker.log_path.read_text(errors="replace")
+        assert log.count("could not deliver batch") <= 1, log[-2000:]
+        failures = _metric(worker, "node_inference_submit_failures_total")
+        assert failures <= 2 * math.log2(1 + away / 0.25) + 2, (failures, away)  # 250 ms each: ~4 a second
     finally:
         for node in reversed(nodes):
             node.stop()
