@@ -46,8 +46,10 @@ FLOW_CONTROL = frozenset({"busy", "unknown_signer", "backlog_full", "duplicate",
 """Refusals an honest producer gets in the normal course of a run: logged at INFO, not as a warning."""
 DELIVERY_BACKOFF_MAX_S = 8.0
 """The longest wait between two tries to deliver a batch to a trainer that cannot be reached."""
-DEFERRED_BACKOFF_MAX_S = 4.0
-"""The longest wait between two tries of a batch the trainer deferred (busy: judging takes seconds)."""
+DEFERRED_BACKOFF_MAX_S = 1.0
+"""The longest wait between two tries of a batch the trainer deferred (busy judging, or a newcomer's one batch
+pending on probation): at most one try a second, and no more than a second lost once the trainer has room (with 4 s
+a newcomer on probation fell versions behind the trainer: tests/roles/test_gossip_swarm.py)."""
 REFUSED_IN_ROW = 3
 """Refusals (other than flow control) or failed deliveries in a row after which the node says it is not working."""
 DISK_RETRY_S = 5.0

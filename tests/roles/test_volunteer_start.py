@@ -75,11 +75,11 @@ def test_a_second_node_on_a_data_dir_is_refused_naming_the_first_and_a_kill_free
         said = _exits_refused(second_trainer, timeout=60)
         assert f"is in use by process {trainer.proc.pid} on " in said, said
 
+        held = tmp_path / "r" / "weights"
+        asyncio.run(until(lambda: any(held.rglob("*.safetensors")), "the relay to hold a version", 120, 0.5))
         relay.proc.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops the lock with the process
         relay.proc.wait(timeout=10)
         # and `join --fresh` (a volunteer's reset) starts it with no weights, as the same node
-        held = tmp_path / "r" / "weights"
-        assert any(held.rglob("*.safetensors"))
         again = NodeProcess("relay-again", join_argv("relay", ready, tmp_path / "r", "--fresh"), logs)
         nodes.append(again)
         assert again.wait_ready(timeout=120)["node_id"] == relay_id
