@@ -168,8 +168,9 @@ def play(op: Operator) -> list[Outcome]:
     took = op.stop(trainer)
     gone = until(lambda: op.state(w / "i")[0] == 1 and op.state(w / "r")[0] == 1, 90, every=3.0)
     early = op.start("relay-early", join_argv("relay", ready, w / "r2", "--join-timeout", "0"))
-    time.sleep(20)  # it must wait for the trainer, not give up after one try
-    waiting = early.proc.poll() is None
+    # it must wait for the trainer, not give up after one try: its second try, and it still runs
+    tried = until(lambda: "none of --peers answered (try 2)" in early.log_path.read_text(errors="replace"), 120, 0.5)
+    waiting = tried and early.proc.poll() is None
     accepted = status(inference.ready["status_url"])["batches_accepted"] if inference.ready else 0
     trainer = op.start("trainer-restarted", boot)
     trainer.wait_ready(timeout=180)
@@ -239,7 +240,7 @@ def invites(op: Operator) -> list[Outcome]:
         "a made-up invite": token[:-6] + ("A" if token[-6] != "A" else "B") + token[-5:],
     }
     short = op.cli("invite", "--data-dir", str(w / "t"), "--days", "0.00002").stdout.split()  # 1.7 s
-    time.sleep(3)
+    time.sleep(3)  # the invite's own expiry (1.7 s after minting) is what this waits for
     cases["an expired invite"] = short[short.index("--invite") + 1]
     for i, (what, invite) in enumerate(cases.items()):
         node = op.start(f"invited-{i}", join_argv("relay", ready, w / f"b{i}", "--invite", invite))
