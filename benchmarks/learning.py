@@ -1,7 +1,9 @@
-"""Learning: SmolLM2-135M-Instruct on two-digit addition through the real swarm, on this CPU.
+"""Learning: SmolLM2-135M-Instruct on a task through the real swarm, on this CPU.
 
-Three runs with the same task, settings (node/configs/smollm2-addition.toml: 8 prompts x 8 samples per step,
-temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast) and wall-clock budget:
+The task and settings come from a run config: ``--config node/configs/smollm2-addition.toml`` (the default:
+two-digit addition) or ``smollm2-chainsum.toml`` (reasoning-gym's chain_sum, three terms). Both take 8 prompts x 8
+samples per step, temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast. The runs
+have the same task, settings and wall-clock budget:
 
 - ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
   validation, no networking; it samples from a bf16 copy of the weights).
@@ -23,7 +25,7 @@ The clock of a swarm run starts when its trainer process is launched (start-up i
 when its loop starts. Every ``--eval-every`` minutes the policy of that moment is kept (a hard link of the
 newest published version; the colocated loop saves its weights) and, after all runs (so evaluation does not
 compete with training), each is scored on the same 200 held-out problems (never assigned for training), greedy,
-with the run's own answer extraction (the last integer of the reply must equal the sum). The PNG plots mean
+with the run's own answer extraction and reward (a problem counts when its reward is 1). The PNG plots mean
 training reward and held-out accuracy against wall-clock minutes.
 
 Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
@@ -32,8 +34,8 @@ a later invocation with the same ``--out`` reuses finished runs (``--fresh`` red
 After the accuracy table, the trainer's time per step split into waiting for rollouts, judging batches itself,
 training and publishing (means over the run's steps).
 
-Usage: python benchmarks/learning.py [--minutes 20] [--eval-every 5] [--runs colocated,async2,sync,validators,vllm]
-       [--out DIR]
+Usage: python benchmarks/learning.py [--config TOML] [--minutes 20] [--eval-every 5]
+       [--runs colocated,async2,sync,validators,vllm] [--out DIR]
 """
 
 from __future__ import annotations
@@ -67,10 +69,21 @@ from intellect_protocol.messages import RunSpec
 from intellect_protocol.tasks import sampling_seed
 
 CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-addition.toml"
+"""The default run config (two-digit addition)."""
 SPLIT = {"waiting": "idle_s", "judging": "validate_s", "training": "seconds", "publishing": "publish_s"}
 """The trainer's time per step (history fields): waiting for rollouts, judging batches itself (on its own thread,
 while it waits or trains), the step itself, and writing and announcing the previous version (also overlapped)."""
 COLOCATED_NODE = "0" * 32
+
+
+def task_label(spec: RunSpec) -> str:
+    """The task's name in the summary line: ``addition-2digit``, ``chain_sum`` (a reasoning-gym dataset), ..."""
+    t = spec.task
+    if t.family == "addition":
+        return f"addition-{t.digits}digit"
+    if t.family == "reasoning_gym":
+        return t.source
+    return t.family
 
 
 def save_weights(engine: PolicyEngine, folder: Path) -> None:
@@ -161,6 +174,7 @@ def _keep(weights_root: Path, dest: Path) -> Path | None:
 
 
 def swarm(
+    config: Path,
     label: str,
     async_level: int,
     seconds: float,
@@ -181,7 +195,7 @@ def swarm(
             [
                 "bootstrap",
                 "--config",
-                str(CONFIG),
+                str(config),
                 "--data-dir",
                 str(root / "trainer"),
                 "--fresh",
@@ -252,7 +266,7 @@ def swarm(
     return curve, snapshots, info
 
 
-def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> None:
+def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> None:
     """One run, in this (child) process; its curve and kept policies go to ``<out>/<name>/result.json``."""
     if name == "colocated":
         curve, kept = colocated(spec, seconds, every, out, threads)
@@ -260,7 +274,7 @@ def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, t
     else:
         level = {"async2": 2, "sync": 0, "vllm": 2, "validators": 2}[name]
         extra = ("--set", "inference.backend=vllm") if name == "vllm" else ()
-        curve, kept, info = swarm(name, level, seconds, every, out, extra, 2 if name == "validators" else 0)
+        curve, kept, info = swarm(config, name, level, seconds, every, out, extra, 2 if name == "validators" else 0)
         steps = info["steps"]
         history = info["trainer"]["history"]
         split = {k: sum(h.get(f, 0.0) for h in history) / max(1, len(history)) for k, f in SPLIT.items()}
@@ -282,6 +296,7 @@ def run_one(name: str, spec: RunSpec, seconds: float, every: float, out: Path, t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the run config (task and settings)")
     parser.add_argument("--fresh", action="store_true", help="redo runs that already have a result.json in --out")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--eval-every", type=float, default=5.0, help="minutes between kept policies")
@@ -294,14 +309,16 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="intellect-learning-"))
     out.mkdir(parents=True, exist_ok=True)
-    run = load_run_config(CONFIG)
+    config = args.config.resolve()
+    run = load_run_config(config)
     spec = run.spec("f" * 32)
+    task = task_label(spec)
     seconds, every = args.minutes * 60, args.eval_every * 60
     if args.run_one:
-        run_one(args.run_one, spec, seconds, every, out, args.threads)
+        run_one(config, args.run_one, spec, seconds, every, out, args.threads)
         return
     runs = args.runs.split(",")
-    print(f"learning: {runs}, {args.minutes:g} min each, results in {out}", flush=True)
+    print(f"learning: {task}, {runs}, {args.minutes:g} min each, results in {out}", flush=True)
 
     kept: dict[str, list[tuple[float, Path]]] = {}
     curves: dict[str, Curve] = {}
@@ -317,6 +334,8 @@ def main() -> None:
                 __file__,
                 "--run-one",
                 name,
+                "--config",
+                str(config),
                 "--out",
                 str(out),
                 "--minutes",
@@ -356,7 +375,7 @@ def main() -> None:
     png = plot(
         list(curves.values()),
         out / "learning.png",
-        f"SmolLM2-135M-Instruct, two-digit addition, {args.minutes:g} min per run (2-core CPU)",
+        f"SmolLM2-135M-Instruct, {task}, {args.minutes:g} min per run (2-core CPU)",
     )
     (out / "learning.json").write_text(
         json.dumps(
@@ -395,7 +414,7 @@ def main() -> None:
             )
     print(f"plot: {png}")
     print(
-        f"learning model=smollm2-135m task=addition-2digit acc_before={before:.3f} acc_after={final('async2'):.3f} "
+        f"learning model=smollm2-135m task={task} acc_before={before:.3f} acc_after={final('async2'):.3f} "
         f"colocated_acc_after={final('colocated'):.3f} async2_acc_after={final('async2'):.3f} "
         f"sync_acc_after={final('sync'):.3f} vllm_acc_after={final('vllm'):.3f} "
         f"validators_acc_after={final('validators'):.3f} minutes={args.minutes:g}"

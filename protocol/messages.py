@@ -7,6 +7,7 @@ domain separation and ``CHANNEL`` bounds its encoded size.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
@@ -19,6 +20,10 @@ NodeId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 U31 = Annotated[int, Field(ge=0, lt=2**31)]
 U63 = Annotated[int, Field(ge=0, lt=2**63)]
+OptionName = Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$")]
+_OptionScalar = bool | int | float | Annotated[str, Field(max_length=256)]
+OptionValue = _OptionScalar | Annotated[list[_OptionScalar], Field(max_length=64)]
+"""A value of a task family's options: a scalar or a short list of scalars (TOML's tables stay out)."""
 Role = Literal["trainer", "inference", "validator", "relay"]
 RegisteredName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 """The name of a part a node looks up in its registry (a task family, an admission policy): a short identifier.
@@ -73,13 +78,16 @@ class TaskSpec(BaseModel):
     "What is 63 + 11? Reply with just the number." with ``digits``-digit operands, for pretrained chat models.
     ``dataset``: rows of a file or Hugging Face dataset in INTELLECT-2's shape (``prompt``, ``task_type``,
     ``verification_info``, an optional pass-rate column). Every node must build the same task set, so a local
-    file should be pinned with ``source_sha256``. Every field has a default, so older configs stay valid.
+    file should be pinned with ``source_sha256``. ``reasoning_gym``: the procedural dataset ``source`` of the
+    reasoning-gym package (``chain_sum``, ``basic_arithmetic``, ...), its generator configured by ``options``
+    and seeded by the node. Every field has a default, so older configs stay valid.
     ``family`` may name any registered family: a node that has no family of that name refuses the run, saying so.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     family: RegisteredName = "arithmetic"
-    """Built in: ``arithmetic``, ``addition``, ``dataset``; the node's ``intellect_node.judging.tasks.FAMILIES``."""
+    """Built in: ``arithmetic``, ``addition``, ``dataset``, ``reasoning_gym``; the node's
+    ``intellect_node.judging.tasks.FAMILIES``."""
     max_operand: Annotated[int, Field(ge=1, le=10**6)] = 9
     """``arithmetic`` only: operands in ``[0, max_operand]``."""
     tasks_per_batch: Annotated[int, Field(ge=1, le=256)] = 4
@@ -87,7 +95,8 @@ class TaskSpec(BaseModel):
     digits: Annotated[int, Field(ge=1, le=18)] = 2
     """``addition`` only: operands in ``[10**(digits-1), 10**digits - 1]``."""
     source: Annotated[str, Field(max_length=1024)] = ""
-    """``dataset`` only: a local ``.jsonl`` / ``.parquet`` path, or ``hf:owner/name`` (needs ``datasets``)."""
+    """``dataset``: a local ``.jsonl`` / ``.parquet`` path, or ``hf:owner/name`` (needs ``datasets``).
+    ``reasoning_gym``: the dataset's name in reasoning-gym (``chain_sum``)."""
     source_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
     """When set, the source must hash to this (a local file: its bytes, ``sha256sum``; ``hf:``: its rows)."""
     split: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-\[\]:%+]+$")] = "train"
@@ -110,11 +119,26 @@ class TaskSpec(BaseModel):
     """Code tasks: wall-clock limit of one test case (the CPU limit is the same, rounded up)."""
     code_memory_mb: Annotated[int, Field(ge=64, le=65536)] = 1024
     """Code tasks: address-space limit of the program under test."""
+    options: Annotated[dict[OptionName, OptionValue], Field(max_length=32)] = {}
+    """``reasoning_gym``: the dataset's configuration (its config class's fields, e.g. ``min_terms``), ``size``
+    included (how many distinct problems: 100,000 when absent); never ``seed``, which the node derives."""
+    answer_format: Literal["plain", "number", "tags"] = "plain"
+    """``reasoning_gym``: how the answer is asked for and read. ``plain``: the prompt ends "Reply with just the
+    answer." and the answer is the reply's last non-empty line; ``number``: "Reply with just the number." and the
+    last number in the reply (for numeric datasets and small models); ``tags``: the prompt asks for the answer
+    between ``<answer>`` and ``</answer>`` and only the last such span is read (none: reward 0)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TaskSpec:
         if self.min_pass_rate > self.max_pass_rate:
             raise ValueError(f"min_pass_rate {self.min_pass_rate} > max_pass_rate {self.max_pass_rate}")
+        if self.family == "reasoning_gym" and not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", self.source):
+            raise ValueError(
+                f"family 'reasoning_gym' needs source = a reasoning-gym dataset name such as 'chain_sum' "
+                f"(got {self.source[:80]!r})"
+            )
+        if "seed" in self.options:
+            raise ValueError("task.options cannot set seed: every node derives the generator's seed from the spec")
         if self.family == "dataset" and not self.source:
             raise ValueError("family 'dataset' needs a source: a .jsonl / .parquet path or hf:owner/name")
         if self.length_reward != "none" and not self.target_tokens:

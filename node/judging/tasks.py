@@ -8,6 +8,7 @@ receiver; ``reward(...)`` scores a completion from its text alone. The families 
 - ``addition``: "What is 63 + 11? Reply with just the number." for pretrained chat models.
 - ``dataset``: rows in INTELLECT-2's shape (math checked with math-verify, code run against test cases, both in
   the jail) from a ``.jsonl``, a ``.parquet`` or ``hf:owner/name``.
+- ``reasoning_gym``: a procedural dataset of reasoning-gym by name and config, scored by its own scorer in the jail.
 
 Adding a family: a module with a ``TaskFamily`` subclass (``families/base.py`` states what it must keep) and one
 line in ``FAMILIES``. The run spec accepts any short name; a node refuses a name not registered here when it
@@ -44,6 +45,7 @@ from intellect_node.judging.families.base import (
     length_shaped,
 )
 from intellect_node.judging.families.dataset import Dataset
+from intellect_node.judging.families.reasoning_gym import ReasoningGym
 from intellect_node.judging.verifiers import run_code_tests, verify_math
 from intellect_protocol.messages import TaskSpec
 from intellect_protocol.tasks import assignment_seed
@@ -52,6 +54,7 @@ FAMILIES: dict[str, TaskFamily] = {
     "arithmetic": Arithmetic(),
     "addition": Addition(),
     "dataset": Dataset(),
+    "reasoning_gym": ReasoningGym(),
 }
 """Task families by the name a run spec's ``task.family`` gives: one line per family."""
 
@@ -111,7 +114,8 @@ _SOURCES_LOCK = threading.Lock()
 
 
 def needs_jail(spec: TaskSpec) -> bool:
-    """Whether scoring this task set runs untrusted programs or parsers (math-verify, code tests): ``dataset``."""
+    """Whether scoring this task set runs untrusted programs or parsers (math-verify, code tests, reasoning-gym's
+    scorers): ``dataset``, ``reasoning_gym``."""
     return family(spec).needs_jail
 
 

@@ -1,15 +1,20 @@
-"""Checkers for untrusted completions: math answers (math-verify) and Python programs, both in the jail.
+"""Checkers for untrusted completions: math answers (math-verify), reasoning-gym answers and Python programs, all
+in the jail.
 
-Both run the untrusted part in a jailed process (node/judging/jail.py: bubblewrap namespaces, no network, no
+Each runs the untrusted part in a jailed process (node/judging/jail.py: bubblewrap namespaces, no network, no
 environment, a read-only view of the system and the Python installation, a private empty /tmp and /dev/shm of
 fixed sizes, uid 65534, CPU, memory (a cgroup per run), process and output limits), so that a completion cannot
 read the node's key, touch its files, reach the network, hang, fork or fill the memory of the node scoring it.
-Both are safe to call from any thread (math-verify's own ``signal.alarm`` timeouts only work in a main thread:
+All are safe to call from any thread (math-verify's own ``signal.alarm`` timeouts only work in a main thread:
 here they run in the main thread of the helper process).
 
 - ``verify_math(ground_truth, text)``: one long-lived jailed helper process per node (``python -c`` with
   math-verify), one request at a time under a lock. A check that takes longer than ``MATH_DEADLINE_S`` kills the
   helper (restarted on the next call) and counts as wrong.
+- ``score_gym(name, config, index, answer)``: the same kind of helper with reasoning-gym, which rebuilds the
+  problem from its dataset, config and index and scores the answer with the dataset's own ``score_answer``
+  (some scorers parse the answer with sympy, which evaluates it: untrusted). A crash, a deadline or a score
+  outside [0, 1] counts as 0.
 - ``run_code_tests(code, tests, timeout_s, memory_mb)``: each test case runs ``python -I /code/main.py`` in a fresh
   jail, the program's folder bound read-only at /code, stdin from the case, stdout to a file capped at 16 MiB.
   Wall clock ``timeout_s`` (the whole process group is killed), CPU time ``ceil(timeout_s)``, memory
@@ -69,36 +74,66 @@ for line in sys.stdin:
 """
 
 
-class _MathHelper:
-    """The helper process; ``check`` serializes callers."""
+_GYM_HELPER = r"""
+import json, math, sys
+import reasoning_gym
 
-    def __init__(self) -> None:
+datasets = {}
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        req = json.loads(line)
+        key = json.dumps([req["name"], req["config"]], sort_keys=True)
+        if key not in datasets:
+            if len(datasets) >= 8:
+                datasets.clear()
+            datasets[key] = reasoning_gym.create_dataset(req["name"], **req["config"])
+        ds = datasets[key]
+        score = float(ds.score_answer(answer=req["answer"], entry=ds[req["index"]]))
+        if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+            score = 0.0
+    except Exception:
+        score = 0.0
+    sys.stdout.write(repr(score) + "\n")
+    sys.stdout.flush()
+"""
+
+
+class _JailedHelper:
+    """A long-lived jailed process that answers one JSON request per line; ``ask`` serializes callers."""
+
+    def __init__(self, what: str, program: str, module: str, install: str) -> None:
+        self._what = what
+        self._program = program
+        self._module = module
+        self._install = install
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._run: jail.Run | None = None
         self._buf = b""
 
-    def check(self, gold: str, text: str) -> bool:
+    def ask(self, request: dict[str, object]) -> bytes | None:
+        """The helper's answer line, or None when it crashed or outlasted ``MATH_DEADLINE_S`` (it is restarted
+        on the next call)."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             assert self._proc is not None and self._proc.stdin is not None
             try:
-                self._proc.stdin.write(json.dumps({"gold": gold, "text": text}).encode() + b"\n")
+                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self._proc.stdin.flush()
-                line = self._read_line(MATH_DEADLINE_S)
+                return self._read_line(MATH_DEADLINE_S)
             except (BrokenPipeError, TimeoutError, EOFError) as e:
-                logger.warning("math check failed, restarting the helper reason=%s", type(e).__name__)
+                logger.warning("%s check failed, restarting the helper reason=%s", self._what, type(e).__name__)
                 self._kill()
-                return False
-            return line == b"1"
+                return None
 
     def _start(self) -> None:
-        if importlib.util.find_spec("math_verify") is None:
-            raise RuntimeError("math rewards need math-verify: pip install math-verify")
+        if importlib.util.find_spec(self._module) is None:
+            raise RuntimeError(f"{self._what} rewards need {self._module}: {self._install}")
         self._buf = b""
         self._run = jail.Run(
-            [sys.executable, "-I", "-c", _MATH_HELPER],
+            [sys.executable, "-I", "-c", self._program],
             jail.Limits(cpu_s=MATH_CPU_S, memory_bytes=MATH_MEMORY_BYTES, processes=8),
             die_with_parent=False,  # started from whichever worker thread asks first; ends when its stdin closes
             stdin=subprocess.PIPE,
@@ -111,12 +146,12 @@ class _MathHelper:
         except (TimeoutError, EOFError) as e:
             self._kill()
             raise RuntimeError(
-                f"the math-verify helper did not start ({type(e).__name__}): check "
-                f"`{sys.executable} -c 'import math_verify'` works"
+                f"the {self._what} helper did not start ({type(e).__name__}): check "
+                f"`{sys.executable} -c 'import {self._module}'` works"
             ) from e
         if ready != b"ready":
             self._kill()
-            raise RuntimeError(f"the math-verify helper said {ready[:200]!r} instead of ready")
+            raise RuntimeError(f"the {self._what} helper said {ready[:200]!r} instead of ready")
 
     def _read_line(self, timeout_s: float) -> bytes:
         assert self._proc is not None and self._proc.stdout is not None
@@ -144,8 +179,10 @@ class _MathHelper:
             self._kill()
 
 
-_math = _MathHelper()
-atexit.register(_math.close)  # the helper outlives no process, and its cgroup goes with it
+_math = _JailedHelper("math", _MATH_HELPER, "math_verify", "pip install math-verify")
+_gym = _JailedHelper("reasoning-gym", _GYM_HELPER, "reasoning_gym", "pip install reasoning-gym==0.1.25")
+atexit.register(_math.close)  # the helpers outlive no process, and their cgroups go with them
+atexit.register(_gym.close)
 
 
 def verify_math(ground_truth: str, text: str) -> bool:
@@ -154,7 +191,19 @@ def verify_math(ground_truth: str, text: str) -> bool:
     math-verify compares symbolically and numerically ("\\boxed{\\frac{1}{2}}" matches "0.5"). A check that
     crashes or outlasts ``MATH_DEADLINE_S`` counts as not equal. Blocks; thread-safe (one check at a time).
     """
-    return _math.check(ground_truth, text)
+    return _math.ask({"gold": ground_truth, "text": text}) == b"1"
+
+
+def score_gym(name: str, config: dict[str, object], index: int, answer: str | None) -> float:
+    """reasoning-gym's own score of ``answer`` for problem ``index`` of dataset ``name`` built with ``config``
+    (seed and size included), in [0, 1]; 0 when the scorer crashes or outlasts ``MATH_DEADLINE_S``. Blocks;
+    thread-safe (one check at a time)."""
+    line = _gym.ask({"name": name, "config": config, "index": index, "answer": answer})
+    try:
+        score = float(line) if line is not None else 0.0
+    except ValueError:
+        return 0.0
+    return score if math.isfinite(score) and 0.0 <= score <= 1.0 else 0.0
 
 
 # -- code -----------------------------------------------------------------------------------------------------
