@@ -64,7 +64,7 @@ from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.policy.generate import sample_groups
-from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
+from intellect_node.policy.model import bf16_is_fast, build_model, build_tokenizer, encode_prompt, load_weights
 from intellect_protocol.messages import RunSpec
 from intellect_protocol.tasks import sampling_seed
 
@@ -98,7 +98,8 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
     torch.set_num_threads(threads)
     tok = build_tokenizer(spec.model)
     engine = PolicyEngine(spec, build_model(spec.model, tok, torch.float32))
-    sampler = build_model(spec.model, tok, torch.bfloat16)
+    # a bf16 copy to sample from, where bf16 is native (elsewhere fp32: bf16 is a reference loop there)
+    sampler = build_model(spec.model, tok, torch.bfloat16 if bf16_is_fast("cpu") else torch.float32)
     source = task_source(spec.task)
     eos, pad = int(tok.eos_token_id), int(tok.pad_token_id)
     s, t = spec.sampling, spec.train

@@ -80,7 +80,8 @@ class TaskSpec(BaseModel):
     ``verification_info``, an optional pass-rate column). Every node must build the same task set, so a local
     file should be pinned with ``source_sha256``. ``reasoning_gym``: the procedural dataset ``source`` of the
     reasoning-gym package (``chain_sum``, ``basic_arithmetic``, ...), its generator configured by ``options``
-    and seeded by the node. Every field has a default, so older configs stay valid.
+    and seeded by the node. ``verifiers``: a single-turn taskset of the verifiers package (``source``: its id).
+    Every field has a default, so older configs stay valid.
     ``family`` may name any registered family: a node that has no family of that name refuses the run, saying so.
     """
 
@@ -96,7 +97,8 @@ class TaskSpec(BaseModel):
     """``addition`` only: operands in ``[10**(digits-1), 10**digits - 1]``."""
     source: Annotated[str, Field(max_length=1024)] = ""
     """``dataset``: a local ``.jsonl`` / ``.parquet`` path, or ``hf:owner/name`` (needs ``datasets``).
-    ``reasoning_gym``: the dataset's name in reasoning-gym (``chain_sum``)."""
+    ``reasoning_gym``: the dataset's name in reasoning-gym (``chain_sum``). ``verifiers``: the environment's id
+    (``reverse-text``, ``owner/name@version``)."""
     source_sha256: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
     """When set, the source must hash to this (a local file: its bytes, ``sha256sum``; ``hf:``: its rows)."""
     split: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-\[\]:%+]+$")] = "train"
@@ -121,7 +123,8 @@ class TaskSpec(BaseModel):
     """Code tasks: address-space limit of the program under test."""
     options: Annotated[dict[OptionName, OptionValue], Field(max_length=32)] = {}
     """``reasoning_gym``: the dataset's configuration (its config class's fields, e.g. ``min_terms``), ``size``
-    included (how many distinct problems: 100,000 when absent); never ``seed``, which the node derives."""
+    included (how many distinct problems: 100,000 when absent); never ``seed``, which the node derives.
+    ``verifiers``: the taskset config's fields."""
     answer_format: Literal["plain", "number", "tags"] = "plain"
     """``reasoning_gym``: how the answer is asked for and read. ``plain``: the prompt ends "Reply with just the
     answer." and the answer is the reply's last non-empty line; ``number``: "Reply with just the number." and the
@@ -135,6 +138,11 @@ class TaskSpec(BaseModel):
         if self.family == "reasoning_gym" and not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", self.source):
             raise ValueError(
                 f"family 'reasoning_gym' needs source = a reasoning-gym dataset name such as 'chain_sum' "
+                f"(got {self.source[:80]!r})"
+            )
+        if self.family == "verifiers" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-/@]{0,127}", self.source):
+            raise ValueError(
+                "family 'verifiers' needs source = an installed environment's id such as 'reverse-text' "
                 f"(got {self.source[:80]!r})"
             )
         if "seed" in self.options:
@@ -190,7 +198,9 @@ class TrainSpec(BaseModel):
     recompute_logp_old: bool = False
     """logp_old from the trainer's own forward, not the sampler's log-probs (still checked): the ratio starts at 1."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training forward/backward: bfloat16 runs under autocast over the fp32 master weights."""
+    """Training forward/backward: bfloat16 runs under autocast over the fp32 master weights, where the hardware
+    multiplies bf16 natively (a GPU, a CPU with AVX-512 or AMX); elsewhere the trainer computes in fp32 and says
+    so (bf16 there is a reference loop, ~15x slower)."""
     micro_rows: Annotated[int, Field(ge=0, le=65536)] = 0
     """Rows per forward/backward, gradients accumulated (0: all at once): bounds memory, same step up to rounding."""
     gradient_checkpointing: bool = False

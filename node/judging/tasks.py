@@ -9,6 +9,7 @@ receiver; ``reward(...)`` scores a completion from its text alone. The families 
 - ``dataset``: rows in INTELLECT-2's shape (math checked with math-verify, code run against test cases, both in
   the jail) from a ``.jsonl``, a ``.parquet`` or ``hf:owner/name``.
 - ``reasoning_gym``: a procedural dataset of reasoning-gym by name and config, scored by its own scorer in the jail.
+- ``verifiers``: a single-turn taskset of Prime Intellect's verifiers (optional extra), its rewards in the jail.
 
 Adding a family: a module with a ``TaskFamily`` subclass (``families/base.py`` states what it must keep) and one
 line in ``FAMILIES``. The run spec accepts any short name; a node refuses a name not registered here when it
@@ -46,6 +47,7 @@ from intellect_node.judging.families.base import (
 )
 from intellect_node.judging.families.dataset import Dataset
 from intellect_node.judging.families.reasoning_gym import ReasoningGym
+from intellect_node.judging.families.verifiers_env import VerifiersEnv
 from intellect_node.judging.verifiers import run_code_tests, verify_math
 from intellect_protocol.messages import TaskSpec
 from intellect_protocol.tasks import assignment_seed
@@ -55,6 +57,7 @@ FAMILIES: dict[str, TaskFamily] = {
     "addition": Addition(),
     "dataset": Dataset(),
     "reasoning_gym": ReasoningGym(),
+    "verifiers": VerifiersEnv(),
 }
 """Task families by the name a run spec's ``task.family`` gives: one line per family."""
 
@@ -115,7 +118,7 @@ _SOURCES_LOCK = threading.Lock()
 
 def needs_jail(spec: TaskSpec) -> bool:
     """Whether scoring this task set runs untrusted programs or parsers (math-verify, code tests, reasoning-gym's
-    scorers): ``dataset``, ``reasoning_gym``."""
+    scorers, an environment's rewards): ``dataset``, ``reasoning_gym``, ``verifiers``."""
     return family(spec).needs_jail
 
 

@@ -15,6 +15,8 @@ here they run in the main thread of the helper process).
   problem from its dataset, config and index and scores the answer with the dataset's own ``score_answer``
   (some scorers parse the answer with sympy, which evaluates it: untrusted). A crash, a deadline or a score
   outside [0, 1] counts as 0.
+- ``score_verifiers(task, text, folders)``: the same kind of helper with verifiers, one per environment package
+  (bound read-only when it lies outside the installation), scoring a reply with the task's own reward hooks.
 - ``run_code_tests(code, tests, timeout_s, memory_mb)``: each test case runs ``python -I /code/main.py`` in a fresh
   jail, the program's folder bound read-only at /code, stdin from the case, stdout to a file capped at 16 MiB.
   Wall clock ``timeout_s`` (the whole process group is killed), CPU time ``ceil(timeout_s)``, memory
@@ -27,6 +29,7 @@ untrusted runs outside it.
 from __future__ import annotations
 
 import atexit
+import base64
 import importlib.util
 import json
 import logging
@@ -99,14 +102,54 @@ for line in sys.stdin:
 """
 
 
-class _JailedHelper:
-    """A long-lived jailed process that answers one JSON request per line; ``ask`` serializes callers."""
+_VERIFIERS_HELPER = r"""
+import asyncio, base64, json, math, os, pickle, sys
+for folder in json.loads(sys.argv[1]):  # an environment package outside the installation, bound read-only
+    sys.path.insert(0, os.path.dirname(folder))
+import verifiers.v1 as vf
+from verifiers.v1.state import state_cls
 
-    def __init__(self, what: str, program: str, module: str, install: str) -> None:
+async def score(task, text):
+    data, nodes = task.data, []
+    if data.system_prompt:
+        nodes.append(vf.MessageNode(message=vf.SystemMessage(content=data.system_prompt)))
+    prompt = data.prompt if isinstance(data.prompt, str) else data.prompt[0].content
+    nodes.append(vf.MessageNode(parent=len(nodes) - 1 if nodes else None, message=vf.UserMessage(content=prompt)))
+    nodes.append(vf.MessageNode(parent=len(nodes) - 1, message=vf.AssistantMessage(content=text), sampled=True))
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
+        state=state_cls(type(task))(),
+        agent=vf.AgentInfo(config=vf.AgentConfig(), name="intellect-node", trainable=False),
+        nodes=nodes,
+    )
+    await task.score(trace)
+    return float(trace.reward)
+
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        req = json.loads(line)
+        task = pickle.loads(base64.b64decode(req["task"]))  # made by the node from the task it loaded
+        reward = asyncio.run(score(task, req["text"]))
+        if not math.isfinite(reward):
+            reward = 0.0
+    except Exception:
+        reward = 0.0
+    sys.stdout.write(repr(reward) + "\n")
+    sys.stdout.flush()
+"""
+
+
+class _JailedHelper:
+    """A long-lived jailed process that answers one JSON request per line; ``ask`` serializes callers.
+    ``folders``: host folders bound read-only at the same path, handed to the program as a JSON argument."""
+
+    def __init__(self, what: str, program: str, module: str, install: str, folders: list[str] | None = None) -> None:
         self._what = what
         self._program = program
         self._module = module
         self._install = install
+        self._folders = folders or []
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._run: jail.Run | None = None
@@ -133,8 +176,9 @@ class _JailedHelper:
             raise RuntimeError(f"{self._what} rewards need {self._module}: {self._install}")
         self._buf = b""
         self._run = jail.Run(
-            [sys.executable, "-I", "-c", self._program],
+            [sys.executable, "-I", "-c", self._program, json.dumps(self._folders)],
             jail.Limits(cpu_s=MATH_CPU_S, memory_bytes=MATH_MEMORY_BYTES, processes=8),
+            [(folder, folder) for folder in self._folders],
             die_with_parent=False,  # started from whichever worker thread asks first; ends when its stdin closes
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -181,8 +225,16 @@ class _JailedHelper:
 
 _math = _JailedHelper("math", _MATH_HELPER, "math_verify", "pip install math-verify")
 _gym = _JailedHelper("reasoning-gym", _GYM_HELPER, "reasoning_gym", "pip install reasoning-gym==0.1.25")
+_verifiers: dict[tuple[str, ...], _JailedHelper] = {}  # by the folders it binds (one per environment package)
+_verifiers_lock = threading.Lock()
 atexit.register(_math.close)  # the helpers outlive no process, and their cgroups go with them
 atexit.register(_gym.close)
+
+
+@atexit.register
+def _close_verifiers_helpers() -> None:
+    for helper in list(_verifiers.values()):
+        helper.close()
 
 
 def verify_math(ground_truth: str, text: str) -> bool:
@@ -268,3 +320,22 @@ def _run_case(code: str, stdin: str, expected: str, timeout_s: float, memory_mb:
         with open(work / "stdout", "rb") as f:
             out = f.read(OUTPUT_LIMIT_BYTES).decode("utf-8", "replace")
     return _normalized(out) == _normalized(expected)
+
+
+def score_verifiers(task: bytes, text: str, folders: list[str]) -> float:
+    """The reward a verifiers task (``task``: the node's own pickle of the task it loaded) gives the reply
+    ``text``: the taskset's weighted sum of rewards, computed in the jail with ``folders`` (the environment's
+    package, when outside the installation) bound read-only; 0 when it crashes or outlasts ``MATH_DEADLINE_S``.
+    Blocks; thread-safe."""
+    with _verifiers_lock:
+        key = tuple(folders)
+        helper = _verifiers.get(key)
+        if helper is None:
+            install = "pip install 'intellect-node[verifiers]'"
+            helper = _verifiers[key] = _JailedHelper("verifiers", _VERIFIERS_HELPER, "verifiers", install, folders)
+    line = helper.ask({"task": base64.b64encode(task).decode(), "text": text})
+    try:
+        reward = float(line) if line is not None else 0.0
+    except ValueError:
+        return 0.0
+    return reward if math.isfinite(reward) else 0.0

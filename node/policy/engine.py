@@ -23,7 +23,7 @@ import torch
 from intellect_kernels.grpo import LossStats, grpo_loss
 from intellect_kernels.logprobs import token_entropy, token_logprobs
 from intellect_node.policy.lora import add_adapters, merged_state
-from intellect_node.policy.model import DTYPES, build_model, resolve_device, state_dict_for_export
+from intellect_node.policy.model import DTYPES, bf16_is_fast, build_model, resolve_device, state_dict_for_export
 from intellect_node.policy.optim import AdamWBf16State
 from intellect_protocol.messages import RunSpec
 
@@ -109,10 +109,21 @@ class PolicyEngine:
         else:
             self.optimizer = torch.optim.AdamW(trained, lr=t.lr, weight_decay=t.weight_decay)
         self.skipped = 0
+        self._said_fp32 = False
 
     def _autocast(self) -> Any:
         if self.spec.train.compute_dtype == "bfloat16":
-            return torch.autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
+            device = next(self.model.parameters()).device.type
+            if bf16_is_fast(device):
+                return torch.autocast(device, dtype=torch.bfloat16)
+            if not self._said_fp32:
+                self._said_fp32 = True
+                logger.info(
+                    "train.compute_dtype is bfloat16, but this %s has no native bf16 matrix multiply (a CPU without "
+                    "AVX-512 or AMX): training computes in fp32 instead, several times faster here and at least as "
+                    "precise",
+                    device.upper(),
+                )
         return contextlib.nullcontext()
 
     def _logp(
