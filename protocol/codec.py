@@ -26,6 +26,8 @@ class Channel(enum.IntEnum):
     VERDICT = 8 * 1024
     GOSSIP = 4 * 1024
     INVITE = 512
+    LEDGER = 64 * 1024 * 1024
+    """One contribution ledger entry (protocol/ledger.py): up to a million batches as columns."""
 
 
 class CodecError(ValueError):
