@@ -69,6 +69,9 @@ class LedgerEntry(WireModel):
     epoch: U63
     version: U31
     """The version this step produced (the first step of an epoch produces 1)."""
+    parent: U31
+    """The version whose weights the step started from: ``version - 1``, except after a trainer resumed from a
+    checkpoint older than the newest version it had published (the versions between were lost)."""
     prev: Sha256Hex
     """``entry_hash`` of the entry before, or ``genesis(run_id)``."""
     created: float
@@ -87,6 +90,8 @@ class LedgerEntry(WireModel):
 
     @model_validator(mode="after")
     def _columns(self) -> LedgerEntry:
+        if self.parent >= self.version:
+            raise ValueError(f"a step from version {self.parent} cannot produce version {self.version}")
         n = len(self.producers)
         if not len(self.digests) == len(self.made_on) == len(self.rollouts) == len(self.tokens) == n:
             raise ValueError("the batch columns differ in length")
@@ -113,6 +118,7 @@ def entry_of(
     run_id: str,
     epoch: int,
     version: int,
+    parent: int,
     prev: str,
     created: float,
     train: str,
@@ -125,6 +131,7 @@ def entry_of(
         run_id=run_id,
         epoch=epoch,
         version=version,
+        parent=parent,
         prev=prev,
         created=created,
         train=train,

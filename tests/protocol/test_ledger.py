@@ -72,7 +72,8 @@ def _chain(run: Identity, versions: list[tuple[int, int]], batches: int = 3) -> 
     out: list[bytes] = []
     prev = genesis(run.node_id)
     for epoch, version in versions:
-        entry = entry_of(run.node_id, epoch, version, prev, 1.0e9, TRAIN, _credits(batches, f"{epoch}/{version}"))
+        credits = _credits(batches, f"{epoch}/{version}")
+        entry = entry_of(run.node_id, epoch, version, max(0, version - 1), prev, 1.0e9, TRAIN, credits)
         sealed = seal(run, entry)
         out.append(sealed)
         prev = entry_hash(sealed)
@@ -112,7 +113,7 @@ def test_broken_chains_are_named() -> None:
 
 def test_an_entry_whose_batches_do_not_hash_to_its_root_is_refused() -> None:
     run = Identity.generate()
-    entry = entry_of(run.node_id, 0, 1, genesis(run.node_id), 1.0e9, TRAIN, _credits(4))
+    entry = entry_of(run.node_id, 0, 1, 0, genesis(run.node_id), 1.0e9, TRAIN, _credits(4))
     lying = entry.model_copy(update={"tokens": [t + 1 for t in entry.tokens]})  # the root of other batches
     with pytest.raises(LedgerError, match="bad_root"):
         verify_entry(seal(run, lying), run.node_id, Head(0, genesis(run.node_id)))
@@ -122,7 +123,7 @@ def test_a_step_of_100000_batches_fits_one_entry_and_proves_one_batch_in_17_hash
     run = Identity.generate()
     credits = _credits(100_000)
     refusals = {credits[0].producer: {"stale_version": 3, "bad_proof": 1}}
-    entry = entry_of(run.node_id, 0, 1, genesis(run.node_id), 1.0e9, TRAIN, credits, refusals)
+    entry = entry_of(run.node_id, 0, 1, 0, genesis(run.node_id), 1.0e9, TRAIN, credits, refusals)
     sealed = seal(run, entry)
     assert len(sealed) < Channel.LEDGER.value
     signed, head = verify_entry(sealed, run.node_id, Head(0, genesis(run.node_id)))
