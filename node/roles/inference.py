@@ -374,7 +374,8 @@ def generate_batch(
     **sampling: Any,
 ) -> RolloutBatch:
     """Batch ``index`` of ``node_id`` on weight ``version``: its assigned tasks, a seeded group per task, TOPLOC
-    proofs, and the rewards the worker computes for its own logs.
+    proofs, and, where the task's reward is exact and cheap (``TaskSource.exact_reward``), the rewards the worker
+    computes: a validator compares them, nothing else uses them; a producer never runs a reward that needs the jail.
 
     ``max_rows`` caps the rows of one generation call (the tokens do not depend on it: every row has its own
     seed). ``backend`` may be a bare model, run by the transformers backend with ``sampling`` (its ``draw``
@@ -413,7 +414,13 @@ def generate_batch(
                 completions=[c.tokens for c in group],
                 logprobs=[c.logprobs for c in group],
                 proofs=[c.proofs for c in group],
-                rewards=[task_reward(tokenizer, tasks[s], c.tokens, c.terminated, spec.task) for c in group],
+                # only where a validator compares them (exact, cheap rewards): a producer never runs a reward that
+                # needs the jail or takes long (code, math, an environment's rubric); the trainer scores anyway
+                rewards=(
+                    [task_reward(tokenizer, tasks[s], c.tokens, c.terminated, spec.task) for c in group]
+                    if source.exact_reward(tasks[s])
+                    else []
+                ),
             )
             for s, group in enumerate(groups)
         ],

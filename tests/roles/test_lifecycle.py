@@ -4,6 +4,7 @@ process group), and a restarted node keeps its libp2p identity and port, so the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 from intellect_node.launch import NodeProcess, join_argv
 from tests.helpers.net import free_port
+from tests.helpers.wait import until
 
 pytestmark = pytest.mark.integration
 
@@ -155,6 +157,39 @@ def test_a_validator_that_joined_before_a_restart_still_judges_for_the_restarted
             time.sleep(2)
         assert status["validators_missing"] == [], validator.tail()
         assert verdicts > 0
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
+def test_a_trainer_stopped_while_it_judges_a_batch_exits_at_once_without_a_traceback(tmp_path: Path) -> None:
+    """Judging is abandoned, not awaited (issue 38 item 5): its rewards come from a verifiers environment whose
+    reward takes a minute (tests/helpers/verifiers_envs/intellect_toy_slow), so a SIGTERM lands mid-judging."""
+    config = tmp_path / "slow.toml"
+    config.write_text('[run.task]\nfamily = "verifiers"\nsource = "intellect-toy-slow"\nheld_out = 2\n')
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent / "helpers" / "verifiers_envs")}
+    nodes: list[NodeProcess] = []
+    try:
+        trainer = NodeProcess(
+            "trainer", ["bootstrap", "--config", str(config), "--data-dir", str(tmp_path / "t")], tmp_path / "logs", env
+        )
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        worker = NodeProcess("inference", join_argv("inference", ready, tmp_path / "i"), tmp_path / "logs", env)
+        nodes.append(worker)
+        worker.wait_ready(timeout=180)
+
+        def judging() -> bool:
+            with urllib.request.urlopen(ready["status_url"] + "/status", timeout=10) as resp:
+                return int(json.load(resp)["judging"]) >= 1
+
+        asyncio.run(until(judging, "the trainer to judge a batch", 180, 0.5))
+        stopped = time.monotonic()
+        trainer.proc.send_signal(signal.SIGTERM)
+        trainer.proc.wait(timeout=30)
+        assert time.monotonic() - stopped < 10
+        log = trainer.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     finally:
         for node in reversed(nodes):
             node.stop()
