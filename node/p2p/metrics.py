@@ -50,6 +50,7 @@ LABEL_NAMES = {
 
 
 HELP = {
+    "node_trainer_pulls_total": "announced batches fetched from their producer, or not (busy), by outcome",
     "node_dht_publish_failures_total": "stores of this node's DHT record that failed (tried again)",
     "node_dht_read_failures_total": "DHT reads that failed or timed out (the last records read are used meanwhile)",
     "node_dht_records_rejected_total": "DHT records refused when read (bad signature, wrong run, malformed)",

@@ -1,6 +1,7 @@
 """Starting a node as an operator or a volunteer does it, through the real CLI and processes (issue 38 items 2
-and 3): one node per data dir, the second start told which process holds it; and a volunteer started while the
-trainer is down waits for it (until ``--join-timeout``) instead of exiting after one try."""
+to 5): one node per data dir, the second start told which process holds it; a volunteer started while the
+trainer is down waits for it (until ``--join-timeout``) instead of exiting after one try; an untrusted validator
+and a producer whose trainer went away say so; the trainer's log and scrape say what an operator needs, once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from intellect_node.launch import NodeExited, NodeProcess, join_argv
+from intellect_node.p2p.metrics import LABEL_NAMES
 from tests.helpers.net import free_port
 from tests.helpers.wait import until
 
@@ -161,6 +163,23 @@ def test_a_validator_the_trainer_does_not_trust_says_so(tmp_path: Path) -> None:
         said = _state(tmp_path / "v")[1]
         assert "not asked to judge" in said and f"--validator {vid}" in said, said
         assert _state(tmp_path / "i")[0] == 0  # the producer's batches are judged (by the trainer): it works
+
+        # what an operator reads: no LEDGER line per event unless asked for (INTELLECT_NODE_LEDGER_LOG=1), and a
+        # scrape whose labels say what they count (a DHT key, a gossip topic), each metric with a real HELP
+        asyncio.run(
+            until(lambda: _metric(trainer, "node_trainer_groups_accepted_total") >= 1, "an accepted batch", 120)
+        )
+        assert "LEDGER " not in trainer.log_path.read_text(errors="replace")
+        with urllib.request.urlopen(ready["status_url"] + "/metrics", timeout=10) as resp:
+            scrape = resp.read().decode().splitlines()
+        for name, label in LABEL_NAMES.items():
+            labelled = [x for x in scrape if x.startswith(name + "{")]
+            assert all(x.startswith(f"{name}{{{label}=") for x in labelled), labelled
+        assert any(x.startswith("node_dht_stores_total{key=") for x in scrape)
+        assert any(x.startswith("node_gossip_published_total{topic=") for x in scrape)
+        helps = [x.split(" ", 3) for x in scrape if x.startswith("# HELP ")]
+        bare = [h for h in helps if len(h) < 4 or not h[3].strip() or h[3].strip() == h[2]]
+        assert helps and not bare, bare
 
         # the trainer goes away: the producer backs off (it sent its batch every 250 ms, and warned each time) and
         # says it is not working
