@@ -2,11 +2,12 @@
 
 The task and settings come from a run config: ``--config node/configs/smollm2-addition.toml`` (the default:
 two-digit addition) or ``smollm2-chainsum.toml`` (reasoning-gym's chain_sum, three terms). Both take 8 prompts x 8
-samples per step, temperature 1.0, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast. The runs
-have the same task, settings and wall-clock budget:
+samples per step, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast where bf16 is native (fp32
+elsewhere: policy.model.bf16_is_fast); addition samples at temperature 1.0, chain_sum at 0.7. The runs have the
+same task, settings and wall-clock budget:
 
 - ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
-  validation, no networking; it samples from a bf16 copy of the weights).
+  validation, no networking; it samples from a bf16 copy of the weights where bf16 is native, else fp32).
 - ``async2``: the swarm. A trainer (``bootstrap``) and an inference node (``join``), one torch thread each (3
   threads on 2 cores made each step 3x slower, measured), as processes on loopback: signed checkpoints through
   the relay, TOPLOC proofs and seeded sampling on every rollout (fp32 compute), every batch checked by the
@@ -159,6 +160,18 @@ def _status(url: str) -> dict[str, Any]:
         return data
 
 
+def _counters(url: str, name: str) -> dict[str, float]:
+    """A labelled counter of a node, by label value, from its /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    out: dict[str, float] = {}
+    for line in lines:
+        if line.startswith(name + "{"):
+            label = line.split('"', 2)[1]
+            out[label] = out.get(label, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _keep(weights_root: Path, dest: Path) -> Path | None:
     """Hard-link the newest published version (the trainer prunes old ones; the links survive)."""
     if not weights_root.exists():
@@ -256,6 +269,7 @@ def swarm(
             print(f"  {label} t={mark:.0f}s step={status['step']}", flush=True)
         status = _status(ready["status_url"])
         worker_status = _status(worker_ready["status_url"])
+        worker_status["deferred"] = _counters(worker_ready["status_url"], "node_inference_batches_deferred_total")
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -281,6 +295,13 @@ def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float
         split = {k: sum(h.get(f, 0.0) for h in history) / max(1, len(history)) for k, f in SPLIT.items()}
         split["verdicts_remote"] = info["trainer"].get("verdicts_remote", 0)
         split["verdicts_self"] = info["trainer"].get("verdicts_self", 0)
+        worker = info["worker"]
+        producer = {
+            "sent": worker.get("batches_sent", 0),
+            "accepted": worker.get("batches_accepted", 0),
+            "refused": worker.get("rejections", {}),
+            "deferred": worker.get("deferred", {}),
+        }
     (out / name).mkdir(parents=True, exist_ok=True)
     (out / name / "result.json").write_text(
         json.dumps(
@@ -289,6 +310,7 @@ def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float
                 "kept": [(m, str(p)) for m, p in kept],
                 "steps": steps,
                 "split": split if name != "colocated" else {},
+                "producer": producer if name != "colocated" else {},
             }
         )
     )
@@ -350,7 +372,7 @@ def main() -> None:
         data = json.loads(result.read_text())
         curves[name] = Curve(name, rewards=[tuple(r) for r in data["rewards"]])
         kept[name] = [(m, Path(p)) for m, p in data["kept"]]
-        infos[name] = {"steps": data["steps"], "split": data.get("split", {})}
+        infos[name] = {"steps": data["steps"], "split": data.get("split", {}), "producer": data.get("producer", {})}
 
     # evaluation, after every run, on the same held-out problems
     torch.set_num_threads(args.threads)
@@ -412,6 +434,15 @@ def main() -> None:
                 f"{name:<16}"
                 + "".join(f"{sp[k]:>10.2f}" for k in SPLIT)
                 + f"{sp['verdicts_remote']:>22} / {sp['verdicts_self']}"
+            )
+    for name in swarms:
+        pr = infos[name].get("producer") or {}
+        if pr:
+            refused = ", ".join(f"{k} {v}" for k, v in sorted(pr["refused"].items())) or "none"
+            deferred = ", ".join(f"{k} {v:g}" for k, v in sorted(pr["deferred"].items())) or "none"
+            print(
+                f"{name} producer: {pr['accepted']} batches accepted of {pr['sent']} decided; refused: {refused}; "
+                f"deferred (sent again later): {deferred}"
             )
     print(f"plot: {png}")
     print(
