@@ -322,17 +322,18 @@ def _run_case(code: str, stdin: str, expected: str, timeout_s: float, memory_mb:
     return _normalized(out) == _normalized(expected)
 
 
-def score_verifiers(task: bytes, text: str, folders: list[str]) -> float:
+def score_verifiers(task: bytes, text: str, folders: tuple[str, ...]) -> float:
     """The reward a verifiers task (``task``: the node's own pickle of the task it loaded) gives the reply
     ``text``: the taskset's weighted sum of rewards, computed in the jail with ``folders`` (the environment's
     package, when outside the installation) bound read-only; 0 when it crashes or outlasts ``MATH_DEADLINE_S``.
     Blocks; thread-safe."""
     with _verifiers_lock:
-        key = tuple(folders)
-        helper = _verifiers.get(key)
+        helper = _verifiers.get(folders)
         if helper is None:
             install = "pip install 'intellect-node[verifiers]'"
-            helper = _verifiers[key] = _JailedHelper("verifiers", _VERIFIERS_HELPER, "verifiers", install, folders)
+            helper = _verifiers[folders] = _JailedHelper(
+                "verifiers", _VERIFIERS_HELPER, "verifiers", install, list(folders)
+            )
     line = helper.ask({"task": base64.b64encode(task).decode(), "text": text})
     try:
         reward = float(line) if line is not None else 0.0

@@ -7,7 +7,7 @@ evaluation; an assignment that lands on one is re-drawn away from it.
 
 from __future__ import annotations
 
-from intellect_node.judging.families.base import Task, TaskFamily, TaskSet, digest64
+from intellect_node.judging.families.base import Task, TaskFamily, TaskSet, indexed_task_set
 from intellect_protocol.messages import TaskSpec
 
 
@@ -25,16 +25,5 @@ class Addition(TaskFamily):
                 id=f"addition/{a}+{b}",
             )
 
-        held: dict[int, None] = {}  # insertion-ordered: the held-out problems in draw order
-        k = 0
-        while len(held) < spec.held_out:  # TaskSpec bounds held_out to half the problems: this ends quickly
-            held.setdefault(digest64(f"held-out/addition/{spec.digits}/{k}") % problems)
-            k += 1
-
-        def draw(seed: int) -> Task:
-            index, attempt = seed % problems, 0
-            while index in held:
-                index, attempt = digest64(f"redraw/{seed}/{attempt}") % problems, attempt + 1
-            return task(index)
-
-        return TaskSet(draw, problems - len(held), [task(i) for i in held])
+        # TaskSpec bounds held_out to half the problems
+        return indexed_task_set(task, problems, spec.held_out, f"addition/{spec.digits}")

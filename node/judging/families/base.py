@@ -107,6 +107,26 @@ def digest64(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+def indexed_task_set(task: Callable[[int], Task], size: int, held_out: int, label: str) -> TaskSet:
+    """The task set of ``size`` problems numbered ``0 .. size - 1`` (``task(i)``): exactly ``held_out`` distinct
+    ones, drawn by SHA-256 of ``held-out/<label>/<k>``, kept for evaluation; an assignment seed picks
+    ``seed % size``, re-drawn by SHA-256 away from a held-out one. ``held_out`` must be at most half of ``size``
+    (so the draws end quickly)."""
+    held: dict[int, None] = {}  # insertion-ordered: the held-out problems in draw order
+    k = 0
+    while len(held) < held_out:
+        held.setdefault(digest64(f"held-out/{label}/{k}") % size)
+        k += 1
+
+    def draw(seed: int) -> Task:
+        index, attempt = seed % size, 0
+        while index in held:
+            index, attempt = digest64(f"redraw/{seed}/{attempt}") % size, attempt + 1
+        return task(index)
+
+    return TaskSet(draw, size - len(held), [task(i) for i in held])
+
+
 def last_integer(text: str) -> int | None:
     """The last integer written in ``text`` (``-12``, ``1,234``), or None.
 

@@ -24,7 +24,7 @@ import re
 import threading
 from typing import Any
 
-from intellect_node.judging.families.base import Task, TaskFamily, TaskSet, digest64
+from intellect_node.judging.families.base import Task, TaskFamily, TaskSet, digest64, indexed_task_set
 from intellect_node.judging.verifiers import score_gym
 from intellect_protocol.messages import TaskSpec
 
@@ -80,19 +80,7 @@ class ReasoningGym(TaskFamily):
                 id=f"reasoning_gym/{spec.source}/{index}",
             )
 
-        held: dict[int, None] = {}  # insertion-ordered: the held-out problems in draw order
-        k = 0
-        while len(held) < spec.held_out:  # at most half the problems (checked above): this ends quickly
-            held.setdefault(digest64(f"held-out/reasoning_gym/{spec.source}/{k}") % size)
-            k += 1
-
-        def draw(seed: int) -> Task:
-            index, attempt = seed % size, 0
-            while index in held:
-                index, attempt = digest64(f"redraw/{seed}/{attempt}") % size, attempt + 1
-            return task(index)
-
-        return TaskSet(draw, size - len(held), [task(i) for i in held])
+        return indexed_task_set(task, size, spec.held_out, f"reasoning_gym/{spec.source}")  # held_out checked above
 
     def score(self, task: Task, text: str, spec: TaskSpec) -> float:
         answer = read_answer(text, spec.answer_format)

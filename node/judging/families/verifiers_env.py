@@ -23,9 +23,11 @@ sum of rewards (``trace.reward``); a crash or a deadline counts as 0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import pickle
 import threading
@@ -91,17 +93,19 @@ def module_name(env_id: str) -> str:
     return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
-def module_folders(env_id: str) -> list[str]:
+@functools.cache
+def module_folders(env_id: str) -> tuple[str, ...]:
     """The environment's package folder when it lies outside the Python installation (an editable install, a
-    folder on PYTHONPATH): the jail binds it, read-only, and nothing beside it."""
+    folder on PYTHONPATH): the jail binds it, read-only, and nothing beside it. Looked up once per process (every
+    reply scored asks)."""
     name = module_name(env_id)
     if importlib.util.find_spec(f"verifiers.v1.tasksets.{name}") is not None:
-        return []  # one of verifiers' own
+        return ()  # one of verifiers' own
     found = importlib.util.find_spec(name)
     if found is None or found.origin is None:
-        return []
+        return ()
     origin = Path(found.origin)
-    return [str(origin.parent if found.submodule_search_locations else origin)]
+    return (str(origin.parent if found.submodule_search_locations else origin),)
 
 
 def _package() -> Any:
@@ -147,7 +151,6 @@ def _load_tasks(vf: Any, spec: TaskSpec) -> list[Any]:
 
 def _check_single_turn(env: str, task: Any) -> None:
     """Refuse tasksets whose reward needs more than the reply: a runtime, an LLM judge, group scoring."""
-    import inspect
 
     def needs_runtime(fn: Any) -> bool:
         param = inspect.signature(fn).parameters.get("runtime")
