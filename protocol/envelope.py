@@ -21,12 +21,15 @@ M = TypeVar("M", bound=WireModel)
 
 
 class Rejected(ValueError):
-    """A message refused at the peer boundary. ``reason`` is a short, countable label."""
+    """A message refused at the peer boundary. ``reason`` is a short, countable label; ``retry_after_s``, where
+    the refusal is only for now (``busy``, ``backlog_full``), the refuser's estimate of when to send again (0: none
+    given)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", retry_after_s: float = 0.0) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,11 @@ def entry_of(
     )
 
 
+def train_hash(train: WireModel) -> str:
+    """An entry's ``train``: SHA-256 of the run spec's training settings (``RunSpec.train``) as msgpack."""
+    return hashlib.sha256(pack(train.model_dump(mode="json"))).hexdigest()
+
+
 def entry_hash(sealed: bytes) -> str:
     """The hash the next entry names in ``prev``: SHA-256 of the sealed entry as published."""
     return hashlib.sha256(sealed).hexdigest()

@@ -20,6 +20,8 @@ NodeId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 U31 = Annotated[int, Field(ge=0, lt=2**31)]
 U63 = Annotated[int, Field(ge=0, lt=2**63)]
+RETRY_AFTER_MAX_MS = 600_000
+"""The longest wait a trainer may ask of a producer in a reply (SubmitReply.retry_after_ms): ten minutes."""
 OptionName = Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$")]
 _OptionScalar = bool | int | float | Annotated[str, Field(max_length=256)]
 OptionValue = _OptionScalar | Annotated[list[_OptionScalar], Field(max_length=64)]
@@ -384,6 +386,15 @@ class RelayInfo(BaseModel):
     """A version it is receiving and already serves shard by shard (-1: none)."""
 
 
+class LedgerHead(BaseModel):
+    """The length of a contribution ledger and the hash of its last entry (``genesis`` of the run when empty): a node
+    holding it can check any copy of the ledger it fetches (protocol/ledger.py ``verify_chain``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    length: U63
+    head: Sha256Hex
+
+
 class NodeRecord(WireModel):
     """What a node says about itself in the DHT: signed by its own key, expiring, small."""
 
@@ -404,6 +415,8 @@ class NodeRecord(WireModel):
     """Proof of work on this identity, for runs that ask for one (``AdmissionSpec.pow_bits``)."""
     epoch: U63 = 0
     """The run epoch of the weights this node holds (the trainer's: the current one)."""
+    ledger: LedgerHead | None = None
+    """The trainer's: where its contribution ledger ends (protocol/ledger.py; the entries at ``GET /ledger``)."""
 
 
 class ShardEntry(BaseModel):
@@ -501,6 +514,11 @@ class SubmitReply(WireModel):
     next_index: Annotated[int, Field(ge=-1, lt=2**31)] = -1
     """With ``duplicate`` or ``out_of_order``: the batch index the trainer expects next from this node on this
     version (a restarted producer continues from there); -1 otherwise."""
+    retry_after_ms: Annotated[int, Field(ge=0, le=RETRY_AFTER_MAX_MS)] = 0
+    """When the trainer expects room for this node's next batch, in milliseconds from the reply (0: no estimate).
+    With ``busy``: a judged batch frees a place (or the newcomers' rate allows one); with ``backlog_full``, and
+    with an acceptance that filled this node's share: the next version. Producers wait this long, or until they
+    load a newer version, instead of sending again blindly (node/roles/inference.py)."""
 
 
 class Verdict(WireModel):

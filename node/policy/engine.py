@@ -57,6 +57,8 @@ class Group:
     rewards: list[float]
     batch_index: int = -1
     slot: int = -1
+    digest: str = ""
+    """SHA-256 (hex) of the producer's sealed batch this group came from: what the contribution ledger credits."""
 
     @property
     def key(self) -> BatchKey:

@@ -4,10 +4,15 @@ Loop: read the trainer's record from the DHT; if it announces a newer version, r
 (manifest signed by the run key, every shard hash-checked) and swap it in; derive the batch's tasks from (run
 seed, node id, version, batch index); sample a group per task; sign the batch and hand it to the run's rollout
 sink (node/p2p/rollouts: offered, then pushed to the trainer). Generation runs in a thread, so the node keeps
-serving /health, the DHT and weight shards while it works. When the trainer reports a full backlog, the node
-waits for the next version (at most ``PAUSE_MAX_S``) instead of producing rollouts that would go stale. A batch
-whose delivery failed is sent again, unchanged, before anything new; a node that restarted continues at the batch
-index the trainer says it expects.
+serving /health, the DHT and weight shards while it works.
+
+Pacing by the trainer's replies: when the trainer holds enough of this node's rollouts (a ``backlog_full``
+refusal, or the acceptance that filled its share) the node waits for the next version instead of producing
+rollouts that would go stale, and when it is ``busy`` (judging) the node sends the same batch again later; in
+both cases as long as the reply's ``retry_after_ms`` says (the trainer's estimate, at most ``RETRY_HINT_MAX_S``)
+or, without one, ``PAUSE_MAX_S`` and a doubling wait up to ``DEFERRED_BACKOFF_MAX_S``. A newer version ends a
+pause at once. A batch whose delivery failed is sent again, unchanged, before anything new; a node that restarted
+continues at the batch index the trainer says it expects.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import time
 from collections import OrderedDict, deque
 from functools import partial
@@ -36,7 +42,7 @@ from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.runtime import trim_freed
 from intellect_node.weights.files import load_checkpoint
 from intellect_protocol.envelope import Rejected, seal
-from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec
+from intellect_protocol.messages import NodeRecord, Role, RolloutBatch, RolloutGroup, RunSpec, SubmitReply
 from intellect_protocol.tasks import sampling_seed
 
 logger = logging.getLogger(__name__)
@@ -59,8 +65,21 @@ LOAD_LOG_S = 30.0
 """A loaded version is logged at INFO at most this often (DEBUG otherwise; /status lists them all)."""
 RECENT = 32
 PAUSE_MAX_S = 10.0
-"""A producer the trainer told to wait asks again after this long even without a new version: backpressure
-slows producers down, it must never leave the trainer waiting on paused producers."""
+"""A producer the trainer told to wait, without saying how long, asks again after this long even without a new
+version: backpressure slows producers down, it must never leave the trainer waiting on paused producers."""
+RETRY_HINT_MAX_S = 120.0
+"""The longest a producer waits on a reply's ``retry_after_ms`` before asking again (a newer version ends the wait
+sooner)."""
+RETRY_HINT_SPREAD = 0.2
+"""A hinted wait is lengthened by up to this fraction, drawn at random: producers told the same time do not all
+come back in the same instant."""
+
+
+def hinted_wait(retry_after_ms: int) -> float:
+    """The seconds to wait for a reply's ``retry_after_ms`` (0: no hint, the caller's own backoff applies)."""
+    if retry_after_ms <= 0:
+        return 0.0
+    return min(RETRY_HINT_MAX_S, retry_after_ms / 1000 * random.uniform(1.0, 1.0 + RETRY_HINT_SPREAD))
 
 
 class InferenceNode(Volunteer):
@@ -92,6 +111,9 @@ class InferenceNode(Volunteer):
         accepted)."""
         self.sink: RolloutSink | None = None
         """Where sealed batches go (node/p2p/rollouts): made once the node's gossip is up."""
+        self.held_back_until = 0.0
+        """Until when (monotonic) the trainer asked this node to wait (its share full, or busy judging): batches are
+        not re-announced meanwhile (the trainer would pull one only to refuse it)."""
 
     def working(self) -> dict[str, Any]:
         reason, detail = self.last_refusal
@@ -199,16 +221,17 @@ class InferenceNode(Volunteer):
 
     async def reannounce_forever(self) -> None:
         """Offer each unacknowledged batch again every REANNOUNCE_S until the trainer acknowledges it (on
-        gossip, or in the push's reply) or it goes stale."""
+        gossip, or in the push's reply) or it goes stale; not while the trainer asked us to wait."""
         while True:
             await asyncio.sleep(REANNOUNCE_S)
             spec, sink = self.spec, self.sink
             assert spec is not None and sink is not None
+            waiting = time.monotonic() < self.held_back_until
             for digest, (batch, data) in list(self.unacked.items()):
                 if batch.version < self.loaded - spec.train.async_level or batch.epoch != spec.epoch:
                     self.unacked.pop(digest, None)
                     self.metrics.inc("node_inference_batches_stale_total", help="unacknowledged batches given up")
-                elif digest in self.unacked and await sink.reoffer(batch, data):
+                elif not waiting and digest in self.unacked and await sink.reoffer(batch, data):
                     self.batches_announced += 1
 
     def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
@@ -236,7 +259,7 @@ class InferenceNode(Volunteer):
     ) -> None:
         """Generate and deliver batches, one at a time, for as long as the node runs (module docstring)."""
         paused_at: int | None = None  # the version at which the trainer said it had enough rollouts
-        paused_since = 0.0
+        paused_until = 0.0  # ... and until when (monotonic) the node waits for a newer one
         unsent: tuple[RolloutBatch, bytes] | None = None
         """A batch whose delivery failed: sent again as it is (same index) before anything new is generated."""
         unreachable = self.unreachable
@@ -274,8 +297,8 @@ class InferenceNode(Volunteer):
                 )
                 await asyncio.sleep(DISK_RETRY_S)
                 continue
-            if paused_at is not None and (self.loaded != paused_at or time.monotonic() - paused_since > PAUSE_MAX_S):
-                paused_at = None
+            if paused_at is not None and (self.loaded != paused_at or time.monotonic() >= paused_until):
+                paused_at, self.held_back_until = None, 0.0
             if self.loaded < 0 or paused_at is not None:
                 await asyncio.sleep(POLL_S)
                 continue
@@ -317,7 +340,9 @@ class InferenceNode(Volunteer):
                 logger.info("the trainer answers again (after %d failed deliveries)", unreachable.reset())
             if not reply.ok and reply.reason in RETRY_SAME:  # nothing decided about this batch: the same, later
                 self.metrics.inc("node_inference_batches_deferred_total", label=reply.reason)
-                await asyncio.sleep(deferred.next())
+                wait = hinted_wait(reply.retry_after_ms) or deferred.next()
+                self.held_back_until = time.monotonic() + wait
+                await asyncio.sleep(wait)
                 continue
             deferred.reset()
             current = batch.version == self.loaded  # the index counts batches of the loaded version
@@ -333,8 +358,11 @@ class InferenceNode(Volunteer):
                 self.refused_in_row = 0
                 if current:
                     self.batch_index = max(self.batch_index, batch.batch_index + 1)
-                if reply.backlog >= max(2, spec.train.async_level) * spec.train.batch_groups:  # enough to train on
-                    paused_at, paused_since = self.loaded, time.monotonic()
+                # the trainer's share of our work is full (it says when the next version is due), or it holds
+                # enough to train on from everyone
+                if reply.retry_after_ms or reply.backlog >= max(2, spec.train.async_level) * spec.train.batch_groups:
+                    paused_at, paused_until = self.loaded, time.monotonic() + pause_for(reply)
+                    self.held_back_until = paused_until
                 continue
             self.rejections[reply.reason] = self.rejections.get(reply.reason, 0) + 1
             self.refused_in_row += 1
@@ -343,7 +371,8 @@ class InferenceNode(Volunteer):
             say = logger.info if reply.reason in FLOW_CONTROL else logger.warning
             say("trainer refused batch reason=%s detail=%s", reply.reason, reply.detail)
             if reply.reason == "backlog_full":  # kept, and sent again when the trainer has room
-                paused_at, paused_since = self.loaded, time.monotonic()
+                paused_at, paused_until = self.loaded, time.monotonic() + pause_for(reply)
+                self.held_back_until = paused_until
                 continue
             unsent = None
             if reply.reason in ("duplicate", "out_of_order") and reply.next_index >= 0:
@@ -353,14 +382,19 @@ class InferenceNode(Volunteer):
                 pass
             elif reply.reason == "stale_version":
                 if current:  # our weights are too old: wait for a newer version
-                    paused_at, paused_since = self.loaded, time.monotonic()
+                    paused_at, paused_until = self.loaded, time.monotonic() + PAUSE_MAX_S
             elif reply.reason == "banned":
                 logger.error("the trainer banned this node (%s); it produces nothing more for this run", reply.detail)
                 await asyncio.Event().wait()
             else:  # refused for good: the next batch, and a pause
                 if current:
                     self.batch_index = max(self.batch_index, batch.batch_index + 1)
-                paused_at, paused_since = self.loaded, time.monotonic()
+                paused_at, paused_until = self.loaded, time.monotonic() + PAUSE_MAX_S
+
+
+def pause_for(reply: SubmitReply) -> float:
+    """How long to wait for a newer version after ``reply`` said the trainer holds enough of our rollouts."""
+    return hinted_wait(reply.retry_after_ms) or PAUSE_MAX_S
 
 
 def generate_batch(

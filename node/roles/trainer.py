@@ -10,10 +10,11 @@ Invariants:
 The trainer is a thin wiring of parts, each with its own state and a small interface, none of which knows the
 trainer: the door (trainer_door.Door: every batch's checks, cheapest first, and the spool before the reply), the
 judging pipeline (trainer_validation.Judging), the learner (trainer_learner.Learner: GRPO steps), durability
-(trainer_checkpoint.Durability: checkpoints, the spool, publishing versions in order) and gossip
-(trainer_gossip.TrainerGossip). Batches come in through the run's rollout source (node/p2p/rollouts), which
-hands each to the door. What they share is ``self.shared`` (trainer_state.py). The trainer builds them,
-assembles a checkpoint from their states and hands a resumed one back, and serves /status and its DHT record.
+(trainer_checkpoint.Durability: checkpoints, the spool, each version's contribution-ledger entry
+(trainer_ledger.py), publishing versions in order) and gossip (trainer_gossip.TrainerGossip). Batches come in
+through the run's rollout source (node/p2p/rollouts), which hands each to the door. What they share is
+``self.shared`` (trainer_state.py). The trainer builds them, assembles a checkpoint from their states and hands a
+resumed one back, and serves /status, /ledger and its DHT record (with the ledger's head).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from intellect_node.roles.trainer_checkpoint import CheckpointDir, Durability, n
 from intellect_node.roles.trainer_door import Door
 from intellect_node.roles.trainer_gossip import TrainerGossip
 from intellect_node.roles.trainer_learner import Learner
+from intellect_node.roles.trainer_ledger import LedgerRoutes, open_ledger
 from intellect_node.roles.trainer_registry import NodeRegistry
 from intellect_node.roles.trainer_state import InFlight, Ledger, Progress, RewardCurve, Shared, TrainQueue
 from intellect_node.roles.trainer_validation import Judging
@@ -59,7 +61,8 @@ from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.stripes import announced_home
 from intellect_protocol.envelope import Rejected
-from intellect_protocol.messages import NodeRecord, RunSpec
+from intellect_protocol.ledger import train_hash
+from intellect_protocol.messages import LedgerHead, NodeRecord, RunSpec
 
 logger = logging.getLogger(__name__)
 WAITING_S = 60.0
@@ -164,6 +167,7 @@ class Trainer:
             self.metrics,
             self.progress,
             self._announce_version,
+            train_hash(spec.train),
         )
         self.door = Door(
             spec,
@@ -189,7 +193,7 @@ class Trainer:
             self.banned,
             node.validators,
             self.judging.waits,
-            self.door.check_room,
+            self.door.check_announced,
         )
         where = node.track_dir or node.data_dir / "tracking"
         tracker = None
@@ -210,7 +214,10 @@ class Trainer:
             node.checkpoint_every,
             tracker,
         )
-        self.http = HttpServer(self.metrics, self.status, [*self.origin.routes(), self.judging.route()])
+        self.ledger_routes = LedgerRoutes(self.run_id)
+        self.http = HttpServer(
+            self.metrics, self.status, [*self.origin.routes(), self.judging.route(), *self.ledger_routes.routes()]
+        )
         self.p2p: Any = None
         self._resumed = resumed
         if resumed is not None:
@@ -321,7 +328,12 @@ class Trainer:
             updated=time.time(),
             software=f"intellect-node/{__version__}",
             relay=self.origin.origin_info(self.registry.records, self.store.complete_versions(), self.cfg.relay_slots),
+            ledger=self.ledger_head(),
         )
+
+    def ledger_head(self) -> LedgerHead | None:
+        ledger = self.durability.ledger
+        return None if ledger is None else LedgerHead(length=ledger.head.length, head=ledger.head.hash)
 
     def state(self) -> dict[str, Any]:
         """What the trainer does, in words (``/status``, ``intellect-node status``, the dashboard). Waiting for
@@ -387,6 +399,7 @@ class Trainer:
             **self.gossip.status(),
             "outstanding_groups": len(shared.queue) + shared.inflight.groups(),
             "resumed": self.resume_info,
+            "ledger": None if (head := self.ledger_head()) is None else head.model_dump(),
             "history": self.learner.history,
         }
 
@@ -401,6 +414,8 @@ class Trainer:
     async def run(self) -> None:
         torch.set_num_threads(self.cfg.threads)
         await self.durability.publish_current(self.learner.engine.export_state)
+        ledger = open_ledger(self.cfg.data_dir / "ledger", self.run_id, self.spec.epoch, self.progress.published)
+        self.durability.ledger = self.ledger_routes.ledger = ledger
         self.durability.start()  # without checkpoints there is no resume, and nothing to spool for one
         self._replay()
         source: RolloutSource | None = None

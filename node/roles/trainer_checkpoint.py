@@ -11,10 +11,11 @@ Layout under ``<data_dir>/checkpoints/<run_id>/``:
   every spool from ``n`` on through validation again: an accepted rollout is trained on, or its loss is counted
   and logged (stale by then, or failing checks), never silently dropped.
 
-Invariant: checkpoint ``n`` is durable before version ``n`` is published, so a resumed trainer never publishes a
-second, different version with a number the swarm has already seen. A start without a checkpoint to resume is a
-new run epoch (``RunSpec.epoch``, kept in ``<data_dir>/epochs/<run_id>``, always larger than the last): its
-version numbers start at 0 again, and the epoch tells the swarm that they name other weights.
+Invariant: checkpoint ``n`` (when due) and the ledger entry of version ``n`` (node/roles/trainer_ledger.py) are
+durable before version ``n`` is published, so a published version always has its entry, and a resumed trainer
+never publishes a second, different version with a number the swarm has already seen. A start without a checkpoint
+to resume is a new run epoch (``RunSpec.epoch``, kept in ``<data_dir>/epochs/<run_id>``, always larger than the
+last): its version numbers start at 0 again, and the epoch tells the swarm that they name other weights.
 
 Durability: a batch's spool record is fsynced before the trainer answers ok; checkpoints, published shards and
 manifests are fsynced before they are renamed into place, and the directory after the rename.
@@ -42,10 +43,13 @@ import torch
 from intellect_node.config import NodeConfig
 from intellect_node.p2p.http import EncodedList
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.roles.trainer_ledger import LedgerLog, StepRecord
 from intellect_node.roles.trainer_state import Progress
 from intellect_node.weights.files import fsync_dir, write_checkpoint
 from intellect_node.weights.store import WeightStore
+from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
+from intellect_protocol.ledger import entry_of
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{8})\.pt$")
@@ -299,6 +303,7 @@ class Durability:
         metrics: Metrics,
         progress: Progress,
         announce: Callable[[int], Awaitable[None]],
+        train_settings: str = "",
     ) -> None:
         self.cfg = cfg
         self.identity = identity
@@ -316,6 +321,16 @@ class Durability:
         """Seconds spent publishing versions (the step split)."""
         self._persisting: asyncio.Task[None] | None = None
         self._shed_at = -1e9
+        self.ledger: LedgerLog | None = None
+        """The contribution ledger (set at start by ``open_ledger``; None: no entries written this epoch)."""
+        self.train_settings = train_settings
+        """``train_hash`` of the run's training settings: every entry names it."""
+        self._unrecorded: list[tuple[int, StepRecord]] = []
+        """Steps whose entry is not yet in the ledger (an append failed): written, in order, before the next
+        version is published."""
+        self._parent: int | None = None
+        """The version the next step starts from when it is not the one before its own (a resume from a checkpoint
+        older than the newest published version)."""
 
     async def spool(self, envelope: bytes) -> None:
         """Make an accepted batch durable (fsynced) before it is acknowledged; raises OSError when it cannot be
@@ -346,10 +361,14 @@ class Durability:
         tensors: dict[str, torch.Tensor],
         engine_state: dict[str, Any] | None,
         meta: Callable[[], dict[str, Any]],
+        record: StepRecord | None = None,
     ) -> None:
         """Version ``step`` is made: checkpoint it when ``engine_state`` is given (with ``meta``, everything but
-        the engine, read now on the event loop, consistent with the queue and the spool rotation), then publish
-        it, after the version before it and without waiting for either."""
+        the engine, read now on the event loop, consistent with the queue and the spool rotation), write its
+        ledger entry (``record``: what the step consumed), then publish it, after the version before it and
+        without waiting for any of them."""
+        if record is not None and self.ledger is not None:
+            self._unrecorded.append((step, record))
         checkpoint = None
         if engine_state is not None:
             try:  # batches accepted from now on go to the next spool; if it cannot be made, no checkpoint now
@@ -416,11 +435,38 @@ class Durability:
                 newest - progress.step,
                 newest + 1,
             )
+            self._parent = progress.step  # the next step starts from the checkpoint's weights
             progress.step = progress.published = newest
             return
         if newest < progress.step:
             await asyncio.to_thread(self.publish, progress.step, export())
         progress.published = progress.step
+
+    def _write_entries(self, upto: int) -> None:
+        """Seal and append the entries not yet recorded of the steps up to version ``upto``, in order (blocking: run
+        it in a thread)."""
+        ledger = self.ledger
+        assert ledger is not None
+        while self._unrecorded and self._unrecorded[0][0] <= upto:
+            version, record = self._unrecorded[0]
+            parent = version - 1 if self._parent is None else self._parent
+            entry = entry_of(
+                self.run_id,
+                self.epoch,
+                version,
+                parent,
+                ledger.head.hash,
+                time.time(),
+                self.train_settings,
+                record.credits,
+                record.refusals,
+            )
+            ledger.append(seal(self.identity, entry))
+            self._unrecorded.pop(0)
+            self._parent = None
+            self.metrics.set(
+                "node_trainer_ledger_length", ledger.head.length, help="entries in the contribution ledger"
+            )
 
     def shed_disk(self) -> None:
         """A full disk: keep one published version and one checkpoint, so that training can go on in what we
@@ -461,6 +507,19 @@ class Durability:
                     e,
                     self.ckpt.root,
                 )
+        if self._unrecorded:
+            try:
+                await asyncio.to_thread(self._write_entries, version)
+            except OSError as e:  # disk full: not published without its entry; the next step writes both
+                self.metrics.inc("node_trainer_persist_failures_total", label="ledger")
+                logger.error(
+                    "could not write the ledger entry of version %d: %r; the version is not published, free disk "
+                    "space under %s",
+                    version,
+                    e,
+                    self.cfg.data_dir,
+                )
+                return
         try:
             await asyncio.to_thread(self.publish, version, tensors)
         except Exception as e:  # disk full, say: the swarm keeps generating on the last version; the next step retries
@@ -473,7 +532,7 @@ class Durability:
             )
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             return
-        self.progress.published = version
+        self.progress.publish(version)
         self.store.added()  # the relays below learn of it from us (GET /relay/next), before the DHT says so
         self.publish_s += time.monotonic() - began
         self.metrics.set("node_trainer_weight_version", version)

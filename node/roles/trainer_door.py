@@ -12,6 +12,11 @@ each at most ``admission.probation_pending``, and new keys start probation at mo
 ``admission.newcomers_per_min`` a minute (``Newcomers``): keys are free, so without a rate a flood of fresh keys
 buys one judged batch each, as fast as it can make them. Trusted keys together leave the newcomers' share free.
 
+Pacing: a refusal that holds only for now (``busy``, ``backlog_full``), and the acceptance that fills a producer's
+share, say when to send again (``SubmitReply.retry_after_ms``): the time a verdict takes less the age of the oldest
+batch in flight (``InFlight.until_verdict``), or the time between versions less the time since the last
+(``Progress.until_version``). A producer that polled instead made ~10 refusals for every accepted batch.
+
 ``Door`` is one part of the trainer (node/roles/trainer.py wires it): it holds the duplicate gate's reservations
 and the newcomers' bucket, and is handed the rest (trainer_state.Shared; the registry, the admission policy, the
 judging pipeline; ``spool``, durability's write of an accepted batch).
@@ -35,7 +40,7 @@ from intellect_node.roles.trainer_state import Shared
 from intellect_node.roles.trainer_validation import Judging
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.identity import node_id_of
-from intellect_protocol.messages import RolloutBatch, RunSpec, SubmitReply
+from intellect_protocol.messages import RETRY_AFTER_MAX_MS, RolloutBatch, RunSpec, SubmitReply
 
 logger = logging.getLogger(__name__)
 MAX_QUEUED_PER_NODE = 2
@@ -44,12 +49,19 @@ more: what the trainer can use before they go stale."""
 MAX_PENDING_BATCHES = 64
 """Admitted batches waiting for a verdict, all nodes together; past this the trainer answers busy (producers
 resend). Keys on probation share ``admission.probation_share`` of it."""
+STORE_RETRY_S = 5.0
+"""Told to a producer whose batch the trainer could not store (disk full, out of file handles)."""
 NEWCOMER_BURST = 8
 """New keys that may start probation at once, on top of ``admission.newcomers_per_min``."""
 NEWCOMER_GRANT_S = 60.0
 """A new key granted a place may send (or be pulled from) again within this long without another one."""
 NEWCOMERS_TRACKED = 65_536
 """Keys remembered as started (an admitted batch): the oldest are forgotten first."""
+
+
+def retry_after_ms(seconds: float) -> int:
+    """An estimate in seconds as a reply's ``retry_after_ms`` (bounded by the protocol's ten minutes)."""
+    return min(RETRY_AFTER_MAX_MS, max(0, round(seconds * 1000)))
 
 
 class Newcomers:
@@ -82,6 +94,7 @@ class Newcomers:
                 "busy",
                 f"the trainer takes {self.per_s * 60:g} new nodes a minute and is at that rate; send again in "
                 f"{wait:.0f} s",
+                retry_after_s=wait,
             )
         self.tokens -= 1.0
         self.granted[node_id] = now
@@ -132,9 +145,15 @@ class Door:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
         if node_id:
             self.shared.rejected_by_node[node_id] += 1
+            self.shared.refusals.add(node_id, e.reason)  # for the step's ledger entry, if it decides the batch
         logger.info("rejected batch peer=%s node=%s reason=%s detail=%s", peer, node_id or "?", e.reason, e.detail)
         return SubmitReply(
-            ok=False, reason=e.reason, detail=e.detail[:500], trainer_step=self.progress.step, next_index=next_index
+            ok=False,
+            reason=e.reason,
+            detail=e.detail[:500],
+            trainer_step=self.progress.step,
+            next_index=next_index,
+            retry_after_ms=retry_after_ms(e.retry_after_s),
         )
 
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
@@ -176,7 +195,7 @@ class Door:
             await self.spool(data)
         except OSError:  # disk full, out of file handles: nothing accepted, the producer sends it again
             self.gate.release(batch)
-            refusal = Rejected("busy", "the trainer cannot store batches right now; send again")
+            refusal = Rejected("busy", "the trainer cannot store batches right now; send again", STORE_RETRY_S)
             return self.reject(refusal, peer, node_id)
         self.gate.admit(batch)
         self.newcomers.admitted(node_id)
@@ -186,7 +205,15 @@ class Door:
         self.judging.dispatch(batch, slots, data)
         self.metrics.set("node_trainer_batches_pending_validation", self.judging.pending.qsize())
         self.shared.ledger("acked", key, len(slots))
-        return SubmitReply(ok=True, accepted_groups=len(slots), trainer_step=self.progress.step, backlog=self.backlog())
+        # the last batch of this node's share before the next version: the producer is told when that should be
+        full = self.held(node_id) >= self.share()
+        return SubmitReply(
+            ok=True,
+            accepted_groups=len(slots),
+            trainer_step=self.progress.step,
+            backlog=self.backlog(),
+            retry_after_ms=retry_after_ms(self.progress.until_version()) if full else 0,
+        )
 
     def _check_header(self, batch: RolloutBatch, node_id: str) -> None:
         if batch.run_id != self.run_id:
@@ -200,9 +227,30 @@ class Door:
                 "(it was started over): read the run spec again",
             )
         self.gate.check(batch, self.progress.step, newest=self.progress.published)
-        queued = self.shared.queue.by_node[node_id] + self.shared.inflight.groups_by_node[node_id]
-        if queued >= max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups:
+        if self.held(node_id) >= self.share():
+            wait = self.progress.until_version()
+            raise Rejected(
+                "backlog_full",
+                "the trainer holds enough of this node's rollouts; wait for a version"
+                + (f" (the next is expected in {wait:.0f} s)" if wait else ""),
+                retry_after_s=wait,
+            )
+
+    def check_announced(self, node_id: str) -> None:
+        """Before a batch announced on gossip is pulled: room as for a push, and this node's share not full (the
+        header is not known yet; a producer with a full share announces again later). Pulling a batch only to
+        refuse it as backlog_full cost a whole body each time a waiting producer re-announced it (every 5 s)."""
+        self.check_room(node_id)
+        if self.held(node_id) >= self.share():
             raise Rejected("backlog_full", "the trainer holds enough of this node's rollouts; wait for a version")
+
+    def share(self) -> int:
+        """The rollout groups one node may have queued or being judged (``MAX_QUEUED_PER_NODE``)."""
+        return max(MAX_QUEUED_PER_NODE, self.spec.train.async_level) * self.spec.train.batch_groups
+
+    def held(self, node_id: str) -> int:
+        """The groups of ``node_id`` queued for training or being judged."""
+        return self.shared.queue.by_node[node_id] + self.shared.inflight.groups_by_node[node_id]
 
     def check_room(self, node_id: str) -> None:
         """Bounded, fair work before anything is decoded: for keys on probation together, and for everybody (the
@@ -214,17 +262,25 @@ class Door:
         if self.admission.on_probation(node_id):
             mine = inflight.of(node_id)
             if mine >= a.probation_pending:
+                wait = inflight.until_verdict(node_id)
                 raise Rejected(
                     "busy",
                     f"a new node may have {a.probation_pending} batch(es) judged at once until "
-                    f"{a.probation_batches} passed",
+                    f"{a.probation_batches} passed" + (f"; its verdict is expected in {wait:.0f} s" if wait else ""),
+                    retry_after_s=wait,
                 )
             if newcomers >= newcomer_slots:
-                raise Rejected("busy", "the trainer is judging many new nodes' batches; send again shortly")
+                raise Rejected(
+                    "busy",
+                    "the trainer is judging many new nodes' batches; send again shortly",
+                    retry_after_s=inflight.until_verdict(),
+                )
             self.newcomers.check(node_id)
         elif len(inflight) - newcomers >= MAX_PENDING_BATCHES - newcomer_slots:
             # trusted nodes together leave the newcomers' share free: a busy swarm still lets new nodes in
-            raise Rejected("busy", "the trainer has many batches to judge; send again shortly")
+            raise Rejected(
+                "busy", "the trainer has many batches to judge; send again shortly", inflight.until_verdict()
+            )
 
     def backlog(self) -> int:
         """Validated groups that will be trained (fresh, past the filter): a producer that pauses on this number

@@ -25,7 +25,8 @@ memory stay bounded. Each fetch pulls at most one batch and is made once per dig
 ``TrainerGossip`` is one part of the trainer (node/roles/trainer.py wires it), with its own state (the digests it
 knows, the envelopes it serves, the pulls under way, the newest notice); it is handed what it reads of the other
 parts (the registry, the admission policy, the bans, the judging pipeline's verdict waits), the door's capacity
-check (``check_room``, made before a pull as before a push) and, at ``start``, the rollout source that pulls an
+check (``check_room``, made before a pull as before a push, with the producer's share: a batch the door would
+refuse as backlog_full is not pulled) and, at ``start``, the rollout source that pulls an
 announced batch and puts it through the door.
 """
 
@@ -285,7 +286,7 @@ class TrainerGossip:
         if a.node_id in self.banned:
             raise Rejected("banned", "an announcement from a banned node")
         self.admission.check(record)  # the run's policy and proof of work, as for a push
-        self.check_room(a.node_id)  # the probation limits, as for a push
+        self.check_room(a.node_id)  # the probation limits, as for a push, and the producer's share
         if self._pulling[a.node_id] >= PULLS_PER_NODE or sum(self._pulling.values()) >= MAX_PULLS:
             self.metrics.inc("node_trainer_pulls_total", label="busy")
             return  # its batch is being fetched, or many are: it announces this one again later

@@ -4,8 +4,9 @@ Step ``n`` turns version ``n`` into ``n + 1``: ``batch_groups`` groups, oldest v
 dropped and logged), packed and trained in a thread (group advantages and the clipped loss of kernels/grpo.py,
 AdamW over fp32 master weights in policy/engine.py), so that the event loop keeps admitting, judging and serving
 weights meanwhile. The weights (and, when a checkpoint is due, a private copy of the engine's state) are taken
-between steps and handed to durability, which writes and publishes them while the next step runs: inference never
-waits for training or publishing.
+between steps and handed to durability, with what the step consumed (the batches trained on, the refusals since
+the step before: its contribution-ledger entry), which writes and publishes them while the next step runs:
+inference never waits for training or publishing.
 
 ``Learner`` is one part of the trainer (node/roles/trainer.py wires it): it owns the engine, the step history and
 the time it waited for rollouts; the step count is ``Shared.progress`` (others read it).
@@ -29,6 +30,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import Durability
+from intellect_node.roles.trainer_ledger import StepRecord, credits_of
 from intellect_node.roles.trainer_state import Shared
 from intellect_node.runtime import trim_freed
 from intellect_protocol.messages import RunSpec
@@ -158,9 +160,11 @@ class Learner:
                 staleness_mean=float(sum(step - 1 - v for v in versions) / len(versions)),
             )
             self.history.append(stats)
+            self.progress.stepped(stats["seconds"])
             if self.tracker is not None:
                 self.tracker.log(step, stats)
-            await self.durability.after_step(step, tensors, engine_state, self.checkpoint_meta)
+            record = StepRecord(credits_of(groups), self.shared.refusals.drain())  # the step's ledger entry
+            await self.durability.after_step(step, tensors, engine_state, self.checkpoint_meta, record)
             self._report(stats, len(groups), idle)
         await self.durability.drain()
         logger.info("reached max_steps=%s; still serving weights and status until stopped", self.max_steps)

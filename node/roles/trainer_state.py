@@ -3,12 +3,16 @@
 - ``TrainQueue``: validated, scored groups waiting to be trained. The judging pipeline adds to it (and drops a
   banned producer's groups), the learner takes from it, the door reads how much of a producer's work it holds.
 - ``InFlight``: admitted batches whose verdict is not yet applied, and their groups per producer. The door adds a
-  batch once it is admitted (or the replay after a restart does), the judging pipeline marks it done.
+  batch once it is admitted (or the replay after a restart does), the judging pipeline marks it done. It keeps a
+  running estimate of how long a verdict takes, which the door hands to producers it answers ``busy``.
 - ``RewardCurve``: the rewards of every rollout accepted since the last step (the learner's reported reward, not
   only the trained groups'); batches replayed after a restart are not counted twice.
+- ``Refusals``: batches refused for good since the last step, by producer and reason: the door and the judging
+  pipeline count them, the learner hands them to the step's contribution-ledger entry.
 - ``Ledger``: one log line per accepted batch and per outcome of its groups, for accounting across restarts.
-- ``Progress``: the step the learner reached and the newest version published. The learner counts steps,
-  durability publishes; the door, the judging pipeline and gossip read them.
+- ``Progress``: the step the learner reached and the newest version published, with a running estimate of the
+  time between versions (what the door tells a producer that has to wait for the next one). The learner counts
+  steps, durability publishes; the door, the judging pipeline and gossip read them.
 
 None of them knows the trainer (node/roles/trainer.py), which wires them into its parts.
 """
@@ -17,15 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from intellect_node.p2p.metrics import BoundedCounter
 from intellect_node.policy.engine import BatchKey, Group
+from intellect_protocol.ledger import MAX_REFUSALS
 
 STATUS_NODES = 1024
 """Node ids /status shows counts for (batches received, accepted, refused); the rest are summed as others."""
+RUNNING_WEIGHT = 0.3
+"""The weight of the newest sample in the trainer's running estimates (time to a verdict, time between versions)."""
 ledger_log = logging.getLogger("intellect_node.ledger")
 """One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
 unscorable): ``LEDGER <event> <epoch> <node> <version> <index> <groups> <step>``. benchmarks/chaos.py adds these up
@@ -76,11 +85,15 @@ class TrainQueue:
 
 class InFlight:
     """Admitted batches whose verdict is not yet applied (judged here or by validators), by key, and their groups
-    per producer (counts that fall to zero leave: a flood of keys leaves nothing behind)."""
+    per producer (counts that fall to zero leave: a flood of keys leaves nothing behind), and a running estimate of
+    the seconds from a batch's admission to its verdict (``judge_s``, 0 until one was judged)."""
 
-    def __init__(self) -> None:
-        self.keys: set[BatchKey] = set()
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keys: dict[BatchKey, float] = {}
+        """Each batch in flight, with when it was admitted (``clock``)."""
         self.groups_by_node = BoundedCounter()
+        self.clock = clock
+        self.judge_s = 0.0
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -89,12 +102,28 @@ class InFlight:
         return key in self.keys
 
     def add(self, key: BatchKey, groups: int) -> None:
-        self.keys.add(key)
+        self.keys[key] = self.clock()
         self.groups_by_node[key[0]] += groups
 
     def done(self, key: BatchKey, groups: int) -> None:
-        self.keys.discard(key)
+        admitted = self.keys.pop(key, None)
+        if admitted is None:
+            return
         self.groups_by_node[key[0]] -= groups
+        took = self.clock() - admitted
+        self.judge_s = took if not self.judge_s else (1 - RUNNING_WEIGHT) * self.judge_s + RUNNING_WEIGHT * took
+
+    def until_verdict(self, node_id: str | None = None) -> float:
+        """Seconds until the oldest batch in flight (of ``node_id``, or of anyone) is expected to have its verdict,
+        freeing a place: the running time to a verdict less its age. One already overdue (its judging waits behind
+        a training step on the same cores, say) is given half the running time again. 0 without an estimate."""
+        if not self.judge_s:
+            return 0.0
+        admitted = [at for key, at in self.keys.items() if node_id is None or key[0] == node_id]
+        if not admitted:
+            return 0.0
+        left = self.judge_s - (self.clock() - min(admitted))
+        return left if left > 0 else self.judge_s / 2
 
     def of(self, node_id: str) -> int:
         """Batches of ``node_id`` in flight."""
@@ -136,12 +165,80 @@ class RewardCurve:
         return seen
 
 
+NOT_DECIDED = frozenset({"busy", "backlog_full", "unknown_signer", "duplicate", "out_of_order"})
+"""Refusals that decide nothing about a batch (sent again later, or already decided): not in the ledger."""
+_REASON = re.compile(r"[a-z_]{1,32}")
+_NODE = re.compile(r"[0-9a-f]{32}")
+
+
+class Refusals:
+    """Batches refused for good since the last ledger entry (protocol/ledger.py), by producer and reason. Bounded
+    like an entry: past ``MAX_REFUSALS`` (producer, reason) pairs a new pair is only counted in ``overflow`` (a
+    flood of registered keys cannot grow an entry without bound)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.overflow = 0
+
+    def add(self, node_id: str, reason: str) -> None:
+        if reason in NOT_DECIDED or not _NODE.fullmatch(node_id):
+            return
+        key = (node_id, reason if _REASON.fullmatch(reason) else "other")
+        if key in self.counts:
+            self.counts[key] = min(self.counts[key] + 1, 2**31 - 1)
+        elif len(self.counts) < MAX_REFUSALS:
+            self.counts[key] = 1
+        else:
+            self.overflow += 1
+
+    def drain(self) -> dict[str, dict[str, int]]:
+        """Every refusal counted since the last call: producer -> reason -> batches."""
+        out: dict[str, dict[str, int]] = {}
+        for (node, reason), n in self.counts.items():
+            out.setdefault(node, {})[reason] = n
+        self.counts = {}
+        return out
+
+
 @dataclass
 class Progress:
     step: int = 0
     """Completed training steps: version ``step`` exists (published once ``published`` reaches it)."""
     published: int = -1
     """The newest version written, signed and announced."""
+    clock: Callable[[], float] = time.monotonic
+    published_at: float = field(default_factory=time.monotonic)
+    """When ``published`` last moved (or the trainer started)."""
+    version_s: float = 0.0
+    """A running estimate of the seconds from one published version to the next (0 until two were)."""
+    publishes: int = 0
+    """Versions published in this life of the trainer."""
+
+    def publish(self, version: int) -> None:
+        """Version ``version`` was published now: the estimate of the time between versions takes it in (not the
+        first one of this life, which waited for the swarm's first rollouts)."""
+        now = self.clock()
+        if self.publishes and version > self.published:
+            took = now - self.published_at
+            self.version_s = (
+                took if not self.version_s else (1 - RUNNING_WEIGHT) * self.version_s + RUNNING_WEIGHT * took
+            )
+        self.published, self.published_at = version, now
+        self.publishes += 1
+
+    def stepped(self, seconds: float) -> None:
+        """A training step took ``seconds``: the first estimate of the time between versions, until two versions
+        of this life were published (a producer told to wait for the second version is told this)."""
+        if not self.version_s:
+            self.version_s = seconds
+
+    def until_version(self) -> float:
+        """Seconds until the next version is expected: the running time between versions less the time since the
+        last. One already overdue is given a quarter of the running time again. 0 without an estimate."""
+        if not self.version_s:
+            return 0.0
+        left = self.version_s - (self.clock() - self.published_at)
+        return left if left > 0 else self.version_s / 4
 
 
 class Ledger:
@@ -165,6 +262,7 @@ class Shared:
     curve: RewardCurve
     ledger: Ledger
     progress: Progress = field(default_factory=Progress)
+    refusals: Refusals = field(default_factory=Refusals)
     banned: dict[str, str] = field(default_factory=dict)
     """Nodes caught cheating, with why: refused for the rest of the run (``verify.ban``). The judging pipeline
     bans; the door, gossip and the origin's slots refuse a banned key. Changed in place, never replaced."""

@@ -124,6 +124,7 @@ class Judging:
         self.banned = shared.banned
         self.accepted_by_node = shared.accepted_by_node
         self.rejected_by_node = shared.rejected_by_node
+        self.refusals = shared.refusals
         self.fresh_floor = fresh_floor
         self.acknowledge = acknowledge
         self.pending = PendingBatches()
@@ -164,9 +165,10 @@ class Judging:
                 raise Rejected("unassigned_task", f"slot {g.slot} is not the task assigned to this node")
         return [g.slot for g in batch.groups]
 
-    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float) -> list[Group]:
-        """The groups of ``slots`` with rewards recomputed here (on the reward pool, after validation passed);
-        raises Rejected('reward_budget') once ``deadline`` (monotonic) passes between completions."""
+    def _score(self, batch: RolloutBatch, slots: list[int], deadline: float, digest: str) -> list[Group]:
+        """The groups of ``slots`` with rewards recomputed here (on the reward pool, after validation passed), each
+        naming its batch by ``digest``; raises Rejected('reward_budget') once ``deadline`` (monotonic) passes between
+        completions."""
         eos = int(self.tokenizer.eos_token_id)
         groups = []
         for g in batch.groups:
@@ -188,6 +190,7 @@ class Judging:
                     rewards,
                     batch.batch_index,
                     g.slot,
+                    digest,
                 )
             )
         return groups
@@ -366,6 +369,7 @@ class Judging:
         if not verdict.ok:
             self.metrics.inc("node_validator_rejected_total", label=verdict.reason, help="batches failing checks")
             self.rejected_by_node[batch.node_id] += 1
+            self.refusals.add(batch.node_id, verdict.reason or "invalid")
             self.ledger("invalid", key, len(slots))
             logger.warning(
                 "validation failed node=%s version=%d batch=%d reason=%s detail=%s",
@@ -393,7 +397,7 @@ class Judging:
             self.metrics.inc("node_trainer_groups_stale_dropped_total", len(slots))
             self.ledger("stale", key, len(slots))
             return
-        groups = await self._scored(batch, slots)
+        groups = await self._scored(batch, slots, verdict.batch_sha256)
         if groups is None:
             self.ledger("unscorable", key, len(slots))
             return
@@ -417,14 +421,14 @@ class Judging:
             groups = kept
         self.queue.add(batch.node_id, groups)
 
-    async def _scored(self, batch: RolloutBatch, slots: list[int]) -> list[Group] | None:
+    async def _scored(self, batch: RolloutBatch, slots: list[int], digest: str) -> list[Group] | None:
         """Rewards, recomputed here only now that the batch passed validation, on the reward pool and within the
         run's per-batch budget; None (counted, logged, nobody banned) when scoring fails or runs over."""
         started = time.monotonic()
         deadline = started + self.spec.verify.reward_budget_s
         loop = asyncio.get_running_loop()
         try:
-            groups = await loop.run_in_executor(self.reward_pool, self._score, batch, slots, deadline)
+            groups = await loop.run_in_executor(self.reward_pool, self._score, batch, slots, deadline, digest)
         except Rejected as e:
             self.metrics.inc(
                 "node_trainer_groups_unscored_total",

@@ -1,13 +1,16 @@
 """Integration: a trainer killed mid-run (SIGKILL, its DHT and p2pd too) restarts from its checkpoint with the same
-key; the inference node keeps running and catches up; no step is trained twice and no version number is reused."""
+key; the inference node keeps running and catches up; no step is trained twice, no version number is reused, and
+the contribution ledger has one entry per version across both lives (and across a new epoch)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import signal
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,11 @@ import pytest
 from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.http import EncodedList
 from intellect_node.roles.trainer_checkpoint import HISTORY, CheckpointDir, next_epoch
+from intellect_node.roles.trainer_ledger import parse_framed
 from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
+from intellect_protocol.envelope import open_signed
+from intellect_protocol.ledger import LedgerEntry, verify_chain
+from tests.helpers.wait import until
 
 STEPS = 9
 KILL_AT = 4
@@ -26,6 +33,22 @@ def _status(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/status", timeout=10) as resp:
         data: dict[str, Any] = json.load(resp)
         return data
+
+
+def _ledger(url: str, run_id: str, done: Callable[[list[LedgerEntry]], bool]) -> list[LedgerEntry]:
+    """The trainer's contribution ledger, checked with the run id alone, once ``done`` says it holds what the test
+    waits for (the last version's entry is written after the step's STEP line)."""
+    entries: list[LedgerEntry] = []
+
+    def fetched() -> bool:
+        with urllib.request.urlopen(url + "/ledger/entries", timeout=10) as resp:
+            sealed = parse_framed(resp.read())
+        verify_chain(sealed, run_id)
+        entries[:] = [open_signed(s, LedgerEntry).message for s in sealed]
+        return done(entries)
+
+    asyncio.run(until(fetched, "the ledger entries", timeout=60, every=0.5))
+    return entries
 
 
 def _manifests(root: Path) -> dict[int, str]:
@@ -86,6 +109,10 @@ def test_a_killed_trainer_resumes_and_the_swarm_catches_up(tmp_path: Path) -> No
         assert versions == sorted(set(versions)), versions
         assert max(versions) > resumed["from_step"], versions
         assert status["accepted_groups_by_node"].get(worker_ready["node_id"], 0) > 0
+        # issue 39 item 4: one ledger entry per version across both lives, none lost or written twice
+        entries = _ledger(ready2["status_url"], ready["run_id"], lambda got: len(got) >= STEPS)
+        assert [(e.version, e.parent) for e in entries] == [(v, v - 1) for v in range(1, STEPS + 1)]
+        assert all(set(e.producers) == {worker_ready["node_id"]} for e in entries)
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -183,6 +210,15 @@ def test_a_run_started_over_gets_a_new_epoch_and_the_swarm_follows_it(tmp_path: 
         for folder in held:
             manifest = verify_manifest((folder / MANIFEST_NAME).read_bytes(), ready["run_id"], int(folder.name))
             assert manifest.epoch == status["epoch"]
+        # the ledger goes on through the new epoch, whose versions count from 1 again
+        entries = _ledger(
+            ready2["status_url"],
+            ready["run_id"],
+            lambda got: bool(got) and got[-1].epoch > old_epoch and got[-1].version >= 3,
+        )
+        new = [e.version for e in entries if e.epoch == status["epoch"]]
+        old = [e.version for e in entries if e.epoch == old_epoch]
+        assert new == [1, 2, 3] and old == list(range(1, len(old) + 1)) and len(old) >= 2, (old, new)
     finally:
         for node in reversed(nodes):
             node.stop()

@@ -32,9 +32,11 @@ from intellect_node.launch import NodeProcess
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.transport import DELIVERY_ERRORS, HEADER, _read_frame, submit, submit_protocol
 from intellect_node.policy.model import build_tokenizer, encode_prompt
+from intellect_node.roles.trainer_ledger import parse_framed
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import open_signed, seal
 from intellect_protocol.identity import Identity
+from intellect_protocol.ledger import LedgerEntry, verify_chain
 from intellect_protocol.messages import NodeRecord, RolloutBatch, RolloutGroup, SubmitReply, Verdict
 from intellect_protocol.records import NODE_TTL_S, nodes_key
 from intellect_protocol.tasks import assigned_task
@@ -317,6 +319,45 @@ def test_a_plain_hivemind_client_reads_the_trainers_record(swarm: Swarm) -> None
         swarm.client.get(f"intellect-node/{swarm.run_id}/spec", latest=True).value[swarm.run_id].value
     )
     assert msgpack.unpackb(spec_env["body"])["train"]["async_level"] == 2
+
+
+def test_the_trainers_ledger_credits_every_step_and_checks_with_the_run_id_alone(swarm: Swarm) -> None:
+    """Issue 39 item 1, as a volunteer checks it: the head from the trainer's DHT record (no trust in its HTTP
+    server), the entries from GET /ledger/entries, the chain checked with the run id alone. One entry per version,
+    each crediting the batches trained, each batch one that a validator judged ok, from the run's producers, with
+    every rollout of the step's groups."""
+    run = RunConfig()
+
+    def recorded() -> bool:
+        ledger = swarm.status()["ledger"]
+        return ledger is not None and ledger["length"] == STEPS
+
+    asyncio.run(until(recorded, f"the trainer's ledger to hold {STEPS} entries", timeout=60, every=0.5))
+
+    head: dict[str, Any] = {}
+
+    def announced() -> bool:
+        found = swarm.client.get(nodes_key(swarm.run_id), latest=True)
+        if found is None or swarm.run_id not in found.value:
+            return False
+        record = open_signed(found.value[swarm.run_id].value, NodeRecord).message
+        if record.ledger is not None and record.ledger.length == STEPS:
+            head.update(record.ledger.model_dump())
+        return bool(head)
+
+    asyncio.run(until(announced, "the trainer's DHT record to name its ledger's head", timeout=60, every=0.5))
+    with urllib.request.urlopen(swarm.ready["status_url"] + "/ledger/entries", timeout=10) as resp:
+        sealed = parse_framed(resp.read())
+    assert verify_chain(sealed, swarm.run_id).hash == head["head"] and len(sealed) == head["length"]
+    entries = [open_signed(s, LedgerEntry).message for s in sealed]
+    assert [e.version for e in entries] == list(range(1, STEPS + 1)) and {e.epoch for e in entries} == {swarm.epoch}
+    judged_ok = {open_signed(v, Verdict).message.batch_sha256 for v in swarm.verdicts()}
+    producers = {r["node_id"] for r in swarm.worker_ready}
+    for e in entries:
+        assert e.parent == e.version - 1 and set(e.producers) <= producers
+        assert set(e.digests) <= judged_ok, "every credited batch passed a validator"
+        assert sum(e.rollouts) == run.train.batch_groups * run.sampling.group_size
+        assert all(t > 0 for t in e.tokens) and all(m < e.version for m in e.made_on)
 
 
 def test_every_batch_is_judged_by_the_validator_node_and_its_verdicts_are_signed(swarm: Swarm) -> None:

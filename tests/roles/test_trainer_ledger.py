@@ -1,17 +1,23 @@
 """The trainer's ledger file: fsynced appends checked against the chain, a crash's torn record cut off, entries of
-versions never published dropped at restart, a file that does not check refused at start."""
+versions never published dropped at restart, a file that does not check refused at start; and its HTTP routes,
+served by a real aiohttp server on loopback, bounded per request, checkable by a client with the run id alone."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from intellect_node.roles.trainer_ledger import LedgerLog
+from intellect_node.roles import trainer_ledger
+from intellect_node.roles.trainer_ledger import LedgerLog, LedgerRoutes, parse_framed
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.ledger import BatchCredit, LedgerError, entry_hash, entry_of, genesis
+from intellect_protocol.ledger import BatchCredit, LedgerError, entry_hash, entry_of, genesis, verify_chain
 
 TRAIN = hashlib.sha256(b"train").hexdigest()
 
@@ -80,3 +86,66 @@ def test_a_ledger_file_that_does_not_check_stops_the_trainer_saying_why(tmp_path
     log.path.write_bytes(bytes(data))
     with pytest.raises(SystemExit, match="does not check at entry 1 .*restore it from a backup"):
         LedgerLog(tmp_path, run.node_id)
+
+
+def test_the_ledger_routes_serve_a_chain_a_client_checks_with_the_run_id_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /ledger (the head) and GET /ledger/entries (ranges, in the file's framing): what a volunteer fetches and
+    checks. Bounded per request (count, bytes, at least one entry); a bad range is a 400 saying what is wrong; a
+    trainer without a ledger says so (404, ``enabled: false``)."""
+    run = Identity.generate()
+    log = LedgerLog(tmp_path, run.node_id)
+    sealed = _grow(log, run, 0, range(1, 6))
+    monkeypatch.setattr(trainer_ledger, "RESPONSE_MAX_BYTES", 2 * len(sealed[0]) + 10)
+
+    async def main() -> dict[str, Any]:
+        routes = LedgerRoutes(run.node_id, log)
+        app = web.Application()
+        app.add_routes(routes.routes())
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        base = f"http://127.0.0.1:{port}"
+        out: dict[str, Any] = {}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{base}/ledger") as r:
+                    out["head"] = await r.json()
+                pages: list[bytes] = []
+                while len(pages) < len(sealed):
+                    async with http.get(f"{base}/ledger/entries", params={"first": len(pages)}) as r:
+                        got = parse_framed(await r.read())
+                        assert got, "a page is never empty before the end"
+                        out.setdefault("page_sizes", []).append(len(got))
+                        pages += got
+                out["pages"] = pages
+                async with http.get(f"{base}/ledger/entries", params={"first": 1, "count": 1}) as r:
+                    out["one"] = parse_framed(await r.read())
+                async with http.get(f"{base}/ledger/entries", params={"first": 99}) as r:
+                    out["past_end"] = (r.status, await r.read())
+                for bad in ({"first": "-1"}, {"count": "0"}, {"first": "x"}):
+                    async with http.get(f"{base}/ledger/entries", params=bad) as r:
+                        out.setdefault("bad", []).append((r.status, await r.text()))
+                routes.ledger = None
+                async with http.get(f"{base}/ledger/entries") as r:
+                    out["off"] = (r.status, await r.text())
+                async with http.get(f"{base}/ledger") as r:
+                    out["off_head"] = await r.json()
+        finally:
+            await runner.cleanup()
+        return out
+
+    out = asyncio.run(main())
+    head = out["head"]
+    assert (head["length"], head["head"], head["version"], head["enabled"]) == (5, log.head.hash, 5, True)
+    assert out["pages"] == sealed and out["page_sizes"] == [2, 2, 1], "pages cut at the byte budget"
+    assert verify_chain(out["pages"], run.node_id).hash == head["head"]
+    assert out["one"] == [sealed[1]] and out["past_end"] == (200, b"")
+    assert [status for status, _ in out["bad"]] == [400, 400, 400] and "whole numbers" in out["bad"][2][1]
+    assert out["off"][0] == 404 and "no contribution ledger" in out["off"][1]
+    assert out["off_head"]["enabled"] is False and out["off_head"]["head"] == genesis(run.node_id)
+    with pytest.raises(ValueError, match="cut short"):
+        parse_framed(b"".join(len(x).to_bytes(4, "big") + x for x in sealed)[:-3])
