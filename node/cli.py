@@ -218,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     invite.add_argument("--uses", type=int, default=1, help="how many distinct nodes may join with it (default 1)")
     invite.add_argument("--days", type=float, default=7.0, help="how long it is valid (default 7 days)")
 
+    credit = sub.add_parser(
+        "credit",
+        help="an inference node's batches against the trainer's contribution ledger: trained (proof checked), "
+        "refused, acknowledged, lost",
+    )
+    credit.add_argument(
+        "--data-dir",
+        type=Path,
+        help="the inference node's data dir (default: $INTELLECT_NODE_HOME or ~/.intellect-node)",
+    )
+    credit.add_argument("--run-id", help="the run (default: the one this node worked for last)")
+    credit.add_argument("--trainer-url", help="the trainer's HTTP URL (default: the one its signed DHT record named)")
+
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
     demo.add_argument(
@@ -296,6 +309,11 @@ def _main(args: argparse.Namespace) -> None:
 
         show_status(args.url or status_url(args.data_dir or default_data_dir()))
         return
+    if args.command == "credit":
+        from intellect_node.config import default_data_dir
+        from intellect_node.roles.credit import report
+
+        sys.exit(report(args.data_dir or default_data_dir(), args.run_id, args.trainer_url))
     if args.command == "doctor":
         from intellect_node.config import default_data_dir
         from intellect_node.doctor import run_doctor

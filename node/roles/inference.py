@@ -37,6 +37,7 @@ from intellect_node.p2p.rollouts import Endpoint, RolloutSink, make_sink
 from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
+from intellect_node.roles.credit import CreditBook
 from intellect_node.roles.invites import FIXES
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.runtime import trim_freed
@@ -111,6 +112,9 @@ class InferenceNode(Volunteer):
         accepted)."""
         self.sink: RolloutSink | None = None
         """Where sealed batches go (node/p2p/rollouts): made once the node's gossip is up."""
+        self.book: CreditBook | None = None
+        """This node's account of its batches (node/roles/credit.py: ``intellect-node credit`` checks it against the
+        trainer's ledger): made once the run is known."""
         self.held_back_until = 0.0
         """Until when (monotonic) the trainer asked this node to wait (its share full, or busy judging): batches are
         not re-announced meanwhile (the trainer would pull one only to refuse it)."""
@@ -191,6 +195,7 @@ class InferenceNode(Volunteer):
 
     async def ready(self, spec: RunSpec) -> None:
         await super().ready(spec)
+        self.book = CreditBook(self.cfg.data_dir, self.run_id)
         self.sink = make_sink(Endpoint(self.p2p, self.identity, self.run_id, self.metrics, self.gossip))
         await self.sink.start(self._acknowledged)
         self._reannouncer = asyncio.ensure_future(self.reannounce_forever())  # ends with the node's loop
@@ -200,6 +205,8 @@ class InferenceNode(Volunteer):
         again."""
         if self.unacked.pop(digest, None):
             self._delivered(digest)
+            if self.book is not None:
+                self.book.acknowledged(digest)
             self.acked_on_gossip[digest] = True
             while len(self.acked_on_gossip) > RECENT:
                 self.acked_on_gossip.popitem(last=False)
@@ -212,6 +219,8 @@ class InferenceNode(Volunteer):
     def _keep(self, batch: RolloutBatch, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         self.unacked[digest] = (batch, data)
+        if self.book is not None:
+            self.book.made(batch, digest)
         self.batches_made += 1
         self.batch_bytes += len(data)
         self._made_at[digest] = time.monotonic()
@@ -270,6 +279,8 @@ class InferenceNode(Volunteer):
             if trainer is None or not trainer.p2p_maddrs:
                 await asyncio.sleep(POLL_S)
                 continue
+            if self.book is not None and trainer.ledger is not None:  # where `intellect-node credit` looks
+                self.book.trainer(trainer.http_url, trainer.ledger.length, trainer.ledger.head, spec.train.async_level)
             if await self.follow_epoch(trainer):  # started over: version numbers, indices and maybe model are new
                 assert self.spec is not None
                 if self.spec.model != spec.model or self.spec.sampling != spec.sampling:
@@ -349,9 +360,15 @@ class InferenceNode(Volunteer):
             self.batches_sent += 1
             self.metrics.inc("node_inference_batches_sent_total")
             if reply.ok or reply.reason != "backlog_full":  # decided: acknowledged, or refused for good
-                self.unacked.pop(hashlib.sha256(data).hexdigest(), None)
+                digest = hashlib.sha256(data).hexdigest()
+                self.unacked.pop(digest, None)
                 if reply.ok:
-                    self._delivered(hashlib.sha256(data).hexdigest())
+                    self._delivered(digest)
+                if self.book is not None:
+                    if reply.ok:
+                        self.book.acknowledged(digest)
+                    else:
+                        self.book.refused(digest, reply.reason, reply.detail)
             if reply.ok:
                 unsent = None
                 self.batches_accepted += 1

@@ -11,6 +11,8 @@ import asyncio
 import base64
 import hashlib
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -358,6 +360,22 @@ def test_the_trainers_ledger_credits_every_step_and_checks_with_the_run_id_alone
         assert set(e.digests) <= judged_ok, "every credited batch passed a validator"
         assert sum(e.rollouts) == run.train.batch_groups * run.sampling.group_size
         assert all(t > 0 for t in e.tokens) and all(m < e.version for m in e.made_on)
+    # each volunteer's own check (issue 39 item 2): `intellect-node credit` on its data dir, through the CLI
+    credited = 0
+    for i, ready in enumerate(swarm.worker_ready):
+        mine = {d for e in entries for p, d in zip(e.producers, e.digests, strict=True) if p == ready["node_id"]}
+        out = subprocess.run(
+            [sys.executable, "-m", "intellect_node.cli", "credit", "--data-dir", str(swarm.root / f"inference-{i}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        summary = dict(kv.split("=", 1) for kv in out.stdout.splitlines()[-1].split()[1:])
+        assert summary["node"] == ready["node_id"] and summary["twin_batches"] == "0", out.stdout
+        assert int(summary["trained"]) == len(mine), out.stdout  # every batch the ledger credits it, found
+        credited += len(mine)
+    assert credited > 0
 
 
 def test_every_batch_is_judged_by_the_validator_node_and_its_verdicts_are_signed(swarm: Swarm) -> None:
