@@ -1,0 +1,131 @@
+"""What the contribution ledger costs (protocol/ledger.py, node/roles/trainer_ledger.py), on this machine.
+
+    python benchmarks/ledger.py [--dir PATH] [--chain 10000]
+
+- one step's entry at 1,000 and 100,000 batches: building it (columns and Merkle root), sealing it (msgpack and
+  an Ed25519 signature), appending it to the ledger file with its fsync (what the trainer does before it publishes
+  a version), its size, and checking it as a volunteer does (signature, link, root);
+- one batch's inclusion proof at each size: its bytes and the time to check it against the root;
+- a whole chain of ``--chain`` steps of 8 batches each (a small swarm's steps), checked from the run id alone.
+
+Prints a table, then ``ledger entries=... verify_s=... proof_bytes=... step_100k_ms=... step_100k_bytes=...
+replay_max_abs_diff=n/a caught=n/a``: the replay of a step by an auditor (issue 39 item 3) is not built, so its
+fields say so rather than a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from intellect_node.roles.trainer_ledger import LedgerLog
+from intellect_protocol.envelope import seal
+from intellect_protocol.identity import Identity
+from intellect_protocol.ledger import (
+    BatchCredit,
+    entry_of,
+    genesis,
+    inclusion_proof,
+    leaf_hash,
+    start,
+    verify_chain,
+    verify_entry,
+    verify_inclusion,
+)
+
+TRAIN = hashlib.sha256(b"train settings").hexdigest()
+
+
+def credits(n: int, version: int, producers: list[str]) -> list[BatchCredit]:
+    return [
+        BatchCredit(
+            producers[i % len(producers)], hashlib.sha256(f"{version}/{i}".encode()).hexdigest(), version - 1, 32, 1024
+        )
+        for i in range(n)
+    ]
+
+
+def one_step(root: Path, run: Identity, n: int) -> dict[str, float]:
+    producers = [os.urandom(16).hex() for _ in range(min(n, 1000))]
+    refusals = {p: {"unassigned_task": 1} for p in producers[:100]}
+    batch = credits(n, 1, producers)
+    t0 = time.perf_counter()
+    entry = entry_of(run.node_id, 0, 1, 0, genesis(run.node_id), time.time(), TRAIN, batch, refusals)
+    t1 = time.perf_counter()
+    sealed = seal(run, entry)
+    t2 = time.perf_counter()
+    log = LedgerLog(root / f"step-{n}", run.node_id)
+    log.append(sealed)  # checks it against the chain, then writes and fsyncs
+    t3 = time.perf_counter()
+    verify_entry(sealed, run.node_id, start(run.node_id))
+    t4 = time.perf_counter()
+    leaves = [leaf_hash(c) for c in batch]
+    proof = inclusion_proof(leaves, n // 2)
+    t5 = time.perf_counter()
+    assert verify_inclusion(leaves[n // 2], n // 2, n, proof, bytes.fromhex(entry.root))
+    t6 = time.perf_counter()
+    return {
+        "build_ms": (t1 - t0) * 1000,
+        "seal_ms": (t2 - t1) * 1000,
+        "append_ms": (t3 - t2) * 1000,  # includes the chain check the file makes before it writes
+        "check_ms": (t4 - t3) * 1000,
+        "bytes": len(sealed),
+        "proof_bytes": 32 * len(proof),
+        "proof_check_us": (t6 - t5) * 1e6,
+    }
+
+
+def chain(run: Identity, steps: int) -> tuple[float, float, int]:
+    """Seconds to make ``steps`` entries of 8 batches, seconds to check them all, and their bytes."""
+    producers = [os.urandom(16).hex() for _ in range(8)]
+    made, prev = [], genesis(run.node_id)
+    t0 = time.perf_counter()
+    for v in range(1, steps + 1):
+        sealed = seal(run, entry_of(run.node_id, 0, v, v - 1, prev, time.time(), TRAIN, credits(8, v, producers)))
+        made.append(sealed)
+        prev = hashlib.sha256(sealed).hexdigest()
+    t1 = time.perf_counter()
+    head = verify_chain(made, run.node_id)
+    t2 = time.perf_counter()
+    assert head.length == steps
+    return t1 - t0, t2 - t1, sum(len(s) for s in made)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, help="a folder on the disk to measure (default: a temporary one)")
+    p.add_argument("--chain", type=int, default=10_000, help="steps in the chain checked whole (default 10000)")
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="intellect-ledger-", dir=args.dir))
+    run = Identity.generate()
+    sizes = (1_000, 100_000)
+    steps = {n: one_step(root, run, n) for n in sizes}
+    make_s, verify_s, chain_bytes = chain(run, args.chain)
+    print(
+        "| batches in the step | build ms | seal ms | append + fsync ms | check ms | entry bytes | proof bytes "
+        "| proof check us |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, r in steps.items():
+        print(
+            f"| {n:,} | {r['build_ms']:.1f} | {r['seal_ms']:.1f} | {r['append_ms']:.1f} | {r['check_ms']:.1f} | "
+            f"{r['bytes']:,} | {r['proof_bytes']} | {r['proof_check_us']:.0f} |"
+        )
+    print(
+        f"\nchain of {args.chain:,} steps of 8 batches: made in {make_s:.1f} s, checked from the run id in "
+        f"{verify_s:.1f} s ({verify_s / args.chain * 1000:.2f} ms an entry), {chain_bytes / 1e6:.1f} MB"
+    )
+    big = steps[sizes[-1]]
+    print(
+        f"ledger entries={args.chain} verify_s={verify_s:.2f} proof_bytes={big['proof_bytes']} "
+        f"step_100k_ms={big['build_ms'] + big['seal_ms'] + big['append_ms']:.0f} step_100k_bytes={big['bytes']} "
+        "replay_max_abs_diff=n/a caught=n/a"
+    )
+
+
+if __name__ == "__main__":
+    main()
