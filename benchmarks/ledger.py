@@ -6,23 +6,34 @@
   an Ed25519 signature), appending it to the ledger file with its fsync (what the trainer does before it publishes
   a version), its size, and checking it as a volunteer does (signature, link, root);
 - one batch's inclusion proof at each size: its bytes and the time to check it against the root;
-- a whole chain of ``--chain`` steps of 8 batches each (a small swarm's steps), checked from the run id alone.
+- a whole chain of ``--chain`` steps of 8 batches each (a small swarm's steps), checked from the run id alone;
+- the audit (node/roles/audit.py): a real tiny run (a trainer and an inference node, processes on loopback, 3
+  steps), its newest step replayed from the trainer's data dir with 1 and 2 threads (time, largest weight
+  difference), and three dishonest trainers played by publishing what each would have made from the same
+  checkpoint (other data, a batch skipped, 3x the learning rate): whether each is caught.
 
-Prints a table, then ``ledger entries=... verify_s=... proof_bytes=... step_100k_ms=... step_100k_bytes=...
-replay_max_abs_diff=n/a caught=n/a``: the replay of a step by an auditor (issue 39 item 3) is not built, so its
-fields say so rather than a number.
+Prints tables, then ``ledger entries=... verify_s=... proof_bytes=... step_100k_ms=... step_100k_bytes=...
+replay_s=... replay_max_abs_diff=... caught=K/K``.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import shutil
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from intellect_node.launch import NodeProcess, join_argv
+from intellect_node.policy.engine import Group
+from intellect_node.roles.audit import AuditResult, replay, step_inputs, step_weights
 from intellect_node.roles.trainer_ledger import LedgerLog
+from intellect_node.weights.files import write_checkpoint
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import (
@@ -36,6 +47,7 @@ from intellect_protocol.ledger import (
     verify_entry,
     verify_inclusion,
 )
+from intellect_protocol.messages import RunSpec
 
 TRAIN = hashlib.sha256(b"train settings").hexdigest()
 
@@ -95,6 +107,86 @@ def chain(run: Identity, steps: int) -> tuple[float, float, int]:
     return t1 - t0, t2 - t1, sum(len(s) for s in made)
 
 
+AUDIT_STEPS = 3
+
+
+def tiny_run(root: Path) -> Path:
+    """A trainer's data dir after AUDIT_STEPS steps of the tiny run with one inference node (real processes)."""
+    nodes: list[NodeProcess] = []
+    try:
+        trainer = NodeProcess(
+            "trainer",
+            ["bootstrap", "--data-dir", str(root / "trainer"), "--max-steps", str(AUDIT_STEPS)],
+            root / "logs",
+        )
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        worker = NodeProcess("inference", join_argv("inference", ready, root / "inference"), root / "logs")
+        nodes.append(worker)
+        worker.wait_ready(timeout=120)
+        trainer.wait_for_line(f"STEP {AUDIT_STEPS} ", timeout=600)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the last version and its entry are written after its STEP line
+            with urllib.request.urlopen(ready["status_url"] + "/status", timeout=10) as resp:
+                status = json.load(resp)
+            if status["weight_version"] == AUDIT_STEPS and status["ledger"]["length"] == AUDIT_STEPS:
+                break
+            time.sleep(0.2)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+    return root / "trainer"
+
+
+Change = Callable[[RunSpec, list[Group]], tuple[RunSpec, list[Group]]]
+
+
+def other_data(spec: RunSpec, groups: list[Group]) -> tuple[RunSpec, list[Group]]:
+    g, other = groups[0], groups[-1]
+    return spec, [
+        Group(g.node_id, g.version, g.prompt_ids, other.completions, other.logprobs, other.rewards[::-1]),
+        *groups[1:],
+    ]
+
+
+def skipped_batch(spec: RunSpec, groups: list[Group]) -> tuple[RunSpec, list[Group]]:
+    return spec, [g for g in groups if g.digest != groups[0].digest]
+
+
+def hotter(spec: RunSpec, groups: list[Group]) -> tuple[RunSpec, list[Group]]:
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"lr": spec.train.lr * 3})}), groups
+
+
+def dishonest(trainer_dir: Path, to: Path, change: Change) -> AuditResult:
+    """The audit of a copy of ``trainer_dir`` whose newest version is what a trainer making ``change`` published."""
+    shutil.copytree(trainer_dir, to)
+    inputs = step_inputs(to)
+    _, tensors = step_weights(inputs, *change(inputs.spec, inputs.groups))
+    weights = to / "weights" / inputs.run_id
+    shutil.rmtree(weights / str(inputs.entry.version))
+    write_checkpoint(
+        weights, inputs.run, inputs.run_id, inputs.entry.version, tensors, 1 << 30, epoch=inputs.entry.epoch
+    )
+    return replay(to)
+
+
+def audits(root: Path) -> tuple[list[tuple[str, float, AuditResult]], int, int]:
+    trainer_dir = tiny_run(root)
+    rows = []
+    for threads in (1, 2):
+        t0 = time.perf_counter()
+        result = replay(trainer_dir, threads=threads)
+        rows.append((f"honest, replayed with {threads} thread(s)", time.perf_counter() - t0, result))
+    caught = 0
+    forgeries = (("other data", other_data), ("a batch skipped", skipped_batch), ("3x the learning rate", hotter))
+    for name, change in forgeries:
+        t0 = time.perf_counter()
+        result = dishonest(trainer_dir, root / name.replace(" ", "_"), change)
+        rows.append((f"dishonest: {name}", time.perf_counter() - t0, result))
+        caught += result.verdict == "caught"
+    return rows, caught, len(forgeries)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, help="a folder on the disk to measure (default: a temporary one)")
@@ -119,12 +211,24 @@ def main() -> None:
         f"\nchain of {args.chain:,} steps of 8 batches: made in {make_s:.1f} s, checked from the run id in "
         f"{verify_s:.1f} s ({verify_s / args.chain * 1000:.2f} ms an entry), {chain_bytes / 1e6:.1f} MB"
     )
+    rows, caught, forged = audits(root / "audit")
+    print(
+        "\n| audit of the tiny run's newest step | seconds | largest weight difference | the step's largest change "
+        "| verdict |"
+    )
+    print("|---|---:|---:|---:|---|")
+    for label, seconds, r in rows:
+        print(f"| {label} | {seconds:.1f} | {r.max_abs_diff:.3g} | {r.update_max:.3g} | {r.verdict} |")
+    honest = [r for label, _, r in rows if label.startswith("honest")]
+    replay_s = min(seconds for label, seconds, _ in rows if label.startswith("honest"))
     big = steps[sizes[-1]]
     print(
         f"ledger entries={args.chain} verify_s={verify_s:.2f} proof_bytes={big['proof_bytes']} "
         f"step_100k_ms={big['build_ms'] + big['seal_ms'] + big['append_ms']:.0f} step_100k_bytes={big['bytes']} "
-        "replay_max_abs_diff=n/a caught=n/a"
+        f"replay_s={replay_s:.1f} replay_max_abs_diff={max(r.max_abs_diff for r in honest):.3g} "
+        f"caught={caught}/{forged}"
     )
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

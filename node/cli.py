@@ -231,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     credit.add_argument("--run-id", help="the run (default: the one this node worked for last)")
     credit.add_argument("--trainer-url", help="the trainer's HTTP URL (default: the one its signed DHT record named)")
 
+    audit = sub.add_parser(
+        "audit",
+        help="replay a training step from the trainer's checkpoint and ledger entry, and compare with the weights "
+        "it published",
+    )
+    audit.add_argument("--data-dir", type=Path, help="the trainer's data dir (or a copy of it)")
+    audit.add_argument("--version", type=int, help="the version whose step to replay (default: the newest)")
+    audit.add_argument("--threads", type=int, default=1, help="CPU threads for the replay (default 1)")
+
     demo = sub.add_parser("demo", help="a whole swarm on this machine: one trainer, inference nodes, a summary")
     _run_args(demo)
     demo.add_argument(
@@ -314,6 +323,11 @@ def _main(args: argparse.Namespace) -> None:
         from intellect_node.roles.credit import report
 
         sys.exit(report(args.data_dir or default_data_dir(), args.run_id, args.trainer_url))
+    if args.command == "audit":
+        from intellect_node.config import default_data_dir
+        from intellect_node.roles.audit import run_audit
+
+        sys.exit(run_audit(args.data_dir or default_data_dir(), args.version, args.threads))
     if args.command == "doctor":
         from intellect_node.config import default_data_dir
         from intellect_node.doctor import run_doctor

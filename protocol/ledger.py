@@ -3,8 +3,9 @@ with a Merkle root over the batches the step trained on.
 
 An entry (``LedgerEntry``) says what the step that produced ``version`` consumed: for every batch trained on, its
 producer, the SHA-256 of the batch as its producer signed it, the weight version it was made with, and the
-rollouts and tokens trained; the batches refused since the previous entry, by producer and reason; and the hash
-of the training settings it ran with. Batches are stored as columns (parallel lists): a step of 100,000 batches
+rollouts and tokens trained; the batches refused since the previous entry, by producer and reason; the groups in
+the order the step packed them (batch and slot: what a replay of the step needs, node/roles/audit.py); and the
+hash of the training settings it ran with. Batches are stored as columns (parallel lists): a step of 100,000 batches
 is one flat message of a few MB, within the codec's container budget.
 
 Hashes (SHA-256, hex):
@@ -40,6 +41,8 @@ MAX_BATCHES = 1_000_000
 """Batches one entry may credit (a step of 100,000 batches encodes to about 15 MB)."""
 MAX_REFUSALS = 65_536
 """(producer, reason) pairs one entry may count."""
+MAX_GROUPS = 4 * MAX_BATCHES
+"""Groups one entry may list (a step's packing order)."""
 REASON = Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
 
 
@@ -87,6 +90,11 @@ class LedgerEntry(WireModel):
     refused_producers: Annotated[list[NodeId], Field(max_length=MAX_REFUSALS)] = []
     refused_reasons: Annotated[list[REASON], Field(max_length=MAX_REFUSALS)] = []
     refused_counts: Annotated[list[U31], Field(max_length=MAX_REFUSALS)] = []
+    group_batch: Annotated[list[U31], Field(max_length=MAX_GROUPS)] = []
+    group_slot: Annotated[list[U31], Field(max_length=MAX_GROUPS)] = []
+    """The groups the step trained, in the order it packed them: each one's batch (an index into the credits) and
+    slot. With the batches' bodies, the previous version's engine state and the training settings, this is all a
+    replay of the step needs (node/roles/audit.py)."""
 
     @model_validator(mode="after")
     def _columns(self) -> LedgerEntry:
@@ -97,6 +105,8 @@ class LedgerEntry(WireModel):
             raise ValueError("the batch columns differ in length")
         if not len(self.refused_reasons) == len(self.refused_counts) == len(self.refused_producers):
             raise ValueError("the refusal columns differ in length")
+        if len(self.group_batch) != len(self.group_slot) or any(b >= n for b in self.group_batch):
+            raise ValueError("the group columns differ in length or name a batch the entry does not credit")
         return self
 
     def credits(self) -> list[BatchCredit]:
@@ -124,8 +134,10 @@ def entry_of(
     train: str,
     credits: Sequence[BatchCredit],
     refusals: dict[str, dict[str, int]] | None = None,
+    groups: Sequence[tuple[int, int]] = (),
 ) -> LedgerEntry:
-    """An entry with its columns and Merkle root filled in from ``credits`` and ``refusals``."""
+    """An entry with its columns and Merkle root filled in from ``credits``, ``refusals`` and ``groups`` (each
+    trained group's credit index and slot, in packing order)."""
     refused = [(node, reason, n) for node, by in sorted((refusals or {}).items()) for reason, n in sorted(by.items())]
     return LedgerEntry(
         run_id=run_id,
@@ -144,6 +156,8 @@ def entry_of(
         refused_producers=[r[0] for r in refused],
         refused_reasons=[r[1] for r in refused],
         refused_counts=[r[2] for r in refused],
+        group_batch=[g[0] for g in groups],
+        group_slot=[g[1] for g in groups],
     )
 
 

@@ -460,6 +460,7 @@ class Durability:
                 self.train_settings,
                 record.credits,
                 record.refusals,
+                record.groups,
             )
             ledger.append(seal(self.identity, entry))
             self._unrecorded.pop(0)

@@ -30,12 +30,23 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group, Packed, PolicyEngine, pack_sequences
 from intellect_node.roles.tracking import Tracker
 from intellect_node.roles.trainer_checkpoint import Durability
-from intellect_node.roles.trainer_ledger import StepRecord, credits_of
+from intellect_node.roles.trainer_ledger import step_record
 from intellect_node.roles.trainer_state import Shared
 from intellect_node.runtime import trim_freed
 from intellect_protocol.messages import RunSpec
 
 logger = logging.getLogger(__name__)
+
+
+def grpo_step(engine: PolicyEngine, spec: RunSpec, groups: list[Group], pad_id: int, step: int) -> dict[str, float]:
+    """One GRPO step turning version ``step`` into ``step + 1``: ``groups`` packed in this order, their advantages,
+    the scheduled learning rate. Everything it reads is in the step's ledger entry, the previous version's engine
+    state and the run spec: an auditor replays a step by calling it (node/roles/audit.py)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    ids, attn, mask, logp_old = pack_sequences(groups, pad_id)
+    t = spec.train
+    lr = t.lr * lr_factor(step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
+    return engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
 
 
 class Learner:
@@ -104,11 +115,8 @@ class Learner:
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        ids, attn, mask, logp_old = pack_sequences(groups, self.pad_id)
-        t = self.spec.train
-        lr = t.lr * lr_factor(self.progress.step, t.warmup_steps, t.decay_steps, t.min_lr_ratio)
         skipped = self.engine.skipped
-        stats = self.engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), lr)
+        stats = grpo_step(self.engine, self.spec, groups, self.pad_id, self.progress.step)
         trim_freed()
         if self.engine.skipped > skipped:  # never publish weights a bad batch turned into NaN
             self.metrics.inc(
@@ -163,7 +171,7 @@ class Learner:
             self.progress.stepped(stats["seconds"])
             if self.tracker is not None:
                 self.tracker.log(step, stats)
-            record = StepRecord(credits_of(groups), self.shared.refusals.drain())  # the step's ledger entry
+            record = step_record(groups, self.shared.refusals.drain())  # the step's ledger entry
             await self.durability.after_step(step, tensors, engine_state, self.checkpoint_meta, record)
             self._report(stats, len(groups), idle)
         await self.durability.drain()

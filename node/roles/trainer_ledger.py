@@ -9,8 +9,9 @@ file that does not check stops the trainer, saying what to do: volunteers would 
 
 ``open_ledger`` opens it at start and checks that it ends at the version the trainer published (a ledger that lags,
 deleted or from before the ledger existed, is switched off for the epoch, said loudly: a chain with a gap would be
-refused). ``credits_of`` turns a step's groups into the entry's batch credits (``StepRecord``, what the learner
-hands to durability). ``LedgerRoutes`` serves the chain: ``GET /ledger`` (its head) and ``GET /ledger/entries``.
+refused). ``step_record`` turns a step's groups into the entry's batch credits and packing order (``StepRecord``,
+what the learner hands to durability). ``LedgerRoutes`` serves the chain: ``GET /ledger`` (its head) and ``GET
+/ledger/entries``.
 
 The routes are public (the ledger is for anyone to check). Cost per request: a bounded read of the file
 (``ENTRIES_MAX`` entries, ``RESPONSE_MAX_BYTES``, at least one entry), ``READS_AT_ONCE`` at a time in a thread (503
@@ -23,8 +24,8 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -171,19 +172,22 @@ class LedgerLog:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step consumed, for its ledger entry: the batches trained on, and the batches refused for good since
-    the step before (producer -> reason -> count)."""
+    """What one step consumed, for its ledger entry: the batches trained on, the batches refused for good since
+    the step before (producer -> reason -> count), and the groups in packing order (credit index, slot)."""
 
     credits: list[BatchCredit]
     refusals: dict[str, dict[str, int]]
+    groups: list[tuple[int, int]] = field(default_factory=list)
 
 
-def credits_of(groups: Iterable[Group]) -> list[BatchCredit]:
-    """One credit per batch the groups came from, in the order the step met them: its producer, digest and version,
-    and the rollouts and completion tokens of it that were trained. Groups without a digest (made outside the
-    door, as tests do) are not credited."""
+def step_record(groups: Sequence[Group], refusals: dict[str, dict[str, int]]) -> StepRecord:
+    """The entry of a step that trained ``groups`` (in this order): one credit per batch they came from, in the
+    order the step met them (producer, digest, version, and the rollouts and completion tokens of it that were
+    trained), and each group's place. Groups without a digest (made outside the door, as tests do) are not
+    credited."""
     rows: dict[str, list[int]] = {}
     owner: dict[str, tuple[str, int]] = {}
+    order: list[tuple[str, int]] = []
     for g in groups:
         if not g.digest:
             continue
@@ -191,7 +195,10 @@ def credits_of(groups: Iterable[Group]) -> list[BatchCredit]:
         owner.setdefault(g.digest, (g.node_id, g.version))
         row[0] += len(g.completions)
         row[1] += sum(len(c) for c in g.completions)
-    return [BatchCredit(owner[d][0], d, owner[d][1], n, tokens) for d, (n, tokens) in rows.items()]
+        order.append((g.digest, g.slot))
+    index = {d: i for i, d in enumerate(rows)}
+    credits = [BatchCredit(owner[d][0], d, owner[d][1], n, tokens) for d, (n, tokens) in rows.items()]
+    return StepRecord(credits, refusals, [(index[d], slot) for d, slot in order])
 
 
 def open_ledger(root: Path, run_id: str, epoch: int, published: int) -> LedgerLog | None:
