@@ -163,10 +163,13 @@ def dishonest(trainer_dir: Path, to: Path, change: Change) -> AuditResult:
     inputs = step_inputs(to)
     _, tensors = step_weights(inputs, *change(inputs.spec, inputs.groups))
     weights = to / "weights" / inputs.run_id
-    shutil.rmtree(weights / str(inputs.entry.version))
-    write_checkpoint(
-        weights, inputs.run, inputs.run_id, inputs.entry.version, tensors, 1 << 30, epoch=inputs.entry.epoch
-    )
+    entry = inputs.entry
+    shutil.rmtree(weights / str(entry.version))
+    manifest = write_checkpoint(weights, inputs.run, inputs.run_id, entry.version, tensors, 1 << 30, epoch=entry.epoch)
+    ledger = LedgerLog(to / "ledger", inputs.run_id)  # and signs an entry that names those weights
+    ledger.drop_unpublished(entry.epoch, entry.version - 1)
+    forged = entry.model_copy(update={"weights": manifest.checkpoint_sha256, "prev": ledger.head.hash})
+    ledger.append(seal(inputs.run, forged))
     return replay(to)
 
 

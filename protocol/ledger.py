@@ -80,6 +80,9 @@ class LedgerEntry(WireModel):
     created: float
     train: Sha256Hex
     """SHA-256 of the run spec's training settings as msgpack (what an auditor replays the step with)."""
+    weights: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
+    """The ``checkpoint_sha256`` of the version's signed manifest: the weights this step produced. Empty for a step
+    whose version was never published (its publication failed; the next step's entry follows it)."""
     producers: Annotated[list[NodeId], Field(max_length=MAX_BATCHES)] = []
     digests: Annotated[list[Sha256Hex], Field(max_length=MAX_BATCHES)] = []
     made_on: Annotated[list[U31], Field(max_length=MAX_BATCHES)] = []
@@ -135,6 +138,7 @@ def entry_of(
     credits: Sequence[BatchCredit],
     refusals: dict[str, dict[str, int]] | None = None,
     groups: Sequence[tuple[int, int]] = (),
+    weights: str = "",
 ) -> LedgerEntry:
     """An entry with its columns and Merkle root filled in from ``credits``, ``refusals`` and ``groups`` (each
     trained group's credit index and slot, in packing order)."""
@@ -147,6 +151,7 @@ def entry_of(
         prev=prev,
         created=created,
         train=train,
+        weights=weights,
         producers=[c.producer for c in credits],
         digests=[c.digest for c in credits],
         made_on=[c.made_on for c in credits],

@@ -2,7 +2,8 @@
 
 A ledger entry (protocol/ledger.py) names what the step that produced version ``v`` consumed: the batches, the
 groups in packing order, the hash of the training settings. ``replay`` takes the engine state of step ``v - 1``
-(the trainer's checkpoint: fp32 weights and optimizer), the batch bodies the entry names (the checkpoint's and the
+(the trainer's checkpoint: fp32 weights and optimizer), checks that the published version is the one the entry
+names (the manifest's digest of the weights), the batch bodies the entry names (the checkpoint's and the
 spool's envelopes, each checked against its producer's signature and the entry's digest), recomputes every reward
 from the completions (never the trainer's numbers), runs the trainer's own step function (trainer_learner.grpo_step)
 and compares the result with the published, signed version ``v``: the largest difference of any weight against the
@@ -157,6 +158,8 @@ class StepInputs:
     tokenizer: Any
     published: dict[str, torch.Tensor]
     """The weights published as the entry's version, their manifest checked against the run key."""
+    checkpoint_sha256: str
+    """Their manifest's digest of the weights (what the entry must name)."""
 
 
 def step_inputs(trainer_dir: Path, version: int | None = None) -> StepInputs:
@@ -189,7 +192,9 @@ def step_inputs(trainer_dir: Path, version: int | None = None) -> StepInputs:
     groups = _groups(spec, entry, envelopes, tokenizer)
     engine_state = state["engine"]
     assert isinstance(engine_state, dict)
-    return StepInputs(run, run.node_id, entry, spec, engine_state, groups, tokenizer, published)
+    return StepInputs(
+        run, run.node_id, entry, spec, engine_state, groups, tokenizer, published, manifest.checkpoint_sha256
+    )
 
 
 def step_weights(
@@ -217,6 +222,8 @@ def replay(trainer_dir: Path, version: int | None = None, threads: int = 1) -> A
     base = AuditResult(entry.version, entry.epoch, len(entry.producers), len(inputs.groups), 0.0, 0.0, "caught")
     if train_hash(inputs.spec.train) != entry.train:
         return replace(base, reason="train_settings")
+    if entry.weights != inputs.checkpoint_sha256:  # the published version is not the one the entry names
+        return replace(base, reason="manifest")
     before, replayed = step_weights(inputs, threads=threads)
     if set(replayed) != set(published):
         return replace(base, reason="tensor_names")

@@ -50,6 +50,7 @@ from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import entry_of
+from intellect_protocol.messages import Manifest
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d{8})\.pt$")
@@ -284,6 +285,10 @@ class CheckpointDir:
                 self._spool = None
 
 
+class LedgerWriteError(Exception):
+    """A version's ledger entry could not be written (its OSError is the cause): the version is not published."""
+
+
 class Durability:
     """The trainer's durable side (module docstring): ``spool`` each accepted batch before it is acknowledged,
     ``after_step`` to checkpoint (when due) and publish each version in order while training goes on,
@@ -395,7 +400,18 @@ class Durability:
             self._persisting.cancel()
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write, sign and make visible ``version`` (blocking: run it in a thread), then prune old versions."""
+        """Write, sign and make visible ``version`` (blocking: run it in a thread), then prune old versions. The
+        ledger entries due up to ``version`` are written once its files are durable and before they are visible,
+        the version's own naming the weights' digest; LedgerWriteError when they cannot be (nothing published)."""
+
+        def record(manifest: Manifest) -> None:
+            if not self._unrecorded or self.ledger is None:
+                return
+            try:
+                self._write_entries(version, manifest.checkpoint_sha256)
+            except OSError as e:
+                raise LedgerWriteError(f"ledger entry of version {version}") from e
+
         write = partial(
             write_checkpoint,
             self.weights_root,
@@ -406,9 +422,12 @@ class Durability:
             self.cfg.shard_bytes,
             epoch=self.epoch,
             stripes=self.cfg.stripes,
+            before_rename=record,
         )
         try:
             write()
+        except LedgerWriteError:
+            raise
         except Exception:  # most often a full disk: shed old versions and checkpoints, then once more
             shutil.rmtree(self.weights_root / f"{version}.partial", ignore_errors=True)
             self.shed_disk()
@@ -442,9 +461,9 @@ class Durability:
             await asyncio.to_thread(self.publish, progress.step, export())
         progress.published = progress.step
 
-    def _write_entries(self, upto: int) -> None:
-        """Seal and append the entries not yet recorded of the steps up to version ``upto``, in order (blocking: run
-        it in a thread)."""
+    def _write_entries(self, upto: int, weights: str = "") -> None:
+        """Seal and append the entries not yet recorded of the steps up to version ``upto``, in order, that of
+        ``upto`` naming ``weights`` (its manifest's checkpoint_sha256; the others were never published). Blocks."""
         ledger = self.ledger
         assert ledger is not None
         while self._unrecorded and self._unrecorded[0][0] <= upto:
@@ -461,6 +480,7 @@ class Durability:
                 record.credits,
                 record.refusals,
                 record.groups,
+                weights if version == upto else "",
             )
             ledger.append(seal(self.identity, entry))
             self._unrecorded.pop(0)
@@ -508,21 +528,18 @@ class Durability:
                     e,
                     self.ckpt.root,
                 )
-        if self._unrecorded:
-            try:
-                await asyncio.to_thread(self._write_entries, version)
-            except OSError as e:  # disk full: not published without its entry; the next step writes both
-                self.metrics.inc("node_trainer_persist_failures_total", label="ledger")
-                logger.error(
-                    "could not write the ledger entry of version %d: %r; the version is not published, free disk "
-                    "space under %s",
-                    version,
-                    e,
-                    self.cfg.data_dir,
-                )
-                return
         try:
             await asyncio.to_thread(self.publish, version, tensors)
+        except LedgerWriteError as e:  # disk full: not published without its entry; the next step writes both
+            self.metrics.inc("node_trainer_persist_failures_total", label="ledger")
+            logger.error(
+                "could not write the ledger entry of version %d: %r; the version is not published, free disk "
+                "space under %s",
+                version,
+                e.__cause__,
+                self.cfg.data_dir,
+            )
+            return
         except Exception as e:  # disk full, say: the swarm keeps generating on the last version; the next step retries
             self.metrics.inc("node_trainer_persist_failures_total", label="publish")
             logger.error(

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -97,11 +98,14 @@ def write_checkpoint(
     shard_bytes: int,
     epoch: int = 0,
     stripes: int = 1,
+    before_rename: Callable[[Manifest], None] | None = None,
 ) -> Manifest:
     """Write ``tensors`` as version ``version`` of run epoch ``epoch`` under ``root`` with a manifest signed by
     ``identity``, in shards of at most ``shard_bytes`` and at least one per stripe where the tensors allow it
     (``shard_size``). Every shard and the manifest are fsynced before the folder is renamed into place, and the
-    rename is made durable: after a power loss a complete-looking version is a whole one."""
+    rename is made durable: after a power loss a complete-looking version is a whole one. ``before_rename`` is
+    called with the manifest once everything is durable but not yet visible (the trainer writes the version's
+    ledger entry there, naming the weights' digest); if it raises, nothing is published."""
     final = root / str(version)
     tmp = root / f"{version}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +129,12 @@ def write_checkpoint(
     (tmp / MANIFEST_NAME).write_bytes(seal(identity, manifest))
     fsync_file(tmp / MANIFEST_NAME)
     fsync_dir(tmp)
+    if before_rename is not None:
+        try:
+            before_rename(manifest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     fsync_dir(root)

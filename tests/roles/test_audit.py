@@ -60,18 +60,28 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root / "trainer"
 
 
-def _forge(trainer_dir: Path, to: Path, change: Callable[[RunSpec, list[Group]], tuple[RunSpec, list[Group]]]) -> Path:
+def _forge(
+    trainer_dir: Path,
+    to: Path,
+    change: Callable[[RunSpec, list[Group]], tuple[RunSpec, list[Group]]],
+    consistent: bool = True,
+) -> Path:
     """A copy of the trainer's data dir whose newest version holds what a trainer that made ``change`` to the
-    step's inputs would have published (signed by the run key, as the real trainer would)."""
+    step's inputs would have published (signed by the run key, as the real trainer would), with a re-signed entry
+    naming those weights (``consistent``) or the honest entry left as it was."""
     shutil.copytree(trainer_dir, to)
     inputs = step_inputs(to)
     spec, groups = change(inputs.spec, inputs.groups)
     _, tensors = step_weights(inputs, spec, groups)
     weights = to / "weights" / inputs.run_id
-    shutil.rmtree(weights / str(inputs.entry.version))
-    write_checkpoint(
-        weights, inputs.run, inputs.run_id, inputs.entry.version, tensors, 1 << 30, epoch=inputs.entry.epoch
-    )
+    entry = inputs.entry
+    shutil.rmtree(weights / str(entry.version))
+    manifest = write_checkpoint(weights, inputs.run, inputs.run_id, entry.version, tensors, 1 << 30, epoch=entry.epoch)
+    if consistent:
+        ledger = LedgerLog(to / "ledger", inputs.run_id)
+        ledger.drop_unpublished(entry.epoch, entry.version - 1)
+        forged = entry.model_copy(update={"weights": manifest.checkpoint_sha256, "prev": ledger.head.hash})
+        ledger.append(seal(inputs.run, forged))
     return to
 
 
@@ -114,6 +124,13 @@ def test_a_trainer_that_changed_a_hyper_parameter_is_caught(trained: Path, tmp_p
 
     result = replay(_forge(trained, tmp_path / "t", hotter))
     assert result.verdict == "caught" and result.reason == "weights", result.line()
+
+
+def test_weights_other_than_the_entry_names_are_caught(trained: Path, tmp_path: Path) -> None:
+    """Issue 39 item 4: a manifest that does not match its entry (the weights published are not the ones the
+    entry names) is a finding before any replay."""
+    result = replay(_forge(trained, tmp_path / "t", lambda spec, groups: (spec, groups[1:]), consistent=False))
+    assert result.verdict == "caught" and result.reason == "manifest", result.line()
 
 
 def test_an_entry_that_names_other_training_settings_is_caught(trained: Path, tmp_path: Path) -> None:

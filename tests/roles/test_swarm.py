@@ -35,6 +35,7 @@ from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.transport import DELIVERY_ERRORS, HEADER, _read_frame, submit, submit_protocol
 from intellect_node.policy.model import build_tokenizer, encode_prompt
 from intellect_node.roles.trainer_ledger import parse_framed
+from intellect_node.weights.files import MANIFEST_NAME, verify_manifest
 from intellect_protocol.codec import Channel
 from intellect_protocol.envelope import open_signed, seal
 from intellect_protocol.identity import Identity
@@ -360,6 +361,11 @@ def test_the_trainers_ledger_credits_every_step_and_checks_with_the_run_id_alone
         assert set(e.digests) <= judged_ok, "every credited batch passed a validator"
         assert sum(e.rollouts) == run.train.batch_groups * run.sampling.group_size
         assert all(t > 0 for t in e.tokens) and all(m < e.version for m in e.made_on)
+    held = swarm.root / "trainer" / "weights" / swarm.run_id
+    for e in entries:  # each entry names the weights its version was published with
+        manifest = held / str(e.version) / MANIFEST_NAME
+        if manifest.exists():
+            assert verify_manifest(manifest.read_bytes(), swarm.run_id, e.version).checkpoint_sha256 == e.weights
     # each volunteer's own check (issue 39 item 2): `intellect-node credit` on its data dir, through the CLI
     credited = 0
     for i, ready in enumerate(swarm.worker_ready):

@@ -314,6 +314,13 @@ def test_each_version_is_published_after_its_ledger_entry_and_a_failed_append_pu
     entries = [ledger.entry(i) for i in range(len(ledger))]
     assert [e.version for e in entries] == [1, 2, 3, 4] and [e.parent for e in entries] == [0, 1, 2, 3]
     assert entries[0].credits() == credit and entries[0].refusals() == {producer: {"unassigned_task": 2}}
+    published = {v: durability.store.manifest(v) for v in (1, 2, 4)}
+    assert [e.weights for e in entries] == [
+        published[1].checkpoint_sha256,  # type: ignore[union-attr]
+        published[2].checkpoint_sha256,  # type: ignore[union-attr]
+        "",  # never published
+        published[4].checkpoint_sha256,  # type: ignore[union-attr]
+    ]
     assert verify_chain(ledger.read(0, 10), RUN).length == 4
     # killed after version 5's entry was written, before it was published: the next life drops the entry
     ledger.append = append  # type: ignore[method-assign]
