@@ -70,6 +70,12 @@ class CreditBook:
             }
         )
 
+    def made_before(self, count: int) -> list[str]:
+        """The digests of the last ``count`` batches the book records as made (by this node's earlier lives)."""
+        if not self.path.exists():
+            return []
+        return [d for d, b in read_book(self.path).batches.items() if b.rollouts][-count:]
+
     def acknowledged(self, digest: str) -> None:
         self._write({"e": "ack", "d": digest, "at": round(time.time(), 3)})
 

@@ -65,6 +65,9 @@ REANNOUNCE_S = 5.0
 LOAD_LOG_S = 30.0
 """A loaded version is logged at INFO at most this often (DEBUG otherwise; /status lists them all)."""
 RECENT = 32
+MADE_KNOWN = 16_384
+"""Digests of our own batches remembered (a few MB), to tell an acknowledgement of ours from a twin's."""
+TWIN_KEPT = 16
 PAUSE_MAX_S = 10.0
 """A producer the trainer told to wait, without saying how long, asks again after this long even without a new
 version: backpressure slows producers down, it must never leave the trainer waiting on paused producers."""
@@ -115,11 +118,23 @@ class InferenceNode(Volunteer):
         self.book: CreditBook | None = None
         """This node's account of its batches (node/roles/credit.py: ``intellect-node credit`` checks it against the
         trainer's ledger): made once the run is known."""
+        self.made: OrderedDict[str, None] = OrderedDict()
+        """Digests of the batches this node made (the newest MADE_KNOWN, with those of its book at start): an
+        acknowledgement for this node's key naming another one means a second node uses this identity."""
+        self.twin_batches: list[str] = []
+        """Digests the trainer acknowledged for this node's key that this node never made (the first TWIN_KEPT)."""
         self.held_back_until = 0.0
         """Until when (monotonic) the trainer asked this node to wait (its share full, or busy judging): batches are
         not re-announced meanwhile (the trainer would pull one only to refuse it)."""
 
     def working(self) -> dict[str, Any]:
+        if self.twin_batches:
+            return {
+                "ok": False,
+                "doing": f"another node uses this node's identity: the trainer acknowledged {len(self.twin_batches)} "
+                f"batch(es) signed with its key that it never made (first {self.twin_batches[0][:16]}); stop the "
+                f"other copy of {self.cfg.data_dir / 'node.key'}, or give one of them a new data dir",
+            }
         reason, detail = self.last_refusal
         if self.refused_in_row >= REFUSED_IN_ROW and reason not in FLOW_CONTROL:
             return {
@@ -153,6 +168,7 @@ class InferenceNode(Volunteer):
             "batches_announced": self.batches_announced,
             "delivery_ms": list(self.delivery_ms),
             "unacknowledged": len(self.unacked),
+            "twin_batches": self.twin_batches,
         }
 
     async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
@@ -196,6 +212,8 @@ class InferenceNode(Volunteer):
     async def ready(self, spec: RunSpec) -> None:
         await super().ready(spec)
         self.book = CreditBook(self.cfg.data_dir, self.run_id)
+        for digest in self.book.made_before(MADE_KNOWN):  # acknowledgements of batches made before a restart
+            self.made[digest] = None
         self.sink = make_sink(Endpoint(self.p2p, self.identity, self.run_id, self.metrics, self.gossip))
         await self.sink.start(self._acknowledged)
         self._reannouncer = asyncio.ensure_future(self.reannounce_forever())  # ends with the node's loop
@@ -203,6 +221,21 @@ class InferenceNode(Volunteer):
     def _acknowledged(self, digest: str) -> None:
         """The trainer acknowledged one of our batches apart from a push's reply: it need not be offered or sent
         again."""
+        if digest not in self.made:  # acknowledged for our key, never made here: a second node on this identity
+            if digest not in self.twin_batches:
+                if not self.twin_batches:
+                    logger.error(
+                        "another node signs batches with this node's key: the trainer acknowledged batch %s, which "
+                        "this node never made; stop the other copy of %s, or give one of them a new data dir",
+                        digest[:16],
+                        self.cfg.data_dir / "node.key",
+                    )
+                self.metrics.inc(
+                    "node_inference_twin_acks_total", help="acknowledgements for our key naming a batch we never made"
+                )
+                if len(self.twin_batches) < TWIN_KEPT:
+                    self.twin_batches.append(digest)
+            return
         if self.unacked.pop(digest, None):
             self._delivered(digest)
             if self.book is not None:
@@ -219,6 +252,9 @@ class InferenceNode(Volunteer):
     def _keep(self, batch: RolloutBatch, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         self.unacked[digest] = (batch, data)
+        self.made[digest] = None
+        while len(self.made) > MADE_KNOWN:
+            self.made.popitem(last=False)
         if self.book is not None:
             self.book.made(batch, digest)
         self.batches_made += 1

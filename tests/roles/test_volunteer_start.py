@@ -194,3 +194,35 @@ def test_a_validator_the_trainer_does_not_trust_says_so(tmp_path: Path) -> None:
     finally:
         for node in reversed(nodes):
             node.stop()
+
+
+def test_two_volunteers_on_one_identity_are_detected_and_named(tmp_path: Path) -> None:
+    """Issue 39 item 2: a copy of node.key run from another data dir (a cloned disk, a second container on a copied
+    volume). The trainer acknowledges, on gossip, batches signed with the key; a node that hears acknowledgements
+    for batches it never made says so in its status (and `intellect-node status` exits non-zero), naming the key
+    file to deal with."""
+    logs = tmp_path / "logs"
+    nodes: list[NodeProcess] = []
+    try:
+        trainer = NodeProcess("trainer", ["bootstrap", "--data-dir", str(tmp_path / "t")], logs)
+        nodes.append(trainer)
+        ready = trainer.wait_ready(timeout=120)
+        first = NodeProcess("inference-a", join_argv("inference", ready, tmp_path / "a"), logs)
+        nodes.append(first)
+        first.wait_ready(timeout=120)
+        (tmp_path / "b").mkdir()
+        (tmp_path / "b" / "node.key").write_bytes((tmp_path / "a" / "node.key").read_bytes())
+        twin = NodeProcess("inference-b", join_argv("inference", ready, tmp_path / "b"), logs)
+        nodes.append(twin)
+        twin.wait_ready(timeout=120)
+
+        def named() -> bool:
+            return any(_state(tmp_path / d)[0] != 0 for d in ("a", "b"))
+
+        asyncio.run(until(named, "a volunteer to say another node uses its identity", timeout=180, every=2.0))
+        said = [_state(tmp_path / d) for d in ("a", "b")]
+        assert any(code != 0 and "another node uses this node's identity" in text for code, text in said), said
+        assert any("node.key" in text for _, text in said)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
