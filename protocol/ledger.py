@@ -280,6 +280,17 @@ def verify_entry(sealed: bytes, run_id: str, head: Head) -> tuple[Signed[LedgerE
     entry = signed.message
     if signed.signer_id != run_id or entry.run_id != run_id:
         raise LedgerError("wrong_signer", at, f"signed by {signed.signer_id}, for run {entry.run_id}")
+    new_head = extend(head, entry, sealed)
+    if merkle_root([leaf_hash(c) for c in entry.credits()]).hex() != entry.root:
+        raise LedgerError("bad_root", at, "the batches do not hash to the entry's root")
+    return signed, new_head
+
+
+def extend(head: Head, entry: LedgerEntry, sealed: bytes) -> Head:
+    """The head after ``entry`` (sealed as ``sealed``), or LedgerError when it does not link to ``head``: its
+    ``prev``, its epoch and version. The checks that need no signature nor root: what a writer that sealed the entry
+    itself still checks (node/roles/trainer_ledger.py)."""
+    at = head.length
     if entry.prev != head.hash:
         raise LedgerError("fork", at, f"names {entry.prev[:16]}..., the chain's head is {head.hash[:16]}...")
     if head.length and entry.epoch < head.epoch:
@@ -287,9 +298,7 @@ def verify_entry(sealed: bytes, run_id: str, head: Head) -> tuple[Signed[LedgerE
     expected = head.version + 1 if head.length and entry.epoch == head.epoch else 1
     if entry.version != expected:
         raise LedgerError("gap", at, f"version {entry.version}, expected {expected}")
-    if merkle_root([leaf_hash(c) for c in entry.credits()]).hex() != entry.root:
-        raise LedgerError("bad_root", at, "the batches do not hash to the entry's root")
-    return signed, Head(at + 1, entry_hash(sealed), entry.epoch, entry.version)
+    return Head(at + 1, entry_hash(sealed), entry.epoch, entry.version)
 
 
 def verify_chain(sealed_entries: Iterable[bytes], run_id: str, head: Head | None = None) -> Head:

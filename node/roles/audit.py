@@ -33,6 +33,7 @@ from intellect_node.policy.model import build_tokenizer
 from intellect_node.roles.trainer_checkpoint import CheckpointDir
 from intellect_node.roles.trainer_learner import grpo_step
 from intellect_node.roles.trainer_ledger import LedgerLog
+from intellect_node.roles.trainer_validation import judged_group
 from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest
 from intellect_protocol.envelope import Rejected, open_signed
 from intellect_protocol.identity import Identity
@@ -128,19 +129,7 @@ def _groups(spec: RunSpec, entry: LedgerEntry, envelopes: dict[str, bytes], toke
         g = found[0]
         task = source.assigned(spec.seed, batch.node_id, batch.version, batch.batch_index, slot)
         rewards = [task_reward(tokenizer, task, c, c[-1] == eos, spec.task) for c in g.completions]
-        out.append(
-            Group(
-                batch.node_id,
-                batch.version,
-                g.prompt_ids,
-                g.completions,
-                g.logprobs,
-                rewards,
-                batch.batch_index,
-                slot,
-                credits[index].digest,
-            )
-        )
+        out.append(judged_group(batch, g, rewards, credits[index].digest))
     return out
 
 
@@ -229,7 +218,7 @@ def replay(trainer_dir: Path, version: int | None = None, threads: int = 1) -> A
         return replace(base, reason="tensor_names")
     diff = max(float((replayed[n].float() - published[n].float()).abs().max()) for n in replayed)
     update = max(float((published[n].float() - before[n].float()).abs().max()) for n in published)
-    honest = diff <= AUDIT_TOLERANCE * update or diff == 0.0
+    honest = diff <= AUDIT_TOLERANCE * update
     return replace(
         base,
         max_abs_diff=diff,

@@ -157,7 +157,7 @@ def fetch_ledger(url: str, run_id: str) -> list[bytes]:
         with urllib.request.urlopen(
             f"{url.rstrip('/')}/ledger/entries?first={len(sealed)}", timeout=FETCH_TIMEOUT_S
         ) as resp:
-            page = parse_framed(resp.read()) if resp.status == 200 else []
+            page = parse_framed(resp.read())
         if not page:
             break
         sealed += page

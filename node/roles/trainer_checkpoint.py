@@ -482,7 +482,7 @@ class Durability:
                 record.groups,
                 weights if version == upto else "",
             )
-            ledger.append(seal(self.identity, entry))
+            ledger.append(seal(self.identity, entry), entry)  # sealed here: only its link is checked
             self._unrecorded.pop(0)
             self._parent = None
             self.metrics.set(

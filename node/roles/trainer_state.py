@@ -173,12 +173,11 @@ _NODE = re.compile(r"[0-9a-f]{32}")
 
 class Refusals:
     """Batches refused for good since the last ledger entry (protocol/ledger.py), by producer and reason. Bounded
-    like an entry: past ``MAX_REFUSALS`` (producer, reason) pairs a new pair is only counted in ``overflow`` (a
-    flood of registered keys cannot grow an entry without bound)."""
+    like an entry: past ``MAX_REFUSALS`` (producer, reason) pairs a new pair is not recorded (a flood of registered
+    keys cannot grow an entry without bound)."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
-        self.overflow = 0
 
     def add(self, node_id: str, reason: str) -> None:
         if reason in NOT_DECIDED or not _NODE.fullmatch(node_id):
@@ -188,8 +187,6 @@ class Refusals:
             self.counts[key] = min(self.counts[key] + 1, 2**31 - 1)
         elif len(self.counts) < MAX_REFUSALS:
             self.counts[key] = 1
-        else:
-            self.overflow += 1
 
     def drain(self) -> dict[str, dict[str, int]]:
         """Every refusal counted since the last call: producer -> reason -> batches."""
@@ -207,12 +204,16 @@ class Progress:
     published: int = -1
     """The newest version written, signed and announced."""
     clock: Callable[[], float] = time.monotonic
-    published_at: float = field(default_factory=time.monotonic)
-    """When ``published`` last moved (or the trainer started)."""
+    published_at: float = -1.0
+    """When ``published`` last moved (or the trainer started: ``clock`` at construction)."""
     version_s: float = 0.0
     """A running estimate of the seconds from one published version to the next (0 until two were)."""
     publishes: int = 0
     """Versions published in this life of the trainer."""
+
+    def __post_init__(self) -> None:
+        if self.published_at < 0:
+            self.published_at = self.clock()
 
     def publish(self, version: int) -> None:
         """Version ``version`` was published now: the estimate of the time between versions takes it in (not the

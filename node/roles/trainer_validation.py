@@ -41,7 +41,7 @@ from intellect_node.weights.files import load_checkpoint
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import Rejected, seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import RolloutBatch, RunSpec, Verdict
+from intellect_protocol.messages import RolloutBatch, RolloutGroup, RunSpec, Verdict
 
 logger = logging.getLogger(__name__)
 VERDICTS_KEPT = 256
@@ -83,6 +83,22 @@ class PendingBatches:
             return self._items.pop(0)[1]
         at = next((i for i, (_, item) in enumerate(self._items) if item[0].version == prefer), 0)
         return self._items.pop(at)[1]
+
+
+def judged_group(batch: RolloutBatch, group: RolloutGroup, rewards: list[float], digest: str) -> Group:
+    """One group of ``batch`` (sealed as ``digest``) with the rewards recomputed for it, as the learner trains it:
+    made alike by the judging pipeline and by the audit's replay of a step (node/roles/audit.py)."""
+    return Group(
+        batch.node_id,
+        batch.version,
+        group.prompt_ids,
+        group.completions,
+        group.logprobs,
+        rewards,
+        batch.batch_index,
+        group.slot,
+        digest,
+    )
 
 
 class Judging:
@@ -180,19 +196,7 @@ class Judging:
                 if time.monotonic() > deadline:
                     raise Rejected("reward_budget", f"scoring took over {self.spec.verify.reward_budget_s:.0f}s")
                 rewards.append(task_reward(self.tokenizer, task, c, c[-1] == eos, self.spec.task))
-            groups.append(
-                Group(
-                    batch.node_id,
-                    batch.version,
-                    g.prompt_ids,
-                    g.completions,
-                    g.logprobs,
-                    rewards,
-                    batch.batch_index,
-                    g.slot,
-                    digest,
-                )
-            )
+            groups.append(judged_group(batch, g, rewards, digest))
         return groups
 
     def choose_judges(self) -> list[str]:

@@ -303,10 +303,10 @@ def test_each_version_is_published_after_its_ledger_entry_and_a_failed_append_pu
     assert ledger is not None
     append, failures = ledger.append, [OSError(28, "No space left on device")]
 
-    def full_disk(sealed: bytes) -> Any:
+    def full_disk(sealed: bytes, entry: Any = None) -> Any:
         if failures:
             raise failures.pop()
-        return append(sealed)
+        return append(sealed, entry)
 
     ledger.append = full_disk  # type: ignore[method-assign]
     asyncio.run(steps(3, 4))
