@@ -1,7 +1,8 @@
 """Checking rollouts: the exact weights claimed, TOPLOC proofs, seeded sampling, termination, task, reward.
 
 For a batch produced with weight version ``v`` the validator holds a model with exactly version ``v`` (the
-caller loads it) and runs one prefill over every prompt + completion. Then, per completion:
+caller loads it) and runs one prefill over every prompt + completion (a prompt its rows share runs once, its
+completions on its keys and values, as the producer ran them). Then, per completion:
 
 - toploc: the proofs are re-checked against its own last hidden states (prompt positions, then the positions
   of the completion's tokens but its last): exponent mismatches and mantissa error mean / median per proof
@@ -34,7 +35,7 @@ from intellect_kernels.logprobs import token_logprobs
 from intellect_kernels.sampling import position_keys, sampling_gaps
 from intellect_node.judging.tasks import Task, reward, task_source
 from intellect_node.policy.generate import HiddenCapture
-from intellect_node.policy.model import encode_prompt
+from intellect_node.policy.model import cache_kwarg, cache_of, encode_prompt
 from intellect_protocol.envelope import Rejected
 from intellect_protocol.messages import RolloutBatch, RunSpec, TaskSpec, Verdict
 from intellect_protocol.tasks import sampling_seed
@@ -290,9 +291,17 @@ class Validator:
         k = max(1, math.ceil(fraction * n))
         return sorted(self._keyed(batch, "spot", list(range(n)))[:k])
 
-    def _check_rows(self, batch: RolloutBatch, rows: list[Any], index: list[int], finding: Finding) -> None:
-        v = self.spec.verify
-        s = self.spec
+    def _forward(self, rows: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The model on ``rows`` (``(slot, sample, prompt, completion, proofs, logprobs)``): per row, its last hidden
+        states at the prompt's positions ``[p, hidden]`` (on the CPU, where proofs are checked), at the positions
+        whose input was one of the completion's tokens but its last ``[n - 1, hidden]`` (likewise), and the logits
+        that score the completion's tokens ``[n, vocab]``. Rows that share a prompt (a group's samples) run it once
+        (``_forward_shared``); else every row runs whole, left-padded."""
+        prompts = [r[2] for r in rows]
+        shared = len(rows) > 1 and min(len(x) for x in prompts) > 1
+        shared = shared and any(prompts[i] == prompts[i - 1] for i in range(1, len(rows)))
+        if shared:
+            return self._forward_shared(rows)
         seqs = [prompt + completion for _, _, prompt, completion, _, _ in rows]
         width = max(len(x) for x in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
@@ -308,8 +317,75 @@ class Validator:
             logits = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=keep
             ).logits
-            hidden = capture.take().cpu()  # proofs are checked on the CPU
+            hidden = capture.take().cpu()
         cut = width - keep  # column 0 of ``logits`` is column ``cut`` of the sequence
+        out = []
+        for i, (_, _, prompt, completion, _, _) in enumerate(rows):
+            off, n, p = width - len(seqs[i]), len(completion), len(prompt)
+            out.append(
+                (
+                    hidden[i, off : off + p],
+                    hidden[i, off + p : off + p + n - 1],
+                    logits[i, off + p - 1 - cut : off + p - 1 + n - cut],
+                )
+            )
+        return out
+
+    def _forward_shared(self, rows: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``_forward`` with each run of rows sharing a prompt running it once: the prompts less their last token
+        (right-padded) in one forward that keeps its keys and values, those copied to their rows; then each row's
+        rest, the prompt's last token and the completion but its last token, at its own positions on top. As a
+        producer computes (a prefill, then decode on its cache): the numbers equal the whole rows' up to rounding."""
+        device = next(self.model.parameters()).device
+        first: list[int] = []
+        prompt_of: list[int] = []
+        for i, r in enumerate(rows):
+            if not first or rows[first[-1]][2] != r[2]:
+                first.append(i)
+            prompt_of.append(len(first) - 1)
+        prefix = [len(rows[f][2]) - 1 for f in first]
+        prefix_ids = torch.full((len(first), max(prefix)), self.pad, dtype=torch.long)
+        prefix_attn = torch.zeros_like(prefix_ids)
+        for u, f in enumerate(first):
+            prefix_ids[u, : prefix[u]] = torch.tensor(rows[f][2][:-1])
+            prefix_attn[u, : prefix[u]] = 1
+        rests = [[prompt[-1], *completion[:-1]] for _, _, prompt, completion, _, _ in rows]
+        width = max(len(x) for x in rests)
+        rest_ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        rest_attn = torch.zeros_like(rest_ids)
+        for i, x in enumerate(rests):
+            rest_ids[i, : len(x)] = torch.tensor(x)
+            rest_attn[i, : len(x)] = 1
+        index = torch.tensor(prompt_of)
+        positions = torch.tensor([prefix[u] for u in prompt_of]).unsqueeze(1) + torch.arange(width)
+        prefix_ids, prefix_attn, rest_ids, rest_attn = (
+            t.to(device) for t in (prefix_ids, prefix_attn, rest_ids, rest_attn)
+        )
+        with HiddenCapture(self.model) as capture:
+            out = self.model(input_ids=prefix_ids, attention_mask=prefix_attn, use_cache=True, logits_to_keep=1)
+            prefix_hidden = capture.take().cpu()
+            past = cache_of(out)
+            past.reorder_cache(index.to(device))
+            logits = self.model(
+                input_ids=rest_ids,
+                attention_mask=torch.cat([prefix_attn[index.to(device)], rest_attn], dim=1),
+                position_ids=positions.to(device),
+                use_cache=True,
+                **{cache_kwarg(self.model): past},
+            ).logits
+            rest_hidden = capture.take().cpu()
+        result = []
+        for i, (_, _, _, completion, _, _) in enumerate(rows):
+            n, u = len(completion), prompt_of[i]
+            prompt_states = torch.cat([prefix_hidden[u, : prefix[u]], rest_hidden[i, :1]])
+            result.append((prompt_states, rest_hidden[i, 1:n], logits[i, :n]))
+        return result
+
+    def _check_rows(self, batch: RolloutBatch, rows: list[Any], index: list[int], finding: Finding) -> None:
+        v = self.spec.verify
+        s = self.spec
+        device = next(self.model.parameters()).device
+        computed = self._forward(rows)
         # One batched TOPLOC verification and one batched re-derivation for all rows
         chunks: list[torch.Tensor] = []
         claimed: list[bytes] = []
@@ -319,18 +395,19 @@ class Validator:
         steps: list[int] = []
         tokens: list[int] = []
         reported: list[float] = []
-        for i, (slot, j, prompt, completion, proofs, logprobs) in enumerate(rows):
-            off = width - len(seqs[i])
-            n, p = len(completion), len(prompt)
+        for (slot, j, _, completion, proofs, logprobs), (prompt_states, decode_states, row_logits) in zip(
+            rows, computed, strict=True
+        ):
+            n = len(completion)
             # the prefill's positions, then those whose input was one of the completion's tokens
-            activations = [hidden[i, off : off + p]] + list(hidden[i, off + p : off + p + n - 1].unsqueeze(1))
+            activations = [prompt_states] + list(decode_states.unsqueeze(1))
             mine = toploc.chunk_activations(activations, v.decode_batch)
             if len(proofs) != len(mine):  # check_shape makes this impossible; a missing proof fails
                 proofs = [b""] * len(mine)
             spans.append((len(chunks), len(chunks) + len(mine)))
             chunks += mine
             claimed += proofs
-            step_logits.append(logits[i, off + p - 1 - cut : off + p - 1 + n - cut])
+            step_logits.append(row_logits)
             keys += [sampling_seed(s.seed, batch.node_id, batch.version, batch.batch_index, slot, j)] * n
             steps += range(n)
             tokens += completion

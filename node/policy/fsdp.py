@@ -277,7 +277,7 @@ class ShardedEngine(PolicyEngine):
 
     # ---- what every rank runs ------------------------------------------------------------------------
 
-    def _minibatch(self, b: Packed) -> dict[str, float]:
+    def _minibatch(self, b: Packed, own_old: bool = False) -> dict[str, float]:
         t = self.spec.train
         rows = b.ids.shape[0]
         lo, hi = rows * self.rank // self.world, rows * (self.rank + 1) // self.world
@@ -288,7 +288,7 @@ class ShardedEngine(PolicyEngine):
             mine = Packed(one.ids, one.attention, torch.zeros_like(one.mask), one.logp_old, one.advantages)
         local_tokens = float(mine.mask.sum())
         total_tokens = float(b.mask.sum())  # every rank holds the whole minibatch: no collective needed
-        loss, stats = self._loss(mine)
+        loss, stats, gap = self._loss(mine, own_old)
         weight = local_tokens / max(total_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         (loss * (weight * self.world)).backward()  # FSDP divides the summed gradients by the world size
@@ -299,10 +299,12 @@ class ShardedEngine(PolicyEngine):
         else:
             self.skipped += 1
             logger.error("skipped an optimizer step: gradient norm is %s", float(full_norm))
-        parts = torch.tensor([getattr(stats, k) * weight for k in STAT_KEYS], dtype=torch.float64, device=self.device)
-        dist.all_reduce(parts)
+        parts = torch.tensor(
+            [getattr(stats, k) * weight for k in STAT_KEYS] + [gap], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(parts)  # the gap is a sum over each rank's own rows
         return {
-            **{k: float(v) for k, v in zip(STAT_KEYS, parts.tolist(), strict=True)},
+            **{k: float(v) for k, v in zip((*STAT_KEYS, "logp_old_gap_sum"), parts.tolist(), strict=True)},
             "grad_norm": float(full_norm),
             "tokens": total_tokens,
         }

@@ -14,7 +14,6 @@ cover the prefill and then every ``decode_batch`` decode steps.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from intellect_kernels import toploc
 from intellect_kernels.logprobs import token_logprobs
 from intellect_kernels.sampling import position_keys, seeded_draw
+from intellect_node.policy.model import cache_kwarg, cache_of
 
 
 @dataclass
@@ -38,16 +38,6 @@ class Completion:
 class ProofSettings:
     topk: int = toploc.TOPK
     decode_batch: int = toploc.DECODE_BATCH
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.2x renamed ``past_key_values`` to ``cache``; accept either."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,7 +134,7 @@ def sample_groups(
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
-    cache_arg = _cache_kwarg(model)
+    cache_arg = cache_kwarg(model)
     capture = HiddenCapture(model) if proofs is not None else None
     prefill_hidden: torch.Tensor | None = None
     decode_hidden: list[torch.Tensor] = []
@@ -152,7 +142,7 @@ def sample_groups(
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         if capture is not None:
             prefill_hidden = capture.take()
-        cache = _cache_of(out)
+        cache = cache_of(out)
         logits = out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
         done = torch.zeros(len(rows), dtype=torch.bool, device=device)
@@ -190,7 +180,7 @@ def sample_groups(
             )
             if capture is not None:
                 decode_hidden.append(capture.take()[:, -1, :])
-            cache = _cache_of(out)
+            cache = cache_of(out)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 

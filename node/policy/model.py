@@ -9,6 +9,7 @@ architecture; the weights they use come from the signed checkpoint.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from typing import Any
 
@@ -19,6 +20,25 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from intellect_protocol.messages import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward's argument for a key-value cache: transformers 5.2x renamed ``past_key_values`` to ``cache``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    """The key-value cache a forward returned (``cache``, or ``past_key_values`` before transformers 5.2x)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs under gradient (activation) checkpointing, which turns its cache off in training."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the second before transformers 5.2x
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def build_tokenizer(spec: ModelSpec) -> Any:

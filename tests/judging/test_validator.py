@@ -231,3 +231,28 @@ def test_truncating_samplers_are_caught_on_the_rows_they_change() -> None:
         # refused only where it drew another token, and there unless the other token was a near-tie the run excuses
         assert any(refused) and all(c for c, r in zip(changed, refused, strict=True) if r)
         assert set(finding.row_reasons) - {""} == {"sampling"}
+
+
+def test_rows_sharing_a_prompt_are_checked_on_its_keys_and_values_as_if_run_whole() -> None:
+    """A group's samples share their prompt: the validator runs it once and the completions on top. Activations
+    (in the proof dtype), logits and the verdict equal those of every row run whole, which it still does for a row
+    alone."""
+    batch = _batch(index=5)
+    rows = [
+        (g.slot, j, g.prompt_ids, c, g.proofs[j], g.logprobs[j])
+        for g in batch.groups
+        for j, c in enumerate(g.completions)
+    ]
+    assert len({tuple(r[2]) for r in rows}) == 2 < len(rows)
+    with torch.no_grad():
+        shared = VALIDATOR._forward(rows)
+        whole = [VALIDATOR._forward([row])[0] for row in rows]  # one row: no prompt to share
+    for (prompt_a, decode_a, logits_a), (prompt_b, decode_b, logits_b), row in zip(shared, whole, rows, strict=True):
+        assert prompt_a.shape == (len(row[2]), MODEL.config.hidden_size) == prompt_b.shape
+        assert decode_a.shape == (len(row[3]) - 1, MODEL.config.hidden_size) == decode_b.shape
+        assert logits_a.shape == (len(row[3]), MODEL.config.vocab_size) == logits_b.shape
+        assert torch.allclose(prompt_a.float(), prompt_b.float(), rtol=1e-2, atol=1e-2)  # bf16: 8 mantissa bits
+        assert torch.allclose(decode_a.float(), decode_b.float(), rtol=1e-2, atol=1e-2)
+        assert torch.allclose(logits_a, logits_b, atol=1e-4)
+    finding = VALIDATOR.check(batch, full=True)
+    assert finding.ok and finding.completions == len(rows) and min(finding.rederived) == 1.0

@@ -1,5 +1,5 @@
 """The policy engine on the tiny model: minibatches are optimizer steps, the trainer's own logp_old, the logits
-trimmed to the completion columns, and bf16 publishing from fp32 master weights."""
+trimmed to the completion columns, shared prompts run once, and bf16 publishing from fp32 master weights."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from intellect_kernels.logprobs import token_logprobs
-from intellect_node.policy.engine import PolicyEngine
+from intellect_node.policy.engine import Packed, PolicyEngine, shared_prompts
 from intellect_node.policy.model import build_model
 from tests.helpers.tiny import RUN, TOK, packed_batch, run_spec
 
@@ -25,6 +25,70 @@ def test_logits_trimmed_to_the_completion_columns_give_the_full_forward_values()
         )
     assert torch.allclose(logp * batch.mask, full * batch.mask, atol=1e-5)
     assert entropy.shape == batch.mask.shape
+
+
+def _full_forward(engine: PolicyEngine, batch: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of every row run whole, padded: what the shared prompts must reproduce."""
+    from intellect_kernels.logprobs import token_entropy
+
+    logits = engine.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
+    return token_logprobs(logits, batch.ids[:, 1:], 1.0) * batch.mask, token_entropy(logits) * batch.mask
+
+
+def test_shared_prompts_run_once_and_give_the_full_rows_values_and_gradients() -> None:
+    spec = run_spec(RUN, seed=1, train={"entropy_coef": 0.1})  # the entropy carries a gradient too
+    engine = PolicyEngine(spec, build_model(RUN.model, TOK))
+    batch = packed_batch(engine.model, LENGTHS)
+    shared = shared_prompts(batch)
+    assert shared is not None and shared.first_row == [0, 4]  # two prompts, four rows each
+    assert shared.prompt_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    def grads(logp: torch.Tensor, entropy: torch.Tensor) -> dict[str, torch.Tensor]:
+        engine.model.zero_grad(set_to_none=True)
+        weights = torch.linspace(-1.0, 1.0, logp.numel()).reshape(logp.shape)  # every position counts differently
+        ((logp * weights).sum() + (entropy * batch.mask).sum()).backward()
+        return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+
+    logp, entropy = engine._logp(engine.model, batch)
+    assert entropy is not None
+    mine = grads(logp * batch.mask, entropy)
+    full_logp, full_entropy = _full_forward(engine, batch)
+    full = grads(full_logp, full_entropy)
+    assert torch.allclose(logp * batch.mask, full_logp, atol=1e-5)
+    assert torch.allclose(entropy * batch.mask, full_entropy, atol=1e-5)
+    assert mine.keys() == full.keys() and len(mine) == len(list(engine.model.parameters()))
+    for name, grad in full.items():
+        assert torch.allclose(mine[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_rows_that_share_no_prompt_run_whole() -> None:
+    engine = PolicyEngine(run_spec(RUN, seed=1), build_model(RUN.model, TOK))
+    batch = packed_batch(engine.model, LENGTHS)
+    alone = batch.rows(slice(3, 5))  # the last row of one group and the first of the other
+    assert shared_prompts(alone) is None
+    silent = Packed(batch.ids, batch.attention, batch.mask.clone(), batch.logp_old, batch.advantages)
+    silent.mask[2] = 0  # a row that scores nothing has no prompt to read off its mask
+    assert shared_prompts(silent) is None
+    for b in (alone, silent):
+        logp, _ = engine._logp(engine.model, b, entropy=False)
+        with torch.no_grad():
+            assert torch.allclose(logp * b.mask, _full_forward(engine, b)[0], atol=1e-5)
+
+
+def test_the_trainers_own_logp_old_makes_the_step_whatever_the_sampler_reported() -> None:
+    """One optimizer step with ``recompute_logp_old``: the loss's own forward is logp_old (no second pass), so a
+    sampler off by 0.5 a token moves the weights exactly as an exact one does."""
+    recomputing = run_spec(RUN, seed=1, train={"recompute_logp_old": True, "lr": 1e-2})
+    model = build_model(RUN.model, TOK)
+    after = []
+    for noise in (0.0, 0.5):
+        engine = PolicyEngine(recomputing, build_model(RUN.model, TOK))
+        stats = engine.step(packed_batch(model, LENGTHS, sampler_noise=noise), lr=1e-2)
+        assert abs(stats["logp_old_gap"] - noise) < 1e-4 and stats["clipped_fraction"] == 0.0
+        after.append(engine.model.state_dict())
+    for name, tensor in after[0].items():
+        assert torch.equal(tensor, after[1][name]), name
+    assert any(not torch.equal(t, model.state_dict()[n]) for n, t in after[0].items())
 
 
 def test_each_minibatch_is_one_optimizer_step() -> None:
