@@ -204,6 +204,9 @@ class VolunteerSettings(BaseModel):
     """Serve the weights this node holds to other nodes (inference nodes; ``--no-relay`` turns it off)."""
     invite: Annotated[str, Field(max_length=1024)] | None = None
     """The invite (from the run's operator) a run with ``admission.policy = "invite"`` asks for."""
+    credit_check_s: Annotated[float, Field(ge=0)] = 60.0
+    """Seconds between an inference node's checks of its credit against the trainer's contribution ledger (its
+    ``/status`` ``credit`` and the dashboard's credit card; ``intellect-node credit`` checks on demand); 0: never."""
 
 
 class NodeConfig(VolunteerSettings, TrainerSettings, WeightSettings, CommonSettings):

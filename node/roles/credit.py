@@ -12,6 +12,12 @@ against the entry's root), refused (the reason), acknowledged and not trained ye
 trained nor refused (too old to be trained any more: dropped after acceptance, or lost), with totals per version.
 Batches the ledger credits to this node id that the book never made mean another node uses this identity (a copy
 of node.key): named, with the versions they were credited in.
+
+A running inference node does the same every ``credit_check_s`` (``LedgerWatch``): it follows the ledger from where
+it last checked (only new entries are fetched, each chained to the head checked before), and shows the account in
+``/status`` (``credit``) and on its dashboard. A trainer that serves a history other than the one this node checked
+(fewer entries, an entry that does not link, or a head other than its signed DHT record names) is reported as a
+fork, and the book is kept as the evidence.
 """
 
 from __future__ import annotations
@@ -20,14 +26,24 @@ import json
 import logging
 import time
 import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from intellect_node.roles.trainer_ledger import parse_framed
 from intellect_protocol.envelope import open_signed
-from intellect_protocol.ledger import LedgerEntry, inclusion_proof, leaf_hash, verify_chain, verify_inclusion
+from intellect_protocol.ledger import (
+    Head,
+    LedgerEntry,
+    genesis,
+    inclusion_proof,
+    leaf_hash,
+    start,
+    verify_chain,
+    verify_entry,
+    verify_inclusion,
+)
 from intellect_protocol.messages import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -37,6 +53,12 @@ changes)."""
 FETCH_TIMEOUT_S = 30.0
 PAGES_MAX = 100_000
 """Pages of ``GET /ledger/entries`` fetched at most (each at least one entry)."""
+PAGES_PER_CHECK = 64
+"""Pages a running node's check fetches at most (the rest at the next check): a long ledger is caught up in parts."""
+BODY_MAX_BYTES = 16 << 20
+"""Bytes of one answer read at most: a page is at most 8 MiB plus one entry (trainer_ledger.RESPONSE_MAX_BYTES)."""
+HEADS_KEPT = 4096
+"""Hashes of the chain at the last lengths checked, to compare with the head a newer signed record names."""
 
 
 class CreditBook:
@@ -46,6 +68,8 @@ class CreditBook:
         self.path = data_dir / "credit" / f"{run_id}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._noted: tuple[str, float] = ("", -TRAINER_NOTE_S)
+        self.latest: tuple[str, tuple[int, str], int] | None = None
+        """The trainer's address, the ledger head its signed record named last, and the run's async level."""
 
     def _write(self, line: dict[str, Any]) -> None:
         try:
@@ -88,6 +112,7 @@ class CreditBook:
         """Where the trainer serves its ledger, the head its signed record named, and the run's async level."""
         if not http_url:
             return
+        self.latest = (http_url, (length, head), async_level)
         url, at = self._noted
         if url == http_url and time.monotonic() - at < TRAINER_NOTE_S:
             return
@@ -145,19 +170,31 @@ def read_book(path: Path) -> Book:
     return book
 
 
+def _get(url: str) -> bytes:
+    """One answer of the trainer, at most BODY_MAX_BYTES (more is an error, not a reason to run out of memory)."""
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:
+        body: bytes = resp.read(BODY_MAX_BYTES + 1)
+    if len(body) > BODY_MAX_BYTES:
+        raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
+    return body
+
+
+def _ledger_head(url: str, run_id: str) -> dict[str, Any]:
+    head = json.loads(_get(url.rstrip("/") + "/ledger"))
+    if not isinstance(head, dict) or head.get("run_id") != run_id:
+        raise ValueError(f"{url} does not serve the ledger of run {run_id}")
+    if not isinstance(head.get("length"), int) or not isinstance(head.get("head"), str):
+        raise ValueError(f"{url}/ledger: a head without a length and hash")
+    return head
+
+
 def fetch_ledger(url: str, run_id: str) -> list[bytes]:
     """Every sealed entry the trainer at ``url`` serves, the chain checked with ``run_id`` alone; ValueError (or
     LedgerError) when it does not check or is shorter than the head the trainer names."""
-    with urllib.request.urlopen(url.rstrip("/") + "/ledger", timeout=FETCH_TIMEOUT_S) as resp:
-        head = json.load(resp)
-    if head.get("run_id") != run_id:
-        raise ValueError(f"{url} serves the ledger of run {head.get('run_id')}, not {run_id}")
+    head = _ledger_head(url, run_id)
     sealed: list[bytes] = []
     for _ in range(PAGES_MAX):
-        with urllib.request.urlopen(
-            f"{url.rstrip('/')}/ledger/entries?first={len(sealed)}", timeout=FETCH_TIMEOUT_S
-        ) as resp:
-            page = parse_framed(resp.read())
+        page = parse_framed(_get(f"{url.rstrip('/')}/ledger/entries?first={len(sealed)}"))
         if not page:
             break
         sealed += page
@@ -192,43 +229,133 @@ class Credit:
         return Counter(state for _, state in self.rows)
 
 
-def account(node_id: str, run_id: str, book: Book, sealed: list[bytes], async_level: int = 2) -> Credit:
-    """The book against the checked ledger (``sealed``): each batch's state, each credit's inclusion proof checked
-    against its entry's root."""
-    entries = [open_signed(s, LedgerEntry).message for s in sealed]
-    trained_in: dict[str, int] = {}
-    twins: Counter[int] = Counter()
-    newest: dict[int, int] = {}
-    for entry in entries:
-        newest[entry.epoch] = max(newest.get(entry.epoch, 0), entry.version)
+@dataclass
+class Tally:
+    """What a checked ledger says of one node, taken entry by entry (``add``): its credits (each inclusion proof
+    checked against its entry's root) and the newest version per epoch. Only this node's credits are kept."""
+
+    node_id: str
+    ours: dict[str, int] = field(default_factory=dict)
+    """Digest -> the version whose entry credits it to this node id."""
+    newest: dict[int, int] = field(default_factory=dict)
+    entries: int = 0
+
+    def add(self, entry: LedgerEntry) -> None:
+        self.entries += 1
+        self.newest[entry.epoch] = max(self.newest.get(entry.epoch, 0), entry.version)
         credits = entry.credits()
+        if not any(c.producer == self.node_id for c in credits):
+            return
         leaves = [leaf_hash(c) for c in credits]
         root = bytes.fromhex(entry.root)
         for i, credit in enumerate(credits):
-            if credit.producer != node_id:
+            if credit.producer != self.node_id:
                 continue
             if not verify_inclusion(leaves[i], i, len(leaves), inclusion_proof(leaves, i), root):
                 raise ValueError(
                     f"the credit of {credit.digest[:16]}... does not prove its place in version {entry.version}"
                 )
-            if credit.digest in book.batches:
-                trained_in[credit.digest] = entry.version
+            self.ours[credit.digest] = entry.version
+
+    def credit(self, run_id: str, book: Book, async_level: int = 2) -> Credit:
+        """The book against what was taken: each batch's state; credits of batches the book never made are a
+        twin's (read the book after the entries: a batch is in the book before it can be trained)."""
+        trained_in = {d: v for d, v in self.ours.items() if d in book.batches}
+        twins = Counter(v for d, v in self.ours.items() if d not in book.batches)
+        rows = []
+        for batch in book.batches.values():
+            if batch.digest in trained_in:
+                state = "trained"
+            elif batch.outcome == "refused":
+                state = "refused"
+            elif batch.outcome == "acknowledged":
+                # trained at the latest by the step async_level after its version, and that step's entry came after
+                too_old = self.newest.get(batch.epoch, -1) > batch.version + async_level + 1
+                state = "lost" if too_old else "acknowledged"
             else:
-                twins[entry.version] += 1
-    rows = []
-    for batch in book.batches.values():
-        if batch.digest in trained_in:
-            state = "trained"
-        elif batch.outcome == "refused":
-            state = "refused"
-        elif batch.outcome == "acknowledged":
-            # trained at the latest by the step async_level after its version, and that step's entry came after
-            too_old = newest.get(batch.epoch, -1) > batch.version + async_level + 1
-            state = "lost" if too_old else "acknowledged"
-        else:
-            state = "unanswered"
-        rows.append((batch, state))
-    return Credit(node_id, run_id, rows, trained_in, dict(twins), len(entries))
+                state = "unanswered"
+            rows.append((batch, state))
+        return Credit(self.node_id, run_id, rows, trained_in, dict(twins), self.entries)
+
+
+def account(node_id: str, run_id: str, book: Book, sealed: list[bytes], async_level: int = 2) -> Credit:
+    """The book against the checked ledger (``sealed``): each batch's state, each credit's inclusion proof checked
+    against its entry's root."""
+    tally = Tally(node_id)
+    for s in sealed:
+        tally.add(open_signed(s, LedgerEntry).message)
+    return tally.credit(run_id, book, async_level)
+
+
+class LedgerFork(ValueError):
+    """The trainer serves a history other than the one this node checked before or its signed record names."""
+
+
+class LedgerWatch:
+    """A running inference node's credit (module docstring): ``check`` (blocking: run it in a thread) follows the
+    trainer's ledger from the head checked last and refreshes ``summary``, what ``/status`` shows as ``credit``."""
+
+    def __init__(self, node_id: str, run_id: str, book_path: Path) -> None:
+        self.run_id = run_id
+        self.book_path = book_path
+        self.tally = Tally(node_id)
+        self.head: Head = start(run_id)
+        self._hashes: OrderedDict[int, str] = OrderedDict({0: genesis(run_id)})
+        self.summary: dict[str, Any] = {"checked_at": 0.0, "ledger_entries": 0, "error": ""}
+
+    def _hash_at(self, length: int) -> str | None:
+        return self._hashes.get(length)
+
+    def _take(self, sealed: bytes) -> None:
+        signed, self.head = verify_entry(sealed, self.run_id, self.head)  # a rewrite fails the link: LedgerError
+        self.tally.add(signed.message)
+        self._hashes[self.head.length] = self.head.hash
+        while len(self._hashes) > HEADS_KEPT:
+            self._hashes.popitem(last=False)
+
+    def check(self, url: str, named: tuple[int, str], async_level: int) -> dict[str, Any]:
+        """Fetch and check the entries past the head checked last (at most PAGES_PER_CHECK pages), compare with the
+        head the trainer's signed record ``named`` (length, hash), and account the book. Raises (LedgerFork,
+        LedgerError, ValueError, OSError) with ``summary`` keeping what the last good check found."""
+        served = int(_ledger_head(url, self.run_id)["length"])
+        if served < self.head.length:
+            raise LedgerFork(
+                f"the trainer serves {served} ledger entries, fewer than the {self.head.length} this node checked"
+            )
+        for _ in range(PAGES_PER_CHECK):
+            if self.head.length >= served:
+                break
+            page = parse_framed(_get(f"{url.rstrip('/')}/ledger/entries?first={self.head.length}"))
+            if not page:
+                break
+            for sealed in page:
+                self._take(sealed)
+        length, head = named
+        known = self._hash_at(length)
+        if head and known is not None and known != head:
+            raise LedgerFork(
+                f"the trainer's signed record names a ledger of {length} entries ending {head[:16]}..., and it "
+                f"served one ending {known[:16]}... there"
+            )
+        credit = self.tally.credit(self.run_id, read_book(self.book_path), async_level)
+        counts = credit.counts()
+        trained = [b for b, state in credit.rows if state == "trained"]
+        self.summary = {
+            "checked_at": round(time.time(), 3),
+            "ledger_entries": credit.entries,
+            "batches": len(credit.rows),
+            **{state: counts.get(state, 0) for state in STATES},
+            "trained_rollouts": sum(b.rollouts for b in trained),
+            "trained_tokens": sum(b.tokens for b in trained),
+            "refused_by_reason": dict(Counter(b.reason for b, state in credit.rows if state == "refused")),
+            "twin_batches": sum(credit.twins.values()),
+            "error": "",
+        }
+        return self.summary
+
+    def failed(self, error: Exception) -> None:
+        """A check that did not complete: ``summary`` keeps the last good figures and says why."""
+        self.summary = {**self.summary, "error": f"{type(error).__name__}: {error}"[:300]}
 
 
 STATES = {

@@ -13,6 +13,10 @@ both cases as long as the reply's ``retry_after_ms`` says (the trainer's estimat
 or, without one, ``PAUSE_MAX_S`` and a doubling wait up to ``DEFERRED_BACKOFF_MAX_S``. A newer version ends a
 pause at once. A batch whose delivery failed is sent again, unchanged, before anything new; a node that restarted
 continues at the batch index the trainer says it expects.
+
+Every ``credit_check_s`` the node checks its credit book against the trainer's contribution ledger
+(node/roles/credit.py, ``LedgerWatch``): ``/status`` ``credit`` and the dashboard show batches trained (inclusion
+proofs checked), refused, acknowledged, lost, and batches of a twin on this identity.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from intellect_node.p2p.rollouts import Endpoint, RolloutSink, make_sink
 from intellect_node.p2p.transport import DELIVERY_ERRORS
 from intellect_node.policy.backend import GenerationBackend, SamplingRequest, TransformersBackend, make_backend
 from intellect_node.policy.model import build_tokenizer, encode_prompt
-from intellect_node.roles.credit import CreditBook
+from intellect_node.roles.credit import CreditBook, LedgerFork, LedgerWatch
 from intellect_node.roles.invites import FIXES
 from intellect_node.roles.volunteer import POLL_S, Volunteer
 from intellect_node.runtime import trim_freed
@@ -121,6 +125,8 @@ class InferenceNode(Volunteer):
         self.made: OrderedDict[str, None] = OrderedDict()
         """Digests of the batches this node made (the newest MADE_KNOWN, with those of its book at start): an
         acknowledgement for this node's key naming another one means a second node uses this identity."""
+        self.watch: LedgerWatch | None = None
+        """This node's running check of its credit (``credit_check_s``): made with the book."""
         self.twin_batches: list[str] = []
         """Digests the trainer acknowledged for this node's key that this node never made (the first TWIN_KEPT)."""
         self.held_back_until = 0.0
@@ -169,6 +175,7 @@ class InferenceNode(Volunteer):
             "delivery_ms": list(self.delivery_ms),
             "unacknowledged": len(self.unacked),
             "twin_batches": self.twin_batches,
+            "credit": self.watch.summary if self.watch is not None else None,
         }
 
     async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
@@ -212,11 +219,14 @@ class InferenceNode(Volunteer):
     async def ready(self, spec: RunSpec) -> None:
         await super().ready(spec)
         self.book = CreditBook(self.cfg.data_dir, self.run_id)
+        self.watch = LedgerWatch(self.identity.node_id, self.run_id, self.book.path)
         for digest in self.book.made_before(MADE_KNOWN):  # acknowledgements of batches made before a restart
             self.made[digest] = None
         self.sink = make_sink(Endpoint(self.p2p, self.identity, self.run_id, self.metrics, self.gossip))
         await self.sink.start(self._acknowledged)
         self._reannouncer = asyncio.ensure_future(self.reannounce_forever())  # ends with the node's loop
+        if self.cfg.credit_check_s > 0:
+            self._credit_checker = asyncio.ensure_future(self.check_credit_forever(self.cfg.credit_check_s))
 
     def _acknowledged(self, digest: str) -> None:
         """The trainer acknowledged one of our batches apart from a push's reply: it need not be offered or sent
@@ -278,6 +288,41 @@ class InferenceNode(Volunteer):
                     self.metrics.inc("node_inference_batches_stale_total", help="unacknowledged batches given up")
                 elif not waiting and digest in self.unacked and await sink.reoffer(batch, data):
                     self.batches_announced += 1
+
+    async def check_credit_forever(self, every: float) -> None:
+        """Check this node's credit against the trainer's ledger every ``every`` seconds, once the trainer's
+        record named its ledger (``LedgerWatch``). A check that fails is counted and logged (once per distinct
+        reason), and shown in ``/status``; the node goes on working."""
+        said = ""
+        while True:
+            await asyncio.sleep(every)
+            book, watch = self.book, self.watch
+            if book is None or watch is None or book.latest is None:
+                continue
+            url, named, async_level = book.latest
+            try:
+                await asyncio.to_thread(watch.check, url, named, async_level)
+            except Exception as e:  # whatever the trainer answers, the node goes on producing
+                watch.failed(e)
+                reason = "fork" if isinstance(e, LedgerFork) or getattr(e, "reason", "") == "fork" else "failed"
+                self.metrics.inc(
+                    "node_inference_credit_checks_total", label=reason, help="checks of this node's credit, by outcome"
+                )
+                if watch.summary["error"] != said:
+                    said = watch.summary["error"]
+                    level = logging.ERROR if reason == "fork" else logging.WARNING
+                    logger.log(
+                        level,
+                        "could not check this node's credit against the trainer's ledger at %s: %s%s",
+                        url,
+                        said,
+                        f"; keep {book.path}: it is the evidence" if reason == "fork" else "; trying again",
+                    )
+                continue
+            self.metrics.inc(
+                "node_inference_credit_checks_total", label="ok", help="checks of this node's credit, by outcome"
+            )
+            said = ""
 
     def _generate(self, spec: RunSpec, backend: GenerationBackend, tokenizer: Any) -> RolloutBatch:
         try:

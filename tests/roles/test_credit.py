@@ -5,15 +5,22 @@ the trainer's signed record named is a fork."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
-from intellect_node.roles.credit import CreditBook, account, agrees, read_book, render
-from intellect_node.roles.trainer_ledger import LedgerLog
+import pytest
+from aiohttp import web
+
+import intellect_node.roles.credit as credit_module
+from intellect_node.roles import trainer_ledger
+from intellect_node.roles.credit import CreditBook, LedgerFork, LedgerWatch, account, agrees, read_book, render
+from intellect_node.roles.trainer_ledger import LedgerLog, LedgerRoutes
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.ledger import BatchCredit, entry_of
+from intellect_protocol.ledger import BatchCredit, LedgerError, entry_of
 from intellect_protocol.messages import RolloutBatch, RolloutGroup
 
 RUN = Identity.generate()
@@ -74,3 +81,93 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
     assert not agrees(sealed, RUN.node_id, 3, log._heads[2].hash)
     lines = [json.loads(x) for x in book.path.read_text().splitlines()[:-1]]
     assert {x["e"] for x in lines} == {"made", "ack", "refused", "trainer"}
+
+
+def _ledger(path: Path, versions: range, mine: dict[int, list[str]], salt: str = "") -> LedgerLog:
+    """A trainer's ledger of ``versions``, crediting ``mine[version]`` to this node and one batch of another producer
+    per version (``salt`` makes another history of the same versions)."""
+    log = LedgerLog(path, RUN.node_id)
+    for version in versions:
+        credits = [BatchCredit(ME, d, version - 1, 4, 12) for d in mine.get(version, [])]
+        credits += [BatchCredit(OTHER, hashlib.sha256(f"o{version}{salt}".encode()).hexdigest(), version - 1, 8, 30)]
+        log.append(seal(RUN, entry_of(RUN.node_id, 0, version, version - 1, log.head.hash, 1.0, TRAIN, credits)))
+    return log
+
+
+def test_a_running_node_follows_the_ledger_in_parts_and_names_a_rewritten_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard's credit (``LedgerWatch``) against a real trainer's routes on loopback: only entries past the
+    head it checked are fetched, a long ledger is caught up a few pages per check, the account equals
+    ``intellect-node credit``'s, and a trainer that rewrites its history (other entries, fewer entries, or a head
+    its signed record does not name) is a fork, with the last good figures kept."""
+    monkeypatch.setattr(trainer_ledger, "RESPONSE_MAX_BYTES", 10)  # one entry a page
+    monkeypatch.setattr(credit_module, "PAGES_PER_CHECK", 3)
+    book = CreditBook(tmp_path, RUN.node_id)
+    digests = {v: [_digest(v, 0)] for v in range(6)}
+    for v in range(6):
+        book.made(_batch(v, 0), _digest(v, 0))
+        book.acknowledged(_digest(v, 0))
+    book.refused(_digest(9, 9), "toploc", "hidden states do not match")
+    honest = _ledger(tmp_path / "honest", range(1, 5), {v + 1: d for v, d in digests.items()})
+    routes = LedgerRoutes(RUN.node_id, honest)
+    asked: list[int] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path == "/ledger/entries":
+            asked.append(int(request.query["first"]))
+        return await handler(request)
+
+    async def main() -> list[Any]:
+        app = web.Application(middlewares=[record])
+        app.add_routes(routes.routes())
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        watch = LedgerWatch(ME, RUN.node_id, book.path)
+        out: list[Any] = []
+
+        def check(named: tuple[int, str] = (0, "")) -> Any:
+            try:
+                return dict(watch.check(url, named, 2))
+            except ValueError as e:  # LedgerFork and LedgerError are ValueErrors
+                watch.failed(e)
+                return e
+
+        try:
+            out.append(await asyncio.to_thread(check))  # 3 of 4 entries: three pages
+            out.append(await asyncio.to_thread(check, (4, honest.head.hash)))  # the 4th, and the named head
+            for version in (5, 6):
+                credits = [BatchCredit(ME, _digest(version - 1, 0), version - 1, 4, 12)]
+                entry = entry_of(RUN.node_id, 0, version, version - 1, honest.head.hash, 1.0, TRAIN, credits)
+                honest.append(seal(RUN, entry))
+            out.append(await asyncio.to_thread(check))  # only entries 5 and 6 are fetched
+            out.append(await asyncio.to_thread(check, (2, "ab" * 32)))  # a head the chain does not have at 2
+            routes.ledger = _ledger(tmp_path / "rewritten", range(1, 8), {}, salt="x")  # longer, other history
+            out.append(await asyncio.to_thread(check))
+            routes.ledger = _ledger(tmp_path / "short", range(1, 3), {})  # fewer entries than checked
+            out.append(await asyncio.to_thread(check))
+            out.append(dict(watch.summary))
+        finally:
+            await runner.cleanup()
+        return out
+
+    first, second, third, named_other, rewritten, shorter, summary = asyncio.run(main())
+    assert first["ledger_entries"] == 3 and first["trained"] == 3 and first["error"] == ""
+    assert second["ledger_entries"] == 4 and second["trained"] == 4
+    assert third["ledger_entries"] == 6 and third["trained"] == 6 and third["acknowledged"] == 0
+    # each entry fetched once, in order; the rewritten history's 7th entry is asked for and does not link
+    assert asked == [0, 1, 2, 3, 4, 5, 6]
+    whole = account(ME, RUN.node_id, read_book(book.path), honest.read(0, 10), 2)
+    assert {k: third[k] for k in ("trained", "refused", "acknowledged", "lost", "unanswered")} == {
+        k: whole.counts().get(k, 0) for k in ("trained", "refused", "acknowledged", "lost", "unanswered")
+    }
+    assert third["refused_by_reason"] == {"toploc": 1} and third["trained_rollouts"] == 6 * 4
+    assert isinstance(named_other, LedgerFork) and "names a ledger of 2 entries" in str(named_other)
+    assert isinstance(rewritten, LedgerError) and rewritten.reason == "fork"
+    assert isinstance(shorter, LedgerFork) and "fewer than the 6" in str(shorter)
+    assert summary["trained"] == 6 and summary["ledger_entries"] == 6, "the last good figures are kept"
+    assert summary["error"].startswith("LedgerFork")

@@ -131,6 +131,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
                 ready["run_id"],
                 "--data-dir",
                 str(root / f"inference-{i}"),
+                "--set",
+                "credit_check_s=1",  # the dashboard's credit, checked every second here (60 s by default)
             ]
             workers.append(NodeProcess(f"inference-{i}", argv, logs))
         nodes += workers
@@ -381,6 +383,13 @@ def test_the_trainers_ledger_credits_every_step_and_checks_with_the_run_id_alone
         assert summary["node"] == ready["node_id"] and summary["twin_batches"] == "0", out.stdout
         assert int(summary["trained"]) == len(mine), out.stdout  # every batch the ledger credits it, found
         credited += len(mine)
+
+        def shown(url: str = ready["status_url"], trained: int = len(mine)) -> bool:  # on the dashboard too
+            credit = swarm.status(url)["credit"]
+            return bool(credit["ledger_entries"] == STEPS and credit["trained"] == trained and not credit["error"])
+
+        asyncio.run(until(shown, f"{ready['node_id'][:8]}'s status to show its credit", timeout=30, every=0.5))
+        assert swarm.status(ready["status_url"])["credit"]["twin_batches"] == 0
     assert credited > 0
 
 
