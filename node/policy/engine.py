@@ -145,6 +145,10 @@ def shared_prompts(b: Packed) -> SharedPrompts | None:
 
 
 class PolicyEngine:
+    share_prompts = True
+    """Run each shared prompt once (``shared_prompts``). The sharded engine does not: its ranks hold different rows,
+    and each rank must run the same forwards, in the same order, for FSDP's collectives to match."""
+
     def __init__(self, spec: RunSpec, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
         self.spec = spec
         self.model = model.float()  # master weights stay fp32 whatever is published or computed in
@@ -191,7 +195,7 @@ class PolicyEngine:
         statistic it is computed without one, a piece at a time (its softmaxes held for backward would be three more
         copies of the logits). Shared prompts run once (``shared_prompts``) where the model can continue from its
         own cache (not under gradient checkpointing, which turns the cache off)."""
-        shared = None if recomputes_activations(model) else shared_prompts(b)
+        shared = shared_prompts(b) if self.share_prompts and not recomputes_activations(model) else None
         if shared is not None:
             return self._logp_shared(model, b, shared, entropy)
         # the columns from the first one any completion scores on (the LM head and the softmaxes over a 49k

@@ -147,6 +147,8 @@ class ShardedEngine(PolicyEngine):
     """``PolicyEngine`` over FSDP2 shards. On rank 0 the trainer calls it like the local engine; other ranks
     call ``serve_forever`` and mirror each call."""
 
+    share_prompts = False  # a rank whose rows share no prompt would run one forward where another runs two
+
     def __init__(self, spec: RunSpec, model: torch.nn.Module, reference: torch.nn.Module | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("call intellect_node.policy.fsdp.init() before building a ShardedEngine")
