@@ -36,7 +36,6 @@ from intellect_protocol.envelope import open_signed
 from intellect_protocol.ledger import (
     Head,
     LedgerEntry,
-    genesis,
     inclusion_proof,
     leaf_hash,
     start,
@@ -228,6 +227,9 @@ class Credit:
     def counts(self) -> Counter[str]:
         return Counter(state for _, state in self.rows)
 
+    def refused_by_reason(self) -> Counter[str]:
+        return Counter(b.reason for b, state in self.rows if state == "refused")
+
 
 @dataclass
 class Tally:
@@ -300,11 +302,8 @@ class LedgerWatch:
         self.book_path = book_path
         self.tally = Tally(node_id)
         self.head: Head = start(run_id)
-        self._hashes: OrderedDict[int, str] = OrderedDict({0: genesis(run_id)})
+        self._hashes: OrderedDict[int, str] = OrderedDict({0: self.head.hash})
         self.summary: dict[str, Any] = {"checked_at": 0.0, "ledger_entries": 0, "error": ""}
-
-    def _hash_at(self, length: int) -> str | None:
-        return self._hashes.get(length)
 
     def _take(self, sealed: bytes) -> None:
         signed, self.head = verify_entry(sealed, self.run_id, self.head)  # a rewrite fails the link: LedgerError
@@ -331,7 +330,7 @@ class LedgerWatch:
             for sealed in page:
                 self._take(sealed)
         length, head = named
-        known = self._hash_at(length)
+        known = self._hashes.get(length)
         if head and known is not None and known != head:
             raise LedgerFork(
                 f"the trainer's signed record names a ledger of {length} entries ending {head[:16]}..., and it "
@@ -347,7 +346,7 @@ class LedgerWatch:
             **{state: counts.get(state, 0) for state in STATES},
             "trained_rollouts": sum(b.rollouts for b in trained),
             "trained_tokens": sum(b.tokens for b in trained),
-            "refused_by_reason": dict(Counter(b.reason for b, state in credit.rows if state == "refused")),
+            "refused_by_reason": dict(credit.refused_by_reason()),
             "twin_batches": sum(credit.twins.values()),
             "error": "",
         }
@@ -380,7 +379,7 @@ def render(credit: Credit) -> str:
     for state, words in STATES.items():
         if counts.get(state):
             lines.append(f"  {counts[state]:>6} {words}")
-    reasons = Counter(b.reason for b, state in credit.rows if state == "refused")
+    reasons = credit.refused_by_reason()
     if reasons:
         lines.append("  refused, by reason: " + ", ".join(f"{r} {n}" for r, n in reasons.most_common()))
     if credit.twins:
