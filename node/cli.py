@@ -23,7 +23,7 @@ from intellect_node import __version__
 if TYPE_CHECKING:
     from intellect_node.config import NodeConfig, RunConfig
 
-ROLES_AVAILABLE = ("inference", "relay", "validator")
+ROLES_AVAILABLE = ("inference", "relay", "validator", "auditor")
 
 FLAG_NAMES = {
     "inference.backend": "--backend",
@@ -381,6 +381,10 @@ def _main(args: argparse.Namespace) -> None:
         from intellect_node.roles.validator_node import ValidatorNode
 
         run_until_signalled(ValidatorNode(node).run())
+    elif args.role == "auditor":
+        from intellect_node.roles.auditor_node import AuditorNode
+
+        run_until_signalled(AuditorNode(node).run())
     else:
         from intellect_node.roles.inference import InferenceNode
 

@@ -192,7 +192,7 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 class VolunteerSettings(BaseModel):
-    """A volunteer's (``join``: inference, relay, validator): which run it joins and how."""
+    """A volunteer's (``join``: inference, relay, validator, auditor): which run it joins and how."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     run_id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None
@@ -207,6 +207,9 @@ class VolunteerSettings(BaseModel):
     credit_check_s: Annotated[float, Field(ge=0)] = 60.0
     """Seconds between an inference node's checks of its credit against the trainer's contribution ledger (its
     ``/status`` ``credit`` and the dashboard's credit card; ``intellect-node credit`` checks on demand); 0: never."""
+    audit_every_s: Annotated[float, Field(gt=0)] = 600.0
+    """Seconds between an auditor's replays of a training step (``join --role auditor``): each downloads the
+    checkpoint the step started from (about 12 bytes a parameter) and runs one training step on this machine."""
 
 
 class NodeConfig(VolunteerSettings, TrainerSettings, WeightSettings, CommonSettings):

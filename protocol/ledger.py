@@ -83,6 +83,11 @@ class LedgerEntry(WireModel):
     weights: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
     """The ``checkpoint_sha256`` of the version's signed manifest: the weights this step produced. Empty for a step
     whose version was never published (its publication failed; the next step's entry follows it)."""
+    state: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
+    """SHA-256 of the trainer's checkpoint file of this version (``step-<version>.pt``: the engine's fp32 weights
+    and optimizer state after the step, and what the trainer needs to resume), when one was written before the
+    entry; empty when none was. An auditor replays the next step from that file and checks it against this hash
+    first, so the state a step starts from is fixed before the step is taken (node/roles/audit.py)."""
     producers: Annotated[list[NodeId], Field(max_length=MAX_BATCHES)] = []
     digests: Annotated[list[Sha256Hex], Field(max_length=MAX_BATCHES)] = []
     made_on: Annotated[list[U31], Field(max_length=MAX_BATCHES)] = []
@@ -139,6 +144,7 @@ def entry_of(
     refusals: dict[str, dict[str, int]] | None = None,
     groups: Sequence[tuple[int, int]] = (),
     weights: str = "",
+    state: str = "",
 ) -> LedgerEntry:
     """An entry with its columns and Merkle root filled in from ``credits``, ``refusals`` and ``groups`` (each
     trained group's credit index and slot, in packing order)."""
@@ -152,6 +158,7 @@ def entry_of(
         created=created,
         train=train,
         weights=weights,
+        state=state,
         producers=[c.producer for c in credits],
         digests=[c.digest for c in credits],
         made_on=[c.made_on for c in credits],

@@ -26,7 +26,7 @@ OptionName = Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_]{0,63}$")]
 _OptionScalar = bool | int | float | Annotated[str, Field(max_length=256)]
 OptionValue = _OptionScalar | Annotated[list[_OptionScalar], Field(max_length=64)]
 """A value of a task family's options: a scalar or a short list of scalars (TOML's tables stay out)."""
-Role = Literal["trainer", "inference", "validator", "relay"]
+Role = Literal["trainer", "inference", "validator", "relay", "auditor"]
 RegisteredName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 """The name of a part a node looks up in its registry (a task family, an admission policy): a short identifier.
 Which names exist is the node's business; a node refuses a run naming one it does not have, saying so."""

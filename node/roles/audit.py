@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,11 @@ from intellect_node.roles.trainer_checkpoint import CheckpointDir
 from intellect_node.roles.trainer_learner import grpo_step
 from intellect_node.roles.trainer_ledger import LedgerLog
 from intellect_node.roles.trainer_validation import judged_group
-from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, verify_manifest
+from intellect_node.weights.files import MANIFEST_NAME, load_checkpoint, sha256_file, verify_manifest
 from intellect_protocol.envelope import Rejected, open_signed
 from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import LedgerEntry, train_hash
-from intellect_protocol.messages import RolloutBatch, RunSpec
+from intellect_protocol.messages import Manifest, RolloutBatch, RunSpec
 
 logger = logging.getLogger(__name__)
 AUDIT_TOLERANCE = 0.01
@@ -72,12 +73,17 @@ class AuditResult:
     verdict: str
     """``honest`` (within AUDIT_TOLERANCE), or ``caught`` with ``reason``."""
     reason: str = ""
+    state_diff: float | None = None
+    """How far the replayed engine state (fp32 weights, optimizer moments) is from the checkpoint the trainer wrote
+    after the step, relative to what the step changed (``state_gap``; honest within AUDIT_TOLERANCE), when that
+    checkpoint was held and committed to (None: not compared)."""
 
     def line(self) -> str:
+        state = "unchecked" if self.state_diff is None else f"{self.state_diff:.3g}"
         return (
             f"audit version={self.version} batches={self.batches} groups={self.groups} "
-            f"max_abs_diff={self.max_abs_diff:.3g} update_max={self.update_max:.3g} verdict={self.verdict}"
-            + (f" reason={self.reason}" if self.reason else "")
+            f"max_abs_diff={self.max_abs_diff:.3g} update_max={self.update_max:.3g} state_diff={state} "
+            f"verdict={self.verdict}" + (f" reason={self.reason}" if self.reason else "")
         )
 
 
@@ -92,7 +98,27 @@ def _entry(ledger: LedgerLog, version: int | None) -> LedgerEntry:
     raise AuditError("no_entry", f"no ledger entry for version {version}")
 
 
-def _checkpoint(ckpt: CheckpointDir, step: int) -> dict[str, object]:
+def parent_entry(entries: list[LedgerEntry], entry: LedgerEntry) -> LedgerEntry | None:
+    """The entry of the version ``entry``'s step started from (same epoch), if the ledger holds one."""
+    for other in entries:
+        if other.epoch == entry.epoch and other.version == entry.parent:
+            return other
+    return None
+
+
+def load_state(path: Path, committed: str) -> dict[str, object]:
+    """A checkpoint file, checked against the SHA-256 its ledger entry commits to (``committed``; empty: the entry
+    names none, as for a checkpoint written before entries did). AuditError ``state`` when it differs."""
+    if committed and sha256_file(path) != committed:
+        raise AuditError(
+            "state",
+            f"the checkpoint {path.name} is not the one the ledger committed to when it was written "
+            f"(SHA-256 {committed[:16]}...): the state the step starts from was changed afterwards",
+        )
+    return dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def _checkpoint(ckpt: CheckpointDir, step: int, committed: str = "") -> dict[str, object]:
     path = ckpt.root / f"step-{step:08d}.pt"
     if not path.exists():
         raise AuditError(
@@ -100,7 +126,7 @@ def _checkpoint(ckpt: CheckpointDir, step: int) -> dict[str, object]:
             f"no checkpoint of step {step} (held: {ckpt.steps()}): a step is replayed from the one before it, and the "
             "trainer keeps its last two (checkpoint_every > 0)",
         )
-    return dict(torch.load(path, map_location="cpu", weights_only=True))
+    return load_state(path, committed)
 
 
 def _groups(spec: RunSpec, entry: LedgerEntry, envelopes: dict[str, bytes], tokenizer: object) -> list[Group]:
@@ -137,8 +163,8 @@ def _groups(spec: RunSpec, entry: LedgerEntry, envelopes: dict[str, bytes], toke
 class StepInputs:
     """What a replay of one step reads from the trainer's data dir, checked (``step_inputs``)."""
 
-    run: Identity
-    """The run key (the trainer's data dir holds it)."""
+    run: Identity | None
+    """The run key, when the trainer's data dir is read (a test signs forgeries with it); None over the network."""
     run_id: str
     entry: LedgerEntry
     spec: RunSpec
@@ -149,11 +175,14 @@ class StepInputs:
     """The weights published as the entry's version, their manifest checked against the run key."""
     checkpoint_sha256: str
     """Their manifest's digest of the weights (what the entry must name)."""
+    after: dict[str, object] | None = None
+    """The engine state of the trainer's checkpoint of the entry's own version, checked against the entry's
+    ``state`` (None: not held, or not committed to): the replay's optimizer state must land on it too."""
 
 
 def step_inputs(trainer_dir: Path, version: int | None = None) -> StepInputs:
     """Read and check what the step that produced ``version`` (the newest entry's when None) consumed and made
-    (module docstring). Raises AuditError when something it needs is not held here."""
+    from a trainer's data dir (module docstring). Raises AuditError when something it needs is not held here."""
     key = trainer_dir / "node.key"
     if not key.exists():
         raise AuditError("no_run_key", f"no node.key in {trainer_dir}: pass the trainer's --data-dir")
@@ -163,35 +192,64 @@ def step_inputs(trainer_dir: Path, version: int | None = None) -> StepInputs:
     except SystemExit as e:
         raise AuditError("bad_ledger", str(e)) from None
     entry = _entry(ledger, version)
+    entries = [ledger.entry(i) for i in range(len(ledger))]
+    before = parent_entry(entries, entry)
     ckpt = CheckpointDir(trainer_dir / "checkpoints" / run.node_id)
-    state = _checkpoint(ckpt, entry.parent)
-    spec = RunSpec.model_validate_json(str(state["spec"]))
-    if spec.epoch != entry.epoch:
-        raise AuditError("not_held", f"the checkpoint is of epoch {spec.epoch}, the entry of epoch {entry.epoch}")
+    state = _checkpoint(ckpt, entry.parent, before.state if before is not None else "")
     folder = trainer_dir / "weights" / run.node_id / str(entry.version)
     if not (folder / MANIFEST_NAME).exists():
         raise AuditError("not_held", f"version {entry.version} is not held in {folder.parent}")
     manifest = verify_manifest((folder / MANIFEST_NAME).read_bytes(), run.node_id, entry.version, entry.epoch)
     published = load_checkpoint(folder, manifest)
+    inputs = assemble(run.node_id, entry, state, ckpt.spooled_since(entry.parent), published, manifest)
+    inputs.run = run
+    if entry.state and (ckpt.root / f"step-{entry.version:08d}.pt").exists():
+        inputs.after = engine_of(_checkpoint(ckpt, entry.version, entry.state))
+    return inputs
+
+
+def engine_of(state: dict[str, object]) -> dict[str, object]:
+    """A checkpoint's engine state (``PolicyEngine.state``)."""
+    engine = state["engine"]
+    assert isinstance(engine, dict)
+    return engine
+
+
+def assemble(
+    run_id: str,
+    entry: LedgerEntry,
+    state: dict[str, object],
+    spooled: Iterable[bytes],
+    published: dict[str, torch.Tensor],
+    manifest: Manifest,
+) -> StepInputs:
+    """The inputs of a replay of ``entry``'s step from what was read (on disk or from the trainer): the checkpoint
+    the step started from (``state``, checked against the ledger by the caller), the envelopes spooled after it,
+    and the published version (``manifest`` already verified against the run key)."""
+    spec = RunSpec.model_validate_json(str(state["spec"]))
+    if spec.epoch != entry.epoch:
+        raise AuditError("not_held", f"the checkpoint is of epoch {spec.epoch}, the entry of epoch {entry.epoch}")
     batches = state.get("batches", {})
     envelopes = {hashlib.sha256(e).hexdigest(): e for e in batches.values()}  # type: ignore[attr-defined]
-    envelopes.update({hashlib.sha256(e).hexdigest(): e for e in ckpt.spooled_since(entry.parent)})
+    wanted = set(entry.digests)
+    for e in spooled:
+        digest = hashlib.sha256(e).hexdigest()
+        if digest in wanted:
+            envelopes[digest] = e
     require_jail(spec.task)  # rewards of code and math tasks run untrusted programs
     tokenizer = build_tokenizer(spec.model)
     groups = _groups(spec, entry, envelopes, tokenizer)
-    engine_state = state["engine"]
-    assert isinstance(engine_state, dict)
     return StepInputs(
-        run, run.node_id, entry, spec, engine_state, groups, tokenizer, published, manifest.checkpoint_sha256
+        None, run_id, entry, spec, engine_of(state), groups, tokenizer, published, manifest.checkpoint_sha256
     )
 
 
-def step_weights(
+def run_step(
     inputs: StepInputs, spec: RunSpec | None = None, groups: list[Group] | None = None, threads: int = 1
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The weights before and after the step, run from the checkpoint's engine state with the trainer's own step
-    function on ``groups`` under ``spec`` (the entry's and the run's unless given: a test plays a dishonest
-    trainer by giving others)."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """The published weights before and after the step, and the engine state after it, run from the checkpoint's
+    engine state with the trainer's own step function on ``groups`` under ``spec`` (the entry's and the run's
+    unless given: a test plays a dishonest trainer by giving others)."""
     spec = spec or inputs.spec
     torch.set_num_threads(threads)
     engine = local_engine(spec, inputs.tokenizer, "cpu")
@@ -200,32 +258,82 @@ def step_weights(
     groups = inputs.groups if groups is None else groups
     if groups:
         grpo_step(engine, spec, groups, int(inputs.tokenizer.pad_token_id), inputs.entry.parent)
-    return before, engine.export_state()
+    return before, engine.export_state(), engine.state()
 
 
-def replay(trainer_dir: Path, version: int | None = None, threads: int = 1) -> AuditResult:
-    """Replay the step that produced ``version`` (the newest entry's when None) from the trainer's data dir and
-    compare with what was published (module docstring). Raises AuditError when it cannot be replayed here."""
-    inputs = step_inputs(trainer_dir, version)
+def step_weights(
+    inputs: StepInputs, spec: RunSpec | None = None, groups: list[Group] | None = None, threads: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The published weights before and after the step (``run_step``)."""
+    before, after, _ = run_step(inputs, spec, groups, threads)
+    return before, after
+
+
+def _flat(tree: object, at: str = "") -> dict[str, torch.Tensor]:
+    """The floating-point tensors of a nested state (dicts, lists), by path."""
+    if isinstance(tree, torch.Tensor):
+        return {at: tree} if tree.is_floating_point() else {}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(_flat(value, f"{at}/{key}"))
+    elif isinstance(tree, list | tuple):
+        for i, value in enumerate(tree):
+            out.update(_flat(value, f"{at}/{i}"))
+    return out
+
+
+def state_gap(before: object, replayed: object, committed: object) -> float | None:
+    """How far the replayed engine state is from the committed one: over every tensor (weights, each optimizer
+    moment, the step count), the largest difference over the largest change the step made to that tensor (one it
+    did not change: over 1e-30; one it made: over its size), so that moments of 1e-8 are held to their own scale.
+    None when the two do not hold the same tensors."""
+    b, r, c = _flat(before), _flat(replayed), _flat(committed)
+    if set(r) != set(c) or any(r[k].shape != c[k].shape for k in r):
+        return None
+    worst = 0.0
+    for k in r:
+        if not r[k].numel():
+            continue
+        diff = float((r[k].double() - c[k].double()).abs().max())
+        if k in b and b[k].shape == c[k].shape:
+            change = float((c[k].double() - b[k].double()).abs().max())
+        else:  # made by the step (the optimizer's first): all of it is the change
+            change = float(c[k].double().abs().max())
+        worst = max(worst, diff / max(change, 1e-30))
+    return worst
+
+
+def verdict(inputs: StepInputs, threads: int = 1) -> AuditResult:
+    """Replay the step and compare with what was published (module docstring)."""
     entry, published = inputs.entry, inputs.published
     base = AuditResult(entry.version, entry.epoch, len(entry.producers), len(inputs.groups), 0.0, 0.0, "caught")
     if train_hash(inputs.spec.train) != entry.train:
         return replace(base, reason="train_settings")
     if entry.weights != inputs.checkpoint_sha256:  # the published version is not the one the entry names
         return replace(base, reason="manifest")
-    before, replayed = step_weights(inputs, threads=threads)
+    before, replayed, engine = run_step(inputs, threads=threads)
     if set(replayed) != set(published):
         return replace(base, reason="tensor_names")
     diff = max(float((replayed[n].float() - published[n].float()).abs().max()) for n in replayed)
     update = max(float((published[n].float() - before[n].float()).abs().max()) for n in published)
-    honest = diff <= AUDIT_TOLERANCE * update
-    return replace(
-        base,
-        max_abs_diff=diff,
-        update_max=update,
-        verdict="honest" if honest else "caught",
-        reason="" if honest else "weights",
-    )
+    found = replace(base, max_abs_diff=diff, update_max=update)
+    if diff > AUDIT_TOLERANCE * update:
+        return replace(found, reason="weights")
+    if inputs.after is not None:
+        gap = state_gap(inputs.engine_state, engine, inputs.after)
+        if gap is None:
+            return replace(found, reason="state_tensors")
+        found = replace(found, state_diff=gap)
+        if gap > AUDIT_TOLERANCE:
+            return replace(found, reason="state_after")
+    return replace(found, verdict="honest")
+
+
+def replay(trainer_dir: Path, version: int | None = None, threads: int = 1) -> AuditResult:
+    """Replay the step that produced ``version`` (the newest entry's when None) from the trainer's data dir and
+    compare with what was published. Raises AuditError when it cannot be replayed here."""
+    return verdict(step_inputs(trainer_dir, version), threads)
 
 
 def run_audit(trainer_dir: Path, version: int | None, threads: int) -> int:

@@ -169,7 +169,7 @@ def read_book(path: Path) -> Book:
     return book
 
 
-def _get(url: str) -> bytes:
+def get_bounded(url: str) -> bytes:
     """One answer of the trainer, at most BODY_MAX_BYTES (more is an error, not a reason to run out of memory)."""
     with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:
         body: bytes = resp.read(BODY_MAX_BYTES + 1)
@@ -178,8 +178,8 @@ def _get(url: str) -> bytes:
     return body
 
 
-def _ledger_head(url: str, run_id: str) -> dict[str, Any]:
-    head = json.loads(_get(url.rstrip("/") + "/ledger"))
+def ledger_head(url: str, run_id: str) -> dict[str, Any]:
+    head = json.loads(get_bounded(url.rstrip("/") + "/ledger"))
     if not isinstance(head, dict) or head.get("run_id") != run_id:
         raise ValueError(f"{url} does not serve the ledger of run {run_id}")
     if not isinstance(head.get("length"), int) or not isinstance(head.get("head"), str):
@@ -190,10 +190,10 @@ def _ledger_head(url: str, run_id: str) -> dict[str, Any]:
 def fetch_ledger(url: str, run_id: str) -> list[bytes]:
     """Every sealed entry the trainer at ``url`` serves, the chain checked with ``run_id`` alone; ValueError (or
     LedgerError) when it does not check or is shorter than the head the trainer names."""
-    head = _ledger_head(url, run_id)
+    head = ledger_head(url, run_id)
     sealed: list[bytes] = []
     for _ in range(PAGES_MAX):
-        page = parse_framed(_get(f"{url.rstrip('/')}/ledger/entries?first={len(sealed)}"))
+        page = parse_framed(get_bounded(f"{url.rstrip('/')}/ledger/entries?first={len(sealed)}"))
         if not page:
             break
         sealed += page
@@ -316,7 +316,7 @@ class LedgerWatch:
         """Fetch and check the entries past the head checked last (at most PAGES_PER_CHECK pages), compare with the
         head the trainer's signed record ``named`` (length, hash), and account the book. Raises (LedgerFork,
         LedgerError, ValueError, OSError) with ``summary`` keeping what the last good check found."""
-        served = int(_ledger_head(url, self.run_id)["length"])
+        served = int(ledger_head(url, self.run_id)["length"])
         if served < self.head.length:
             raise LedgerFork(
                 f"the trainer serves {served} ledger entries, fewer than the {self.head.length} this node checked"
@@ -324,7 +324,7 @@ class LedgerWatch:
         for _ in range(PAGES_PER_CHECK):
             if self.head.length >= served:
                 break
-            page = parse_framed(_get(f"{url.rstrip('/')}/ledger/entries?first={self.head.length}"))
+            page = parse_framed(get_bounded(f"{url.rstrip('/')}/ledger/entries?first={self.head.length}"))
             if not page:
                 break
             for sealed in page:

@@ -14,7 +14,8 @@ judging pipeline (trainer_validation.Judging), the learner (trainer_learner.Lear
 (trainer_ledger.py), publishing versions in order) and gossip (trainer_gossip.TrainerGossip). Batches come in
 through the run's rollout source (node/p2p/rollouts), which hands each to the door. What they share is
 ``self.shared`` (trainer_state.py). The trainer builds them, assembles a checkpoint from their states and hands a
-resumed one back, and serves /status, /ledger and its DHT record (with the ledger's head).
+resumed one back, and serves /status, /ledger, /audit (trainer_audit.py: what an auditor replays a step from) and
+its DHT record (with the ledger's head).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from intellect_node.policy.model import DTYPES, build_model, build_tokenizer, re
 from intellect_node.roles.admission import Admission, mint_invite
 from intellect_node.roles.invites import InviteDoor
 from intellect_node.roles.tracking import Tracker
+from intellect_node.roles.trainer_audit import AuditRoutes
 from intellect_node.roles.trainer_checkpoint import CheckpointDir, Durability, next_epoch
 from intellect_node.roles.trainer_door import Door
 from intellect_node.roles.trainer_gossip import TrainerGossip
@@ -215,8 +217,16 @@ class Trainer:
             tracker,
         )
         self.ledger_routes = LedgerRoutes(self.run_id)
+        self.audit_routes = AuditRoutes(self.run_id, lambda: spec.epoch, ckpt.root, self._is_member, self.metrics)
         self.http = HttpServer(
-            self.metrics, self.status, [*self.origin.routes(), self.judging.route(), *self.ledger_routes.routes()]
+            self.metrics,
+            self.status,
+            [
+                *self.origin.routes(),
+                self.judging.route(),
+                *self.ledger_routes.routes(),
+                *self.audit_routes.routes(),
+            ],
         )
         self.p2p: Any = None
         self._resumed = resumed

@@ -45,7 +45,7 @@ from intellect_node.p2p.http import EncodedList
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.roles.trainer_ledger import LedgerLog, StepRecord
 from intellect_node.roles.trainer_state import Progress
-from intellect_node.weights.files import fsync_dir, write_checkpoint
+from intellect_node.weights.files import fsync_dir, sha256_file, write_checkpoint
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
@@ -97,6 +97,8 @@ class CheckpointDir:
         self._history_lines = 0
         self._history_known = False
         """Whether ``history.jsonl`` is known to hold exactly ``_history_lines`` lines of this run's steps."""
+        self.digests: dict[int, str] = {}
+        """SHA-256 of each checkpoint file this process wrote, by step: the ledger entry of the step names it."""
 
     def steps(self) -> list[int]:
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP.match(p.name)))
@@ -189,11 +191,13 @@ class CheckpointDir:
             torch.save(state, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+            digest = sha256_file(tmp)  # read back from the page cache: about 1 s a GB on one core
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk must not also keep the half-written file
             raise
         os.replace(tmp, path)
         fsync_dir(self.root)
+        self.digests = {n: d for n, d in self.digests.items() if n > step - 2 * KEEP} | {step: digest}
         for old in self.steps()[: -self.keep]:
             (self.root / f"step-{old:08d}.pt").unlink(missing_ok=True)
         oldest = self.steps()[0]
@@ -481,6 +485,7 @@ class Durability:
                 record.refusals,
                 record.groups,
                 weights if version == upto else "",
+                self.ckpt.digests.get(version, ""),
             )
             ledger.append(seal(self.identity, entry), entry)  # sealed here: only its link is checked
             self._unrecorded.pop(0)

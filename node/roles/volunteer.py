@@ -342,7 +342,7 @@ class Volunteer(abc.ABC):
             return False
         if spec is None or spec.epoch != trainer.epoch:
             return False  # the spec of the new epoch has not reached the replicas we asked yet
-        if self.role == "validator":  # it scores completions (producers score none that need the jail)
+        if self.role in ("validator", "auditor"):  # they score completions (producers score none that need the jail)
             require_jail(spec.task)
         logger.warning(
             "the run was started over (epoch %d -> %d): dropping the old versions and following the new ones",
@@ -373,7 +373,7 @@ class Volunteer(abc.ABC):
             spec = self.spec = await self._wait_for_spec()
             self.store.set_epoch(spec.epoch)  # versions held from an earlier start of the run are deleted
             await self._prove_identity(spec)
-            if self.role == "validator":  # it scores completions: code, math and rubrics run jailed
+            if self.role in ("validator", "auditor"):  # they score completions: code, math and rubrics run jailed
                 require_jail(spec.task)
             self.p2p = await self.membership.replicate_p2p()
             await self.redeem_invite(spec)

@@ -1,8 +1,8 @@
 """Issue 39 item 3: a step replayed from the trainer's checkpoint, its ledger entry and the producers' signed
 batches lands on the weights it published, and a trainer that trained on other data, skipped a batch or changed a
-hyper-parameter is caught. A real trainer and inference node (processes, loopback) make the run; the dishonest
-trainers are played by publishing, under the run key, the weights such a trainer would have made from the same
-checkpoint."""
+hyper-parameter is caught. A real trainer, inference node and auditor (processes, loopback) make the run; the
+auditor replays steps over the network while it runs. The dishonest trainers are played by publishing, under the
+run key, the weights such a trainer would have made from the same checkpoint, and serving them over real HTTP."""
 
 from __future__ import annotations
 
@@ -13,16 +13,34 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+import torch
+from aiohttp import web
 
 from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.keys import load_or_create
+from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group
-from intellect_node.roles.audit import AUDIT_TOLERANCE, AuditError, _checkpoint, replay, step_inputs, step_weights
+from intellect_node.roles.audit import (
+    AUDIT_TOLERANCE,
+    AuditError,
+    AuditResult,
+    _checkpoint,
+    replay,
+    step_inputs,
+    step_weights,
+)
+from intellect_node.roles.auditor_node import RemoteAudit
+from intellect_node.roles.credit import LedgerFork
+from intellect_node.roles.trainer_audit import PER_KEY_PER_HOUR, SERVING, AuditRoutes
 from intellect_node.roles.trainer_checkpoint import CheckpointDir
-from intellect_node.roles.trainer_ledger import LedgerLog
-from intellect_node.weights.files import write_checkpoint
+from intellect_node.roles.trainer_ledger import LedgerLog, LedgerRoutes
+from intellect_node.weights.auth import signed_headers
+from intellect_node.weights.files import sha256_file, write_checkpoint
+from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import seal
+from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import train_hash
 from intellect_protocol.messages import RunSpec
 from tests.helpers.wait import until
@@ -45,7 +63,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         ready = trainer.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, root / "inference"), root / "logs")
         nodes.append(worker)
+        auditor = NodeProcess(
+            "auditor", join_argv("auditor", ready, root / "auditor", "--audit-every-s", "1"), root / "logs"
+        )
+        nodes.append(auditor)
         worker.wait_ready(timeout=120)
+        auditor.wait_ready(timeout=120)
         trainer.wait_for_line(f"STEP {STEPS} ", timeout=300)
 
         def published() -> bool:  # the last version's entry and weights are written after its STEP line
@@ -54,6 +77,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             return bool(status["weight_version"] == STEPS and status["ledger"]["length"] == STEPS)
 
         asyncio.run(until(published, f"version {STEPS} published with its entry", timeout=60, every=0.2))
+        auditor.wait_for_line(f"AUDIT audit version={STEPS} ", timeout=120)  # the auditor's replay over the network
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -149,3 +173,181 @@ def test_an_entry_that_names_other_training_settings_is_caught(trained: Path, tm
     ledger.append(seal(run, other))
     result = replay(to)
     assert result.verdict == "caught" and result.reason == "train_settings", result.line()
+
+
+# ---- over the network: the auditor role (node/roles/auditor_node.py) against the trainer's /audit routes ----------
+
+
+def test_the_auditor_node_replayed_the_running_trainers_step(trained: Path) -> None:
+    lines = [
+        line for line in (trained.parent / "logs" / "auditor.out").read_text().splitlines() if line[:6] == "AUDIT "
+    ]
+    assert lines and all("verdict=honest" in line for line in lines), lines
+    assert any(f"version={STEPS} " in line for line in lines)
+
+
+class Served:
+    """A trainer's data dir served as the trainer serves it (/ledger, /audit) on loopback, and an auditor (its own
+    key, its own copy of the published versions) with a RemoteAudit against it."""
+
+    def __init__(self, trainer_dir: Path, auditor_dir: Path, members: set[str] | None = None) -> None:
+        self.run = load_or_create(trainer_dir / "node.key")
+        ledger = LedgerLog(trainer_dir / "ledger", self.run.node_id)
+        self.epoch = ledger.entry(len(ledger) - 1).epoch
+        self.auditor = Identity.generate()
+        allowed = {self.auditor.node_id} if members is None else members
+
+        async def member(node_id: str) -> bool:
+            return node_id in allowed
+
+        self.routes = AuditRoutes(
+            self.run.node_id, lambda: self.epoch, trainer_dir / "checkpoints" / self.run.node_id, member, Metrics()
+        )
+        self.app = web.Application()
+        self.app.add_routes([*self.routes.routes(), *LedgerRoutes(self.run.node_id, ledger).routes()])
+        shutil.copytree(trainer_dir / "weights" / self.run.node_id, auditor_dir / "weights")
+        store = WeightStore(auditor_dir / "weights", self.run.node_id, self.epoch)
+        self.remote = RemoteAudit(self.auditor, self.run.node_id, store, auditor_dir / "audit", 1)
+        self.url = ""
+
+    async def __aenter__(self) -> Served:
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.session.close()
+        await self.runner.cleanup()
+
+    async def audit(self) -> AuditResult:
+        return await self.remote.audit_once(self.url, None, self.session)
+
+
+def test_an_auditor_replays_a_step_over_http(trained: Path, tmp_path: Path) -> None:
+    async def run() -> None:
+        async with Served(trained, tmp_path / "auditor") as served:
+            result = await served.audit()
+            assert result.verdict == "honest" and result.version == STEPS and result.groups > 0, result.line()
+            with pytest.raises(AuditError, match="nothing_new"):  # the step before needs a checkpoint no longer held
+                await served.audit()
+            assert not (tmp_path / "auditor" / "audit").exists()  # the downloads are not left behind
+
+    asyncio.run(run())
+
+
+def test_an_auditor_catches_a_trainer_that_trained_on_other_data(trained: Path, tmp_path: Path) -> None:
+    async def run() -> None:
+        def other_data(spec: RunSpec, groups: list[Group]) -> tuple[RunSpec, list[Group]]:
+            return spec, groups[1:]
+
+        forged = await asyncio.to_thread(_forge, trained, tmp_path / "t", other_data)
+        async with Served(forged, tmp_path / "auditor") as served:
+            result = await served.audit()
+        assert result.verdict == "caught" and result.reason == "weights", result.line()
+
+    asyncio.run(run())
+
+
+def test_a_starting_state_changed_after_its_entry_is_caught(trained: Path, tmp_path: Path) -> None:
+    """A trainer that swaps the checkpoint a step started from (an optimizer state made to cover a dishonest step)
+    after the ledger committed to it: the auditor's download does not match the entry's ``state``."""
+
+    async def run() -> None:
+        to = tmp_path / "t"
+        shutil.copytree(trained, to)
+        run = load_or_create(to / "node.key")
+        path = to / "checkpoints" / run.node_id / f"step-{STEPS - 1:08d}.pt"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        moments = [t for t in _tensors(state["engine"]) if t.is_floating_point() and t.numel() > 1]
+        moments[-1].mul_(2.0)
+        torch.save(state, path)
+        async with Served(to, tmp_path / "auditor") as served:
+            with pytest.raises(AuditError) as caught:
+                await served.audit()
+        assert caught.value.reason == "state", caught.value
+        with pytest.raises(AuditError, match="state"):  # the same check on the trainer's own disk
+            replay(to)
+
+    asyncio.run(run())
+
+
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def test_audit_downloads_are_for_signed_members_within_their_allowance(trained: Path, tmp_path: Path) -> None:
+    """Who may download what a step started from: not a stranger, not an unsigned request, a member at most
+    PER_KEY_PER_HOUR times an hour and one download at a time; a checkpoint no longer held is a clear 404."""
+
+    async def run() -> None:
+        async with Served(trained, tmp_path / "auditor") as served:
+            path = f"/audit/spool/{STEPS - 1}"
+            async with served.session.get(served.url + path) as resp:
+                assert resp.status == 401
+            stranger = Identity.generate()
+            headers = signed_headers(stranger, "GET", path, served.run.node_id)
+            async with served.session.get(served.url + path, headers=headers) as resp:
+                assert resp.status == 403
+            download = served.remote.download
+            with pytest.raises(AuditError, match="not_held"):
+                await download(served.session, served.url, "/audit/checkpoint/1", tmp_path / "c", 1 << 30)
+            with pytest.raises(AuditError, match="too_large"):  # the auditor's own bound on what it takes
+                await download(served.session, served.url, f"/audit/checkpoint/{STEPS}", tmp_path / "c", 1000)
+            for _ in range(PER_KEY_PER_HOUR - 2):  # each request above counted against the key's allowance too
+                await download(served.session, served.url, path, tmp_path / "s", 1 << 30)
+            with pytest.raises(AuditError, match="http_429"):
+                await download(served.session, served.url, path, tmp_path / "s", 1 << 30)
+            served.routes._serving.add("busy-1")
+            served.routes._serving.add("busy-2")  # SERVING downloads running: the next one waits
+            async with served.session.get(served.url + "/audit") as resp:
+                assert (await resp.json())["checkpoints"] == [STEPS - 1, STEPS]
+            with pytest.raises(web.HTTPServiceUnavailable):
+                served.routes._admit(Identity.generate().node_id)
+            assert SERVING == 2
+
+    asyncio.run(run())
+
+
+def test_a_ledger_other_than_the_trainers_record_names_is_a_fork(trained: Path, tmp_path: Path) -> None:
+    async def run() -> None:
+        async with Served(trained, tmp_path / "auditor") as served:
+            chain = served.remote.chain
+            with pytest.raises(LedgerFork, match="signed record"):
+                await asyncio.to_thread(chain.catch_up, served.url, (STEPS, "0" * 64))
+            assert chain.head.length == STEPS  # what checked is kept
+
+    asyncio.run(run())
+
+
+def test_an_optimizer_state_made_up_after_a_step_is_caught(trained: Path, tmp_path: Path) -> None:
+    """A trainer whose checkpoint after a step holds optimizer moments the step did not make (ready to cover a
+    later dishonest step), committed in the entry as if honest: the weights replay, the state does not."""
+    to = tmp_path / "t"
+    shutil.copytree(trained, to)
+    run = load_or_create(to / "node.key")
+    path = to / "checkpoints" / run.node_id / f"step-{STEPS:08d}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    moments = state["engine"]["optimizer"]["state"]
+    first = next(iter(moments.values()))
+    first["exp_avg_sq"].mul_(1.5)
+    torch.save(state, path)
+    ledger = LedgerLog(to / "ledger", run.node_id)
+    last = ledger.entry(len(ledger) - 1)
+    ledger.drop_unpublished(last.epoch, last.version - 1)  # the entry re-signed, committing to the made-up state
+    ledger.append(seal(run, last.model_copy(update={"state": sha256_file(path), "prev": ledger.head.hash})))
+    honest = replay(trained)
+    assert honest.verdict == "honest" and honest.state_diff == 0.0, honest.line()
+    result = replay(to)
+    assert result.verdict == "caught" and result.reason == "state_after", result.line()
+    assert result.max_abs_diff <= AUDIT_TOLERANCE * result.update_max  # the weights alone would have passed
