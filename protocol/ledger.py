@@ -98,6 +98,14 @@ class LedgerEntry(WireModel):
     refused_producers: Annotated[list[NodeId], Field(max_length=MAX_REFUSALS)] = []
     refused_reasons: Annotated[list[REASON], Field(max_length=MAX_REFUSALS)] = []
     refused_counts: Annotated[list[U31], Field(max_length=MAX_REFUSALS)] = []
+    dropped_producers: Annotated[list[NodeId], Field(max_length=MAX_BATCHES)] = []
+    dropped_digests: Annotated[list[Sha256Hex], Field(max_length=MAX_BATCHES)] = []
+    dropped_reasons: Annotated[list[REASON], Field(max_length=MAX_BATCHES)] = []
+    """Batches the trainer acknowledged since the previous entry and then trained none of: each one's producer,
+    digest and why its last group was dropped (``stale``: too old by the time a step could take it, ``invalid``:
+    it failed the check, ``banned``: its producer was caught cheating, ``unscorable``, ``filtered``: every group's
+    rewards were equal, so no gradient). Without them a volunteer could not tell such a batch from one the trainer
+    acknowledged and then lost."""
     group_batch: Annotated[list[U31], Field(max_length=MAX_GROUPS)] = []
     group_slot: Annotated[list[U31], Field(max_length=MAX_GROUPS)] = []
     """The groups the step trained, in the order it packed them: each one's batch (an index into the credits) and
@@ -113,6 +121,8 @@ class LedgerEntry(WireModel):
             raise ValueError("the batch columns differ in length")
         if not len(self.refused_reasons) == len(self.refused_counts) == len(self.refused_producers):
             raise ValueError("the refusal columns differ in length")
+        if not len(self.dropped_producers) == len(self.dropped_digests) == len(self.dropped_reasons):
+            raise ValueError("the dropped columns differ in length")
         if len(self.group_batch) != len(self.group_slot) or any(b >= n for b in self.group_batch):
             raise ValueError("the group columns differ in length or name a batch the entry does not credit")
         return self
@@ -123,6 +133,10 @@ class LedgerEntry(WireModel):
             BatchCredit(*row)
             for row in zip(self.producers, self.digests, self.made_on, self.rollouts, self.tokens, strict=True)
         ]
+
+    def drops(self) -> list[tuple[str, str, str]]:
+        """Batches acknowledged, then dropped untrained: (producer, digest, reason)."""
+        return list(zip(self.dropped_producers, self.dropped_digests, self.dropped_reasons, strict=True))
 
     def refusals(self) -> dict[str, dict[str, int]]:
         """Refused batches since the previous entry: producer -> reason -> count."""
@@ -145,6 +159,7 @@ def entry_of(
     groups: Sequence[tuple[int, int]] = (),
     weights: str = "",
     state: str = "",
+    dropped: Sequence[tuple[str, str, str]] = (),
 ) -> LedgerEntry:
     """An entry with its columns and Merkle root filled in from ``credits``, ``refusals`` and ``groups`` (each
     trained group's credit index and slot, in packing order)."""
@@ -168,6 +183,9 @@ def entry_of(
         refused_producers=[r[0] for r in refused],
         refused_reasons=[r[1] for r in refused],
         refused_counts=[r[2] for r in refused],
+        dropped_producers=[d[0] for d in dropped],
+        dropped_digests=[d[1] for d in dropped],
+        dropped_reasons=[d[2] for d in dropped],
         group_batch=[g[0] for g in groups],
         group_slot=[g[1] for g in groups],
     )

@@ -291,8 +291,20 @@ async def submit(
 ) -> SubmitReply:
     """Send one signed request (a batch, by default) to ``peer_id``; the reply must be signed by ``trainer_id``'s
     key."""
+    return (await submit_sealed(p2p, peer_id, run_id, data, trainer_id, protocol))[0]
+
+
+async def submit_sealed(
+    p2p: P2P,
+    peer_id: str,
+    run_id: str,
+    data: bytes,
+    trainer_id: str,
+    protocol: Callable[[str], str] = submit_protocol,
+) -> tuple[SubmitReply, bytes]:
+    """``submit``, with the reply as the trainer sealed it (its signed word, to keep as evidence)."""
     raw = await request(p2p, peer_id, protocol(run_id), data, Channel.REPLY.value)
     signed = open_signed(raw, SubmitReply)
     if signed.signer_id != trainer_id:
         raise Rejected("foreign_reply", f"reply signed by {signed.signer_id}, not the trainer {trainer_id}")
-    return signed.message
+    return signed.message, raw

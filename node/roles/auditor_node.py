@@ -276,8 +276,8 @@ class AuditorNode(RelayNode):
                 self._count(e.reason)
                 if e.reason == "state":  # the trainer served a starting state other than the one it committed to
                     logger.error("audit: %s", e)
-                else:
-                    logger.info("no step replayed this round: %s", e)
+                else:  # nothing new is the common case between versions
+                    (logger.debug if e.reason == "nothing_new" else logger.info)("no step replayed this round: %s", e)
                 if e.reason == "nothing_new":  # the next version comes soon: look again before the full interval
                     await asyncio.sleep(min(every, 5.0))
                     continue

@@ -2,14 +2,15 @@
 
 An inference node keeps a book of its batches in ``<data-dir>/credit/<run id>.jsonl`` (``CreditBook``): one line
 when a batch is made (digest, epoch, version, index, rollouts, tokens), one when the trainer decides it
-(acknowledged, or refused for good with the reason from the run key's signed reply), and where the trainer's HTTP
-server is (from its signed DHT record). Appends only, a few hundred bytes a batch; a line torn by a crash is
-skipped when read.
+(acknowledged, or refused for good with the reason and the run key's signed reply itself, which names the batch's
+digest), and where the trainer's HTTP server is (from its signed DHT record). Appends only, a few hundred bytes a
+batch (a refusal about a kilobyte); a line torn by a crash is skipped when read.
 
 ``intellect-node credit --data-dir DIR`` (``report``) fetches the trainer's ledger, checks the whole chain with the
 run id alone, and lists each batch of the book: trained (in which version, its Merkle inclusion proof checked
-against the entry's root), refused (the reason), acknowledged and not trained yet, or acknowledged and never
-trained nor refused (too old to be trained any more: dropped after acceptance, or lost), with totals per version.
+against the entry's root), refused (the reason, and whether the kept reply is the run key's signed refusal of that
+very batch), acknowledged and then dropped untrained (an entry names the batch and why), acknowledged and not
+trained yet, or acknowledged and never trained, dropped nor refused (lost), with totals per version.
 Batches the ledger credits to this node id that the book never made mean another node uses this identity (a copy
 of node.key): named, with the versions they were credited in.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from intellect_node.roles.trainer_ledger import parse_framed
-from intellect_protocol.envelope import open_signed
+from intellect_protocol.envelope import Rejected, open_signed
 from intellect_protocol.ledger import (
     Head,
     LedgerEntry,
@@ -43,7 +44,7 @@ from intellect_protocol.ledger import (
     verify_entry,
     verify_inclusion,
 )
-from intellect_protocol.messages import RolloutBatch
+from intellect_protocol.messages import RolloutBatch, SubmitReply
 
 logger = logging.getLogger(__name__)
 TRAINER_NOTE_S = 30.0
@@ -57,6 +58,8 @@ PAGES_PER_CHECK = 64
 BODY_MAX_BYTES = 16 << 20
 """Bytes of one answer read at most: a page is at most 8 MiB plus one entry (trainer_ledger.RESPONSE_MAX_BYTES)."""
 HEADS_KEPT = 4096
+SEALED_REPLY_MAX = 4096
+"""A refusal's sealed reply the book keeps at most (a reply is a few hundred bytes)."""
 """Hashes of the chain at the last lengths checked, to compare with the head a newer signed record names."""
 
 
@@ -102,10 +105,13 @@ class CreditBook:
     def acknowledged(self, digest: str) -> None:
         self._write({"e": "ack", "d": digest, "at": round(time.time(), 3)})
 
-    def refused(self, digest: str, reason: str, detail: str) -> None:
-        self._write(
-            {"e": "refused", "d": digest, "reason": reason, "detail": detail[:200], "at": round(time.time(), 3)}
-        )
+    def refused(self, digest: str, reason: str, detail: str, sealed: bytes = b"") -> None:
+        """A refusal for good; ``sealed``: the trainer's signed reply, kept when it names this batch (the evidence
+        ``intellect-node credit`` checks against the run key)."""
+        line = {"e": "refused", "d": digest, "reason": reason, "detail": detail[:200], "at": round(time.time(), 3)}
+        if sealed and len(sealed) <= SEALED_REPLY_MAX:
+            line["signed"] = sealed.hex()
+        self._write(line)
 
     def trainer(self, http_url: str | None, length: int, head: str, async_level: int) -> None:
         """Where the trainer serves its ledger, the head its signed record named, and the run's async level."""
@@ -131,6 +137,8 @@ class Batch:
     outcome: str = ""
     """``acknowledged``, ``refused`` or "" (no decision received)."""
     reason: str = ""
+    signed: bytes = b""
+    """A refusal's reply as the trainer sealed it (empty: not kept)."""
 
 
 @dataclass
@@ -164,6 +172,7 @@ def read_book(path: Path) -> Book:
                 batch.outcome = "acknowledged"
             elif kind == "refused":
                 batch.outcome, batch.reason = "refused", str(line["reason"])
+                batch.signed = bytes.fromhex(str(line.get("signed", "")))
         except (ValueError, KeyError, TypeError):
             book.torn += 1
     return book
@@ -217,18 +226,23 @@ class Credit:
     node_id: str
     run_id: str
     rows: list[tuple[Batch, str]]
-    """Each batch of the book with its state: trained, refused, acknowledged, lost or unanswered."""
+    """Each batch of the book with its state: trained, refused, dropped, acknowledged, lost or unanswered."""
     trained_in: dict[str, int]
     """Digest -> the version whose entry credits it."""
     twins: dict[int, int]
     """Version -> batches credited to this node id that this book never made."""
     entries: int
+    signed_refusals: int = 0
+    """Refused batches whose book line keeps the trainer's reply, signed by the run key and naming the batch."""
 
     def counts(self) -> Counter[str]:
         return Counter(state for _, state in self.rows)
 
     def refused_by_reason(self) -> Counter[str]:
         return Counter(b.reason for b, state in self.rows if state == "refused")
+
+    def dropped_by_reason(self) -> Counter[str]:
+        return Counter(b.reason for b, state in self.rows if state == "dropped")
 
 
 @dataclass
@@ -239,12 +253,17 @@ class Tally:
     node_id: str
     ours: dict[str, int] = field(default_factory=dict)
     """Digest -> the version whose entry credits it to this node id."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Digest -> why the trainer dropped this node's acknowledged batch untrained (the entry that says so)."""
     newest: dict[int, int] = field(default_factory=dict)
     entries: int = 0
 
     def add(self, entry: LedgerEntry) -> None:
         self.entries += 1
         self.newest[entry.epoch] = max(self.newest.get(entry.epoch, 0), entry.version)
+        for producer, digest, reason in entry.drops():
+            if producer == self.node_id:
+                self.dropped[digest] = reason
         credits = entry.credits()
         if not any(c.producer == self.node_id for c in credits):
             return
@@ -270,6 +289,9 @@ class Tally:
                 state = "trained"
             elif batch.outcome == "refused":
                 state = "refused"
+            elif batch.digest in self.dropped:
+                state = "dropped"
+                batch.reason = self.dropped[batch.digest]
             elif batch.outcome == "acknowledged":
                 # trained at the latest by the step async_level after its version, and that step's entry came after
                 too_old = self.newest.get(batch.epoch, -1) > batch.version + async_level + 1
@@ -277,7 +299,22 @@ class Tally:
             else:
                 state = "unanswered"
             rows.append((batch, state))
-        return Credit(self.node_id, run_id, rows, trained_in, dict(twins), self.entries)
+        signed = sum(1 for b, state in rows if state == "refused" and signed_refusal(b, run_id))
+        return Credit(self.node_id, run_id, rows, trained_in, dict(twins), self.entries, signed)
+
+
+def signed_refusal(batch: Batch, run_id: str) -> bool:
+    """Whether ``batch``'s kept reply is the run key's refusal of this very batch, for the reason the book says."""
+    if not batch.signed:
+        return False
+    try:
+        signed = open_signed(batch.signed, SubmitReply)
+    except Rejected:
+        return False
+    reply = signed.message
+    return bool(
+        signed.signer_id == run_id and not reply.ok and reply.digest == batch.digest and reply.reason == batch.reason
+    )
 
 
 def account(node_id: str, run_id: str, book: Book, sealed: list[bytes], async_level: int = 2) -> Credit:
@@ -347,6 +384,8 @@ class LedgerWatch:
             "trained_rollouts": sum(b.rollouts for b in trained),
             "trained_tokens": sum(b.tokens for b in trained),
             "refused_by_reason": dict(credit.refused_by_reason()),
+            "refused_signed": credit.signed_refusals,
+            "dropped_by_reason": dict(credit.dropped_by_reason()),
             "twin_batches": sum(credit.twins.values()),
             "error": "",
         }
@@ -360,6 +399,7 @@ class LedgerWatch:
 STATES = {
     "trained": "trained (in the ledger, inclusion proof checked)",
     "refused": "refused by the trainer",
+    "dropped": "acknowledged, then dropped untrained (the ledger says why)",
     "acknowledged": "acknowledged, not trained yet",
     "lost": "acknowledged, never trained nor refused",
     "unanswered": "no decision received (sent again, or given up as stale)",
@@ -381,7 +421,14 @@ def render(credit: Credit) -> str:
             lines.append(f"  {counts[state]:>6} {words}")
     reasons = credit.refused_by_reason()
     if reasons:
-        lines.append("  refused, by reason: " + ", ".join(f"{r} {n}" for r, n in reasons.most_common()))
+        lines.append(
+            "  refused, by reason: "
+            + ", ".join(f"{r} {n}" for r, n in reasons.most_common())
+            + f" ({credit.signed_refusals} of them with the trainer's signed reply naming the batch, kept in the book)"
+        )
+    dropped = credit.dropped_by_reason()
+    if dropped:
+        lines.append("  dropped, by reason: " + ", ".join(f"{r} {n}" for r, n in dropped.most_common()))
     if credit.twins:
         versions = ", ".join(str(v) for v in sorted(credit.twins))
         lines.append(
@@ -391,7 +438,8 @@ def render(credit: Credit) -> str:
         )
     lines.append(
         f"credit node={credit.node_id} batches={len(credit.rows)} trained={counts.get('trained', 0)} "
-        f"refused={counts.get('refused', 0)} acknowledged={counts.get('acknowledged', 0)} "
+        f"refused={counts.get('refused', 0)} dropped={counts.get('dropped', 0)} "
+        f"acknowledged={counts.get('acknowledged', 0)} "
         f"lost={counts.get('lost', 0)} twin_batches={sum(credit.twins.values())}"
     )
     return "\n".join(lines)

@@ -413,7 +413,7 @@ class InferenceNode(Volunteer):
                     self.batches_announced += 1
             batch, data = unsent
             try:
-                reply = await sink.push(trainer, data)
+                reply, sealed = await sink.push_sealed(trainer, data)
             except (*DELIVERY_ERRORS, Rejected) as e:
                 self.metrics.inc("node_inference_submit_failures_total")
                 pause = unreachable.next()
@@ -449,7 +449,7 @@ class InferenceNode(Volunteer):
                     if reply.ok:
                         self.book.acknowledged(digest)
                     else:
-                        self.book.refused(digest, reply.reason, reply.detail)
+                        self.book.refused(digest, reply.reason, reply.detail, sealed)
             if reply.ok:
                 unsent = None
                 self.batches_accepted += 1

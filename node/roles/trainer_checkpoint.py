@@ -486,6 +486,7 @@ class Durability:
                 record.groups,
                 weights if version == upto else "",
                 self.ckpt.digests.get(version, ""),
+                record.dropped,
             )
             ledger.append(seal(self.identity, entry), entry)  # sealed here: only its link is checked
             self._unrecorded.pop(0)

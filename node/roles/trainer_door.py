@@ -24,6 +24,7 @@ judging pipeline; ``spool``, durability's write of an accepted batch).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from intellect_node.p2p.transport import off_loop_if_large
 from intellect_node.policy.engine import BatchKey
 from intellect_node.roles.admission import Admission
 from intellect_node.roles.trainer_registry import NodeRegistry
-from intellect_node.roles.trainer_state import Shared
+from intellect_node.roles.trainer_state import NOT_DECIDED, Shared
 from intellect_node.roles.trainer_validation import Judging
 from intellect_protocol.envelope import Rejected, decode_body, open_envelope
 from intellect_protocol.identity import node_id_of
@@ -141,7 +142,7 @@ class Door:
         self.envelopes: dict[BatchKey, bytes] = {}
         """Admitted batches that may still have groups to train: what a checkpoint keeps for a resume."""
 
-    def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1) -> SubmitReply:
+    def reject(self, e: Rejected, peer: str, node_id: str = "", next_index: int = -1, digest: str = "") -> SubmitReply:
         self.metrics.inc("node_trainer_batches_rejected_total", label=e.reason, help="rollout batches refused")
         if node_id:
             self.shared.rejected_by_node[node_id] += 1
@@ -154,6 +155,7 @@ class Door:
             trainer_step=self.progress.step,
             next_index=next_index,
             retry_after_ms=retry_after_ms(e.retry_after_s),
+            digest=digest,
         )
 
     async def on_batch(self, data: bytes, peer: str) -> SubmitReply:
@@ -190,7 +192,11 @@ class Door:
             expected = -1
             if batch is not None and e.reason in ("duplicate", "out_of_order"):
                 expected = self.gate.next_index.get((batch.node_id, batch.version), 0)
-            return self.reject(e, peer, node_id, expected)
+            digest = ""
+            if node_id and e.reason not in NOT_DECIDED:  # a registered key's signed batch, refused for good
+                digest = await off_loop_if_large(len(data), lambda: hashlib.sha256(data).hexdigest())
+            return self.reject(e, peer, node_id, expected, digest)
+        digest = await off_loop_if_large(len(data), lambda: hashlib.sha256(data).hexdigest())
         try:  # durable (fsynced) before the reply: it survives a crash of the trainer
             await self.spool(data)
         except OSError:  # disk full, out of file handles: nothing accepted, the producer sends it again
@@ -204,7 +210,7 @@ class Door:
         self.shared.inflight.add(key, len(slots))
         self.judging.dispatch(batch, slots, data)
         self.metrics.set("node_trainer_batches_pending_validation", self.judging.pending.qsize())
-        self.shared.ledger("acked", key, len(slots))
+        self.shared.ledger("acked", key, len(slots), digest)
         # the last batch of this node's share before the next version: the producer is told when that should be
         full = self.held(node_id) >= self.share()
         return SubmitReply(
@@ -312,6 +318,8 @@ class Door:
             if slots is not None:
                 due = [slot for slot in due if slot in slots]
                 self.shared.curve.replayed(key)
+            else:  # still being judged at the restart: none of it was trained, its outcome goes in the ledger
+                self.shared.ledger.follow(key, len(due), hashlib.sha256(data).hexdigest())
             if batch.version < self.fresh_floor():
                 stale += len(due)
                 self.metrics.inc("node_trainer_groups_stale_dropped_total", len(due))

@@ -171,7 +171,8 @@ class Learner:
             self.progress.stepped(stats["seconds"])
             if self.tracker is not None:
                 self.tracker.log(step, stats)
-            record = step_record(groups, self.shared.refusals.drain())  # the step's ledger entry
+            # the step's ledger entry
+            record = step_record(groups, self.shared.refusals.drain(), self.shared.ledger.drain_dropped())
             await self.durability.after_step(step, tensors, engine_state, self.checkpoint_meta, record)
             self._report(stats, len(groups), idle)
         await self.durability.drain()

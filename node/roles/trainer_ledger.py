@@ -183,9 +183,13 @@ class StepRecord:
     credits: list[BatchCredit]
     refusals: dict[str, dict[str, int]]
     groups: list[tuple[int, int]] = field(default_factory=list)
+    dropped: list[tuple[str, str, str]] = field(default_factory=list)
+    """Batches acknowledged and then dropped untrained since the step before: (producer, digest, reason)."""
 
 
-def step_record(groups: Sequence[Group], refusals: dict[str, dict[str, int]]) -> StepRecord:
+def step_record(
+    groups: Sequence[Group], refusals: dict[str, dict[str, int]], dropped: Sequence[tuple[str, str, str]] = ()
+) -> StepRecord:
     """The entry of a step that trained ``groups`` (in this order): one credit per batch they came from, in the
     order the step met them (producer, digest, version, and the rollouts and completion tokens of it that were
     trained), and each group's place. Groups without a digest (made outside the door, as tests do) are not
@@ -203,7 +207,7 @@ def step_record(groups: Sequence[Group], refusals: dict[str, dict[str, int]]) ->
         order.append((g.digest, g.slot))
     index = {d: i for i, d in enumerate(rows)}
     credits = [BatchCredit(owner[d][0], d, owner[d][1], n, tokens) for d, (n, tokens) in rows.items()]
-    return StepRecord(credits, refusals, [(index[d], slot) for d, slot in order])
+    return StepRecord(credits, refusals, [(index[d], slot) for d, slot in order], list(dropped))
 
 
 def open_ledger(root: Path, run_id: str, epoch: int, published: int) -> LedgerLog | None:

@@ -9,7 +9,8 @@
   only the trained groups'); batches replayed after a restart are not counted twice.
 - ``Refusals``: batches refused for good since the last step, by producer and reason: the door and the judging
   pipeline count them, the learner hands them to the step's contribution-ledger entry.
-- ``Ledger``: one log line per accepted batch and per outcome of its groups, for accounting across restarts.
+- ``Ledger``: what became of each accepted batch's groups: one log line per outcome, for accounting across
+  restarts, and the batches none of whose groups were trained, for the step's contribution-ledger entry.
 - ``Progress``: the step the learner reached and the newest version published, with a running estimate of the
   time between versions (what the door tells a producer that has to wait for the next one). The learner counts
   steps, durability publishes; the door, the judging pipeline and gossip read them.
@@ -23,9 +24,10 @@ import asyncio
 import logging
 import re
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from intellect_node.p2p.metrics import BoundedCounter
 from intellect_node.policy.engine import BatchKey, Group
@@ -33,6 +35,10 @@ from intellect_protocol.ledger import MAX_REFUSALS
 
 STATUS_NODES = 1024
 """Node ids /status shows counts for (batches received, accepted, refused); the rest are summed as others."""
+OPEN_BATCHES = 100_000
+"""Acknowledged batches whose outcome ``Ledger`` follows at most (a few hundred bytes each)."""
+MAX_DROPPED = 100_000
+"""Batches dropped untrained one ledger entry names at most."""
 RUNNING_WEIGHT = 0.3
 """The weight of the newest sample in the trainer's running estimates (time to a verdict, time between versions)."""
 ledger_log = logging.getLogger("intellect_node.ledger")
@@ -243,15 +249,50 @@ class Progress:
 
 
 class Ledger:
-    """``LEDGER`` lines (``ledger_log``) for run epoch ``epoch``, each with the step ``step`` returns."""
+    """What became of each acknowledged batch's groups: ``LEDGER`` lines (``ledger_log``) for run epoch ``epoch``,
+    each with the step ``step`` returns, and the batches whose every group was dropped untrained, for the next
+    contribution-ledger entry (``drain_dropped``). Every acknowledged group ends in exactly one event: trained,
+    stale, banned, invalid, unscorable or filtered."""
 
     def __init__(self, epoch: int, step: Callable[[], int]) -> None:
         self.epoch = epoch
         self.step = step
+        self.open: OrderedDict[BatchKey, list[Any]] = OrderedDict()
+        """Acknowledged batches with groups still undecided: [digest, groups undecided, groups trained, the last
+        reason one was dropped], the oldest first, at most OPEN_BATCHES."""
+        self.dropped: list[tuple[str, str, str]] = []
 
-    def __call__(self, event: str, key: BatchKey, groups: int) -> None:
+    def __call__(self, event: str, key: BatchKey, groups: int, digest: str = "") -> None:
         if groups > 0 and ledger_log.isEnabledFor(logging.INFO):
             ledger_log.info("LEDGER %s %d %s %d %d %d %d", event, self.epoch, *key, groups, self.step())
+        if event == "acked":
+            self.follow(key, groups, digest)
+            return
+        account = self.open.get(key)
+        if account is None:  # accepted before a restart: its outcome is not tracked
+            return
+        account[1] -= groups
+        if event == "trained":
+            account[2] += groups
+        else:
+            account[3] = event
+        if account[1] <= 0:
+            del self.open[key]
+            if account[2] == 0 and len(self.dropped) < MAX_DROPPED:
+                self.dropped.append((key[0], account[0], account[3]))
+
+    def follow(self, key: BatchKey, groups: int, digest: str) -> None:
+        """Follow the outcome of ``groups`` undecided groups of batch ``key`` (an acknowledged one, or one replayed
+        whole after a restart), none trained yet."""
+        if digest and groups > 0:
+            self.open[key] = [digest, groups, 0, ""]
+            while len(self.open) > OPEN_BATCHES:  # bounded: the oldest is forgotten (never reported dropped)
+                self.open.popitem(last=False)
+
+    def drain_dropped(self) -> list[tuple[str, str, str]]:
+        """The batches dropped untrained since the last call: (producer, digest, reason)."""
+        out, self.dropped = self.dropped, []
+        return out
 
 
 @dataclass

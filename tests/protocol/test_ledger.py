@@ -133,3 +133,14 @@ def test_a_step_of_100000_batches_fits_one_entry_and_proves_one_batch_in_17_hash
     proof = inclusion_proof(leaves, 12345)
     assert len(proof) == 17
     assert verify_inclusion(leaf_hash(credits[12345]), 12345, len(credits), proof, bytes.fromhex(entry.root))
+
+
+def test_batches_dropped_after_acknowledgement_travel_in_the_signed_entry() -> None:
+    run = Identity.generate()
+    credits = _credits(2)
+    dropped = [(credits[0].producer, "a" * 64, "stale"), (credits[1].producer, "b" * 64, "invalid")]
+    entry = entry_of(run.node_id, 0, 1, 0, genesis(run.node_id), 1.0e9, TRAIN, credits, dropped=dropped)
+    signed, _ = verify_entry(seal(run, entry), run.node_id, Head(0, genesis(run.node_id)))
+    assert signed.message.drops() == dropped
+    with pytest.raises(ValueError, match="dropped columns"):
+        entry.model_validate({**entry.model_dump(), "dropped_reasons": ["stale"]})

@@ -21,7 +21,7 @@ from intellect_node.roles.trainer_ledger import LedgerLog, LedgerRoutes
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import BatchCredit, LedgerError, entry_of
-from intellect_protocol.messages import RolloutBatch, RolloutGroup
+from intellect_protocol.messages import RolloutBatch, RolloutGroup, SubmitReply
 
 RUN = Identity.generate()
 ME = Identity.generate().node_id
@@ -43,14 +43,18 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
     made = {(v, i): _batch(v, i) for v in range(0, 6) for i in range(2)}
     for (v, i), batch in made.items():
         book.made(batch, _digest(v, i))
-    for v, i in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (5, 0)]:
+    for v, i in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 1), (5, 0)]:
         book.acknowledged(_digest(v, i))
-    book.refused(_digest(2, 1), "unassigned_task", "slot 0 is not the task assigned to this node")
+    refusal = SubmitReply(ok=False, reason="unassigned_task", digest=_digest(2, 1))
+    book.refused(_digest(2, 1), "unassigned_task", "slot 0 is not the task assigned to this node", seal(RUN, refusal))
+    forged = seal(Identity.generate(), refusal.model_copy(update={"digest": _digest(4, 1)}))  # not the run key's
+    book.refused(_digest(4, 1), "unassigned_task", "", forged)
     book.trainer("http://127.0.0.1:1", 0, "", 2)
     with open(book.path, "a") as f:
         f.write('{"e": "ack", "d": "torn')  # a crash in the middle of a line
-    # the ledger: versions 1..6; ours (0,0), (0,1) and (1,0) trained; (1,1), (2,0) acknowledged, never trained; a
-    # batch of ours the book never made in version 4 (a twin); another producer's batches everywhere
+    # the ledger: versions 1..6; ours (0,0), (0,1) and (1,0) trained; (1,1), (2,0) acknowledged, never trained; (3,1)
+    # acknowledged, then dropped stale (the entry of version 5 says so); a batch of ours the book never made in
+    # version 4 (a twin); another producer's batches everywhere
     log = LedgerLog(tmp_path / "ledger", RUN.node_id)
     trained = {1: [(0, 0)], 2: [(0, 1), (1, 0)]}
     for version in range(1, 7):
@@ -58,7 +62,8 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
         credits += [BatchCredit(OTHER, hashlib.sha256(f"o{version}".encode()).hexdigest(), version - 1, 8, 30)]
         if version == 4:
             credits.append(BatchCredit(ME, hashlib.sha256(b"not from this data dir").hexdigest(), 3, 4, 12))
-        entry = entry_of(RUN.node_id, 0, version, version - 1, log.head.hash, 1.0, TRAIN, credits)
+        dropped = [(ME, _digest(3, 1), "stale")] if version == 5 else []
+        entry = entry_of(RUN.node_id, 0, version, version - 1, log.head.hash, 1.0, TRAIN, credits, dropped=dropped)
         log.append(seal(RUN, entry))
     sealed = log.read(0, 10)
 
@@ -69,12 +74,16 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
     assert states[(0, 0)] == states[(0, 1)] == states[(1, 0)] == "trained"
     assert states[(1, 1)] == states[(2, 0)] == "lost", "acknowledged, made on 1 or 2, and version 6 is out: too old"
     assert states[(2, 1)] == "refused" and states[(5, 0)] == "acknowledged" and states[(3, 0)] == "unanswered"
+    assert states[(3, 1)] == "dropped" and credit.dropped_by_reason() == {"stale": 1}
+    assert states[(4, 1)] == "refused" and credit.signed_refusals == 1, "only the run key's reply naming the batch"
     assert credit.trained_in == {_digest(0, 0): 1, _digest(0, 1): 2, _digest(1, 0): 2}
     assert credit.twins == {4: 1}
     text = render(credit)
-    assert "ANOTHER NODE USES THIS IDENTITY" in text and "versions 4" in text and "unassigned_task 1" in text
+    assert "ANOTHER NODE USES THIS IDENTITY" in text and "versions 4" in text
+    assert "dropped, by reason: stale 1" in text
+    assert "unassigned_task 2 (1 of them with the trainer's signed reply naming the batch" in text
     assert text.splitlines()[-1] == (
-        f"credit node={ME} batches=12 trained=3 refused=1 acknowledged=1 lost=2 twin_batches=1"
+        f"credit node={ME} batches=12 trained=3 refused=2 dropped=1 acknowledged=1 lost=2 twin_batches=1"
     )
     # the head the trainer's signed record named: the same chain agrees, a rewritten one does not
     assert agrees(sealed, RUN.node_id, 3, log._heads[3].hash)

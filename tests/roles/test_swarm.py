@@ -238,7 +238,7 @@ def test_batch_signed_by_unknown_key_is_rejected_and_counted(swarm: Swarm) -> No
     before = _rejections(swarm).get("unknown_signer", 0)
     stranger = Identity.generate()
     reply = asyncio.run(_submit(swarm, seal(stranger, _batch(stranger, swarm, STEPS, 0))))
-    assert not reply.ok and reply.reason == "unknown_signer"
+    assert not reply.ok and reply.reason == "unknown_signer" and not reply.digest, "a stranger costs us no hashing"
     assert _rejections(swarm)["unknown_signer"] == before + 1
     assert 'node_trainer_batches_rejected_total{reason="unknown_signer"}' in swarm.metrics()
 
@@ -249,8 +249,10 @@ def test_batch_claiming_a_stale_version_is_rejected_and_counted(swarm: Swarm) ->
     worker_key = Identity.generate()
     _register(swarm, worker_key)
     before = _rejections(swarm).get("stale_version", 0)
-    reply = asyncio.run(_submit(swarm, seal(worker_key, _batch(worker_key, swarm, 0, 10_000))))
+    data = seal(worker_key, _batch(worker_key, swarm, 0, 10_000))
+    reply = asyncio.run(_submit(swarm, data))
     assert not reply.ok and reply.reason == "stale_version"
+    assert reply.digest == hashlib.sha256(data).hexdigest(), "a refusal for good names the batch it refuses"
     assert _rejections(swarm)["stale_version"] == before + 1
 
 

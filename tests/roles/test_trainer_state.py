@@ -1,11 +1,12 @@
 """What the trainer's parts share (node/roles/trainer_state.py): the training queue gives the oldest fresh groups
 first and hands back what went stale, a ban empties a producer's share, counts in flight leave nothing behind, and
-a batch replayed after a restart is not counted twice in the reward curve."""
+a batch replayed after a restart is not counted twice in the reward curve, and an acknowledged batch none of whose
+groups was trained is handed to the next ledger entry with the reason its last group went."""
 
 from __future__ import annotations
 
 from intellect_node.policy.engine import Group
-from intellect_node.roles.trainer_state import InFlight, RewardCurve, TrainQueue
+from intellect_node.roles.trainer_state import InFlight, Ledger, RewardCurve, TrainQueue
 
 
 def _group(node: str, version: int, index: int = 0, rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:
@@ -52,3 +53,20 @@ def test_a_replayed_batch_is_not_counted_twice_in_the_reward_curve() -> None:
     assert curve.drain() == [0.5, 1.0, 1.0] and curve.drain() == []
     curve.accepted(("a", 0, 0), [_group("a", 0)])  # accepted again later (not a replay): counted
     assert curve.drain() == [0.0, 1.0]
+
+
+def test_an_acknowledged_batch_dropped_untrained_goes_to_the_ledger_with_why() -> None:
+    ledger = Ledger(epoch=1, step=lambda: 3)
+    ledger("acked", ("a", 2, 0), 3, "d" * 64)
+    ledger("acked", ("b", 2, 0), 2, "e" * 64)
+    ledger("stale", ("a", 2, 0), 2)
+    assert ledger.drain_dropped() == [], "a group of it is still undecided"
+    ledger("invalid", ("a", 2, 0), 1)
+    ledger("trained", ("b", 2, 0), 1)
+    ledger("stale", ("b", 2, 0), 1)  # one of its groups was trained: credited, not dropped
+    ledger("stale", ("c", 1, 0), 4)  # accepted before a restart and not followed: nothing to say
+    assert ledger.drain_dropped() == [("a", "d" * 64, "invalid")]
+    assert ledger.drain_dropped() == [] and not ledger.open
+    ledger.follow(("r", 1, 5), 2, "f" * 64)  # replayed whole after a restart
+    ledger("stale", ("r", 1, 5), 2)
+    assert ledger.drain_dropped() == [("r", "f" * 64, "stale")]

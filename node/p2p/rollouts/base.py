@@ -84,6 +84,11 @@ class RolloutSink(ABC):
         of ``DELIVERY_ERRORS`` (node/p2p/transport.py) or ``Rejected`` when nothing was decided: the producer
         sends the same batch again later."""
 
+    async def push_sealed(self, trainer: NodeRecord, data: bytes) -> tuple[SubmitReply, bytes]:
+        """``push``, with the reply as the trainer sealed it when the transport has it (else empty bytes): a
+        producer keeps a refusal's signed reply as evidence (node/roles/credit.py)."""
+        return await self.push(trainer, data), b""
+
     async def close(self) -> None:
         """Stop serving what was offered."""
         return None

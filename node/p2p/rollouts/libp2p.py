@@ -24,7 +24,7 @@ from intellect_node.aio import raise_if_cancelled
 from intellect_node.p2p.batches import BatchServer, fetch_batch
 from intellect_node.p2p.gossip import LIMITS
 from intellect_node.p2p.rollouts.base import Acknowledged, Endpoint, Receiver, RolloutSink, RolloutSource
-from intellect_node.p2p.transport import RolloutServer, submit
+from intellect_node.p2p.transport import RolloutServer, submit_sealed
 from intellect_protocol.envelope import Rejected, kind_of, open_signed, seal
 from intellect_protocol.messages import BatchAck, BatchAnnounce, NodeRecord, RolloutBatch, SubmitReply
 
@@ -91,9 +91,12 @@ class Libp2pSink(RolloutSink):
         return True
 
     async def push(self, trainer: NodeRecord, data: bytes) -> SubmitReply:
+        return (await self.push_sealed(trainer, data))[0]
+
+    async def push_sealed(self, trainer: NodeRecord, data: bytes) -> tuple[SubmitReply, bytes]:
         peer_id = trainer.p2p_maddrs[0].rsplit("/p2p/", 1)[-1]
         run_id = self.endpoint.run_id
-        return await submit(self.endpoint.p2p, peer_id, run_id, data, run_id)
+        return await submit_sealed(self.endpoint.p2p, peer_id, run_id, data, run_id)
 
 
 class Libp2pSource(RolloutSource):
