@@ -7,13 +7,15 @@
   a version), its size, and checking it as a volunteer does (signature, link, root);
 - one batch's inclusion proof at each size: its bytes and the time to check it against the root;
 - a whole chain of ``--chain`` steps of 8 batches each (a small swarm's steps), checked from the run id alone;
-- the audit (node/roles/audit.py): a real tiny run (a trainer and an inference node, processes on loopback, 3
-  steps), its newest step replayed from the trainer's data dir with 1 and 2 threads (time, largest weight
-  difference), and three dishonest trainers played by publishing what each would have made from the same
-  checkpoint (other data, a batch skipped, 3x the learning rate): whether each is caught.
+- the audit (node/roles/audit.py): a real tiny run (a trainer, an inference node and an auditor node, processes on
+  loopback, 3 steps), the auditor's replays over the network while the run goes on (node/roles/auditor_node.py),
+  the newest step replayed from the trainer's data dir with 1 and 2 threads (time, largest weight difference), and
+  four dishonest trainers played by publishing what each would have made from the same checkpoint (other data, a
+  batch skipped, 3x the learning rate) or by committing optimizer moments the step did not make: whether each is
+  caught.
 
 Prints tables, then ``ledger entries=... verify_s=... proof_bytes=... step_100k_ms=... step_100k_bytes=...
-replay_s=... replay_max_abs_diff=... caught=K/K``.
+replay_s=... replay_max_abs_diff=... network_audits=H/N caught=K/K`` (H of the auditor node's N replays honest).
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from intellect_node.launch import NodeProcess, join_argv
+from intellect_node.p2p.keys import load_or_create
 from intellect_node.policy.engine import Group
 from intellect_node.roles.audit import AuditResult, replay, step_inputs, step_weights
 from intellect_node.roles.trainer_ledger import LedgerLog
-from intellect_node.weights.files import write_checkpoint
+from intellect_node.weights.files import sha256_file, write_checkpoint
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
 from intellect_protocol.ledger import (
@@ -110,8 +115,9 @@ def chain(run: Identity, steps: int) -> tuple[float, float, int]:
 AUDIT_STEPS = 3
 
 
-def tiny_run(root: Path) -> Path:
-    """A trainer's data dir after AUDIT_STEPS steps of the tiny run with one inference node (real processes)."""
+def tiny_run(root: Path) -> tuple[Path, list[str]]:
+    """A trainer's data dir after AUDIT_STEPS steps of the tiny run with one inference node (real processes), and
+    the ``AUDIT`` lines of an auditor node that replayed steps over the network meanwhile."""
     nodes: list[NodeProcess] = []
     try:
         trainer = NodeProcess(
@@ -123,6 +129,9 @@ def tiny_run(root: Path) -> Path:
         ready = trainer.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, root / "inference"), root / "logs")
         nodes.append(worker)
+        argv = join_argv("auditor", ready, root / "auditor", "--audit-every-s", "1")
+        auditor = NodeProcess("auditor", argv, root / "logs")
+        nodes.append(auditor)
         worker.wait_ready(timeout=120)
         trainer.wait_for_line(f"STEP {AUDIT_STEPS} ", timeout=600)
         deadline = time.monotonic() + 60
@@ -132,10 +141,12 @@ def tiny_run(root: Path) -> Path:
             if status["weight_version"] == AUDIT_STEPS and status["ledger"]["length"] == AUDIT_STEPS:
                 break
             time.sleep(0.2)
+        auditor.wait_for_line(f"AUDIT audit version={AUDIT_STEPS} ", timeout=300)
     finally:
         for node in reversed(nodes):
             node.stop()
-    return root / "trainer"
+    lines = (root / "logs" / "auditor.out").read_text().splitlines()
+    return root / "trainer", [line for line in lines if line.startswith("AUDIT ")]
 
 
 Change = Callable[[RunSpec, list[Group]], tuple[RunSpec, list[Group]]]
@@ -173,8 +184,24 @@ def dishonest(trainer_dir: Path, to: Path, change: Change) -> AuditResult:
     return replay(to)
 
 
-def audits(root: Path) -> tuple[list[tuple[str, float, AuditResult]], int, int]:
-    trainer_dir = tiny_run(root)
+def made_up_state(trainer_dir: Path, to: Path) -> AuditResult:
+    """The audit of a copy of ``trainer_dir`` whose newest checkpoint holds optimizer moments the step did not make
+    (to cover a later dishonest step), committed to by a re-signed entry."""
+    shutil.copytree(trainer_dir, to)
+    run = load_or_create(to / "node.key")
+    path = to / "checkpoints" / run.node_id / f"step-{AUDIT_STEPS:08d}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    next(iter(state["engine"]["optimizer"]["state"].values()))["exp_avg_sq"].mul_(1.5)
+    torch.save(state, path)
+    ledger = LedgerLog(to / "ledger", run.node_id)
+    last = ledger.entry(len(ledger) - 1)
+    ledger.drop_unpublished(last.epoch, last.version - 1)
+    ledger.append(seal(run, last.model_copy(update={"state": sha256_file(path), "prev": ledger.head.hash})))
+    return replay(to)
+
+
+def audits(root: Path) -> tuple[list[tuple[str, float, AuditResult]], int, int, list[str]]:
+    trainer_dir, network = tiny_run(root)
     rows = []
     for threads in (1, 2):
         t0 = time.perf_counter()
@@ -187,7 +214,11 @@ def audits(root: Path) -> tuple[list[tuple[str, float, AuditResult]], int, int]:
         result = dishonest(trainer_dir, root / name.replace(" ", "_"), change)
         rows.append((f"dishonest: {name}", time.perf_counter() - t0, result))
         caught += result.verdict == "caught"
-    return rows, caught, len(forgeries)
+    t0 = time.perf_counter()
+    result = made_up_state(trainer_dir, root / "made_up_state")
+    rows.append(("dishonest: optimizer moments made up", time.perf_counter() - t0, result))
+    caught += result.verdict == "caught"
+    return rows, caught, len(forgeries) + 1, network
 
 
 def main() -> None:
@@ -214,14 +245,19 @@ def main() -> None:
         f"\nchain of {args.chain:,} steps of 8 batches: made in {make_s:.1f} s, checked from the run id in "
         f"{verify_s:.1f} s ({verify_s / args.chain * 1000:.2f} ms an entry), {chain_bytes / 1e6:.1f} MB"
     )
-    rows, caught, forged = audits(root / "audit")
+    rows, caught, forged, network = audits(root / "audit")
     print(
         "\n| audit of the tiny run's newest step | seconds | largest weight difference | the step's largest change "
-        "| verdict |"
+        "| engine state vs the trainer's next checkpoint | verdict |"
     )
-    print("|---|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---|")
     for label, seconds, r in rows:
-        print(f"| {label} | {seconds:.1f} | {r.max_abs_diff:.3g} | {r.update_max:.3g} | {r.verdict} |")
+        state = "not compared" if r.state_diff is None else f"{r.state_diff:.3g}"
+        verdict = r.verdict + (f" ({r.reason})" if r.reason else "")
+        print(f"| {label} | {seconds:.1f} | {r.max_abs_diff:.3g} | {r.update_max:.3g} | {state} | {verdict} |")
+    print("\nthe auditor node's replays over the network during the run:")
+    for line in network:
+        print(f"  {line}")
     honest = [r for label, _, r in rows if label.startswith("honest")]
     replay_s = min(seconds for label, seconds, _ in rows if label.startswith("honest"))
     big = steps[sizes[-1]]
@@ -229,7 +265,7 @@ def main() -> None:
         f"ledger entries={args.chain} verify_s={verify_s:.2f} proof_bytes={big['proof_bytes']} "
         f"step_100k_ms={big['build_ms'] + big['seal_ms'] + big['append_ms']:.0f} step_100k_bytes={big['bytes']} "
         f"replay_s={replay_s:.1f} replay_max_abs_diff={max(r.max_abs_diff for r in honest):.3g} "
-        f"caught={caught}/{forged}"
+        f"network_audits={sum('verdict=honest' in line for line in network)}/{len(network)} caught={caught}/{forged}"
     )
     shutil.rmtree(root, ignore_errors=True)
 

@@ -106,6 +106,12 @@ def summary(s: dict[str, Any]) -> list[tuple[str, str]]:
         ]
     if s.get("role") == "validator":
         rows.append(("judged", f"{s['judged']} batches, {s['refused']} requests refused"))
+    if s.get("role") == "auditor":
+        audits = s.get("audits", {})
+        counts = audits.get("counts", {})
+        rows.append(("audits", ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none yet"))
+        if audits.get("last"):
+            rows.append(("last audit", str(audits["last"].get("line", ""))))
     return rows
 
 

@@ -45,6 +45,8 @@ LABEL_NAMES = {
     "node_batches_served_total": "outcome",
     "node_validator_announcements_total": "outcome",
     "node_validator_batches_total": "outcome",
+    "node_audit_downloads_total": "outcome",
+    "node_audits_total": "outcome",
 }
 """The label of the counters whose label is not a reason for a refusal or a failure."""
 

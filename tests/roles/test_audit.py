@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group
+from intellect_node.roles import trainer_audit
 from intellect_node.roles.audit import (
     AUDIT_TOLERANCE,
     AuditError,
@@ -351,3 +353,45 @@ def test_an_optimizer_state_made_up_after_a_step_is_caught(trained: Path, tmp_pa
     result = replay(to)
     assert result.verdict == "caught" and result.reason == "state_after", result.line()
     assert result.max_abs_diff <= AUDIT_TOLERANCE * result.update_max  # the weights alone would have passed
+
+
+def test_a_reader_slower_than_the_floor_is_cut_off_and_frees_its_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that asks for a checkpoint and then reads nothing (holding one of the SERVING slots for ever, were
+    it allowed) is cut off once the download overruns its size at MIN_RATE_BPS plus GRACE_S, counted as too_slow."""
+    monkeypatch.setattr(trainer_audit, "GRACE_S", 1.0)
+    monkeypatch.setattr(trainer_audit, "MIN_RATE_BPS", 10**12)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step-00000007.pt").write_bytes(os.urandom(64 << 20))  # more than the socket buffers take
+    run, member = Identity.generate(), Identity.generate()
+
+    async def allowed(node_id: str) -> bool:
+        return node_id == member.node_id
+
+    metrics = Metrics()
+    routes = AuditRoutes(run.node_id, lambda: 1, root, allowed, metrics)
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.add_routes(routes.routes())
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            path = "/audit/checkpoint/7"
+            headers = "".join(f"{k}: {v}\r\n" for k, v in signed_headers(member, "GET", path, run.node_id).items())
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+            await writer.drain()
+            await until(lambda: member.node_id in routes._serving, "the download to start", timeout=10)
+            await until(lambda: not routes._serving, "the slow reader to be cut off", timeout=30)
+            assert 'node_audit_downloads_total{outcome="too_slow"} 1.0' in metrics.render()
+            writer.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
