@@ -520,9 +520,10 @@ class SubmitReply(WireModel):
     with an acceptance that filled this node's share: the next version. Producers wait this long, or until they
     load a newer version, instead of sending again blindly (node/roles/inference.py)."""
     digest: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] = ""
-    """With a refusal that decides a batch (a signed batch of a registered key, refused for good): the SHA-256 of
-    the batch refused, so that the producer holds the trainer's signed word about that very batch (its credit book
-    keeps the reply; ``intellect-node credit`` checks it). Empty otherwise."""
+    """With an acceptance, or a refusal that decides a batch (a signed batch of a registered key, refused for
+    good): the SHA-256 of the batch, so that the producer holds the trainer's signed word about that very batch (its
+    credit book keeps the reply; ``intellect-node credit`` checks it: a batch acknowledged and then never trained,
+    dropped nor refused is shown with that evidence). Empty otherwise."""
 
 
 class Verdict(WireModel):

@@ -60,6 +60,12 @@ class AuditError(Exception):
         self.detail = detail
 
 
+class AuditFinding(AuditError):
+    """What the trainer serves or signed contradicts itself before any replay (a checkpoint other than the one
+    its ledger committed to, a run spec other than the signed one, an entry whose credits its groups do not
+    add up to): the trainer is caught, with ``reason``."""
+
+
 @dataclass(frozen=True)
 class AuditResult:
     version: int
@@ -110,7 +116,7 @@ def load_state(path: Path, committed: str) -> dict[str, object]:
     """A checkpoint file, checked against the SHA-256 its ledger entry commits to (``committed``; empty: the entry
     names none, as for a checkpoint written before entries did). AuditError ``state`` when it differs."""
     if committed and sha256_file(path) != committed:
-        raise AuditError(
+        raise AuditFinding(
             "state",
             f"the checkpoint {path.name} is not the one the ledger committed to when it was written "
             f"(SHA-256 {committed[:16]}...): the state the step starts from was changed afterwards",
@@ -147,15 +153,28 @@ def _groups(spec: RunSpec, entry: LedgerEntry, envelopes: dict[str, bytes], toke
     source = task_source(spec.task)
     eos = int(tokenizer.eos_token_id)  # type: ignore[attr-defined]
     out = []
-    for index, slot in zip(entry.group_batch, entry.group_slot, strict=True):
+    counted = [[0, 0] for _ in credits]
+    places = list(zip(entry.group_batch, entry.group_slot, strict=True))
+    if len(set(places)) != len(places):
+        raise AuditFinding("credits", "the entry names one group twice: it would weigh it twice in the step")
+    for index, slot in places:
         batch = batches[index]
         found = [g for g in batch.groups if g.slot == slot]
         if not found:
             raise AuditError("bad_entry", f"the entry names slot {slot} of a batch that has none")
         g = found[0]
+        counted[index][0] += len(g.completions)
+        counted[index][1] += sum(len(c) for c in g.completions)
         task = source.assigned(spec.seed, batch.node_id, batch.version, batch.batch_index, slot)
         rewards = [task_reward(tokenizer, task, c, c[-1] == eos, spec.task) for c in g.completions]
         out.append(judged_group(batch, g, rewards, credits[index].digest))
+    for credit, (rollouts, tokens) in zip(credits, counted, strict=True):
+        if (credit.rollouts, credit.tokens) != (rollouts, tokens):
+            raise AuditFinding(
+                "credits",
+                f"the entry credits batch {credit.digest[:16]}... with {credit.rollouts} rollouts and {credit.tokens} "
+                f"tokens, and its groups in the step hold {rollouts} and {tokens}",
+            )
     return out
 
 
@@ -209,9 +228,10 @@ def step_inputs(trainer_dir: Path, version: int | None = None) -> StepInputs:
 
 
 def engine_of(state: dict[str, object]) -> dict[str, object]:
-    """A checkpoint's engine state (``PolicyEngine.state``)."""
-    engine = state["engine"]
-    assert isinstance(engine, dict)
+    """A checkpoint's engine state (``PolicyEngine.state``); AuditFinding when it holds none."""
+    engine = state.get("engine")
+    if not isinstance(engine, dict):
+        raise AuditFinding("state_shape", "the checkpoint holds no engine state")
     return engine
 
 
@@ -222,15 +242,27 @@ def assemble(
     spooled: Iterable[bytes],
     published: dict[str, torch.Tensor],
     manifest: Manifest,
+    followed: RunSpec | None = None,
 ) -> StepInputs:
     """The inputs of a replay of ``entry``'s step from what was read (on disk or from the trainer): the checkpoint
     the step started from (``state``, checked against the ledger by the caller), the envelopes spooled after it,
-    and the published version (``manifest`` already verified against the run key)."""
-    spec = RunSpec.model_validate_json(str(state["spec"]))
+    and the published version (``manifest`` already verified against the run key). ``followed``: the run spec the
+    auditor follows (signed by the run key): the checkpoint's must be it, and the replay uses the auditor's own copy
+    (the task, seed and model never come from the trainer's file)."""
+    try:
+        spec = RunSpec.model_validate_json(str(state["spec"]))
+    except (KeyError, ValueError) as bad:
+        raise AuditFinding("spec", f"the checkpoint holds no readable run spec: {bad}") from None
+    if followed is not None:
+        if spec != followed:
+            raise AuditFinding("spec", "the checkpoint's run spec is not the one the run key signed")
+        spec = followed
     if spec.epoch != entry.epoch:
         raise AuditError("not_held", f"the checkpoint is of epoch {spec.epoch}, the entry of epoch {entry.epoch}")
     batches = state.get("batches", {})
-    envelopes = {hashlib.sha256(e).hexdigest(): e for e in batches.values()}  # type: ignore[attr-defined]
+    if not isinstance(batches, dict):
+        raise AuditFinding("state_shape", "the checkpoint's batches are not a mapping")
+    envelopes = {hashlib.sha256(e).hexdigest(): e for e in batches.values() if isinstance(e, bytes)}
     wanted = set(entry.digests)
     for e in spooled:
         digest = hashlib.sha256(e).hexdigest()
@@ -253,7 +285,10 @@ def run_step(
     spec = spec or inputs.spec
     torch.set_num_threads(threads)
     engine = local_engine(spec, inputs.tokenizer, "cpu")
+    made = [{k: g.get(k) for k in OPTIMIZER_SETTINGS} for g in engine.optimizer.param_groups]
     engine.load_state(inputs.engine_state)
+    if [{k: g.get(k) for k in OPTIMIZER_SETTINGS} for g in engine.optimizer.param_groups] != made:
+        raise AuditFinding("optimizer_settings", "the checkpoint's optimizer settings are not the run spec's")
     before = engine.export_state()
     groups = inputs.groups if groups is None else groups
     if groups:
@@ -269,18 +304,38 @@ def step_weights(
     return before, after
 
 
-def _flat(tree: object, at: str = "") -> dict[str, torch.Tensor]:
-    """The floating-point tensors of a nested state (dicts, lists), by path."""
-    if isinstance(tree, torch.Tensor):
-        return {at: tree} if tree.is_floating_point() else {}
+FLAT_NODES = 1_000_000
+"""Containers and leaves a state may hold (a model's is a few thousand): a file that shares one list under many
+names (the unpickler keeps references) cannot make the walk explode."""
+
+
+def _flat(tree: object) -> dict[str, torch.Tensor]:
+    """The floating-point tensors of a nested state (dicts, lists), by path; AuditFinding past FLAT_NODES."""
     out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            out.update(_flat(value, f"{at}/{key}"))
-    elif isinstance(tree, list | tuple):
-        for i, value in enumerate(tree):
-            out.update(_flat(value, f"{at}/{i}"))
+    todo: list[tuple[str, object]] = [("", tree)]
+    seen = 0
+    while todo:
+        at, node = todo.pop()
+        seen += 1
+        if seen > FLAT_NODES:
+            raise AuditFinding("state_shape", f"the engine state holds more than {FLAT_NODES} entries")
+        if isinstance(node, torch.Tensor):
+            if node.is_floating_point():
+                out[at] = node
+        elif isinstance(node, dict):
+            todo.extend((f"{at}/{key}", value) for key, value in node.items())
+        elif isinstance(node, list | tuple):
+            todo.extend((f"{at}/{i}", value) for i, value in enumerate(node))
     return out
+
+
+def _finite(tensors: Iterable[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+OPTIMIZER_SETTINGS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+"""The optimizer's settings that change what a step computes, besides the learning rate (set by the schedule at
+every step): a checkpoint's must be those the run spec makes."""
 
 
 def state_gap(before: object, replayed: object, committed: object) -> float | None:
@@ -300,7 +355,8 @@ def state_gap(before: object, replayed: object, committed: object) -> float | No
             change = float((c[k].double() - b[k].double()).abs().max())
         else:  # made by the step (the optimizer's first): all of it is the change
             change = float(c[k].double().abs().max())
-        worst = max(worst, diff / max(change, 1e-30))
+        ratio = diff / max(change, 1e-30)
+        worst = ratio if not ratio <= worst else worst  # a NaN is the worst
     return worst
 
 
@@ -312,20 +368,28 @@ def verdict(inputs: StepInputs, threads: int = 1) -> AuditResult:
         return replace(base, reason="train_settings")
     if entry.weights != inputs.checkpoint_sha256:  # the published version is not the one the entry names
         return replace(base, reason="manifest")
-    before, replayed, engine = run_step(inputs, threads=threads)
-    if set(replayed) != set(published):
+    try:
+        before, replayed, engine = run_step(inputs, threads=threads)
+    except AuditFinding as e:
+        return replace(base, reason=e.reason)
+    if set(replayed) != set(published) or any(replayed[n].shape != published[n].shape for n in replayed):
         return replace(base, reason="tensor_names")
+    if not _finite(published.values()):  # a NaN compares as neither larger nor smaller: it would hide anything
+        return replace(base, reason="not_finite")
     diff = max(float((replayed[n].float() - published[n].float()).abs().max()) for n in replayed)
     update = max(float((published[n].float() - before[n].float()).abs().max()) for n in published)
     found = replace(base, max_abs_diff=diff, update_max=update)
-    if diff > AUDIT_TOLERANCE * update:
+    if not diff <= AUDIT_TOLERANCE * update:
         return replace(found, reason="weights")
     if inputs.after is not None:
-        gap = state_gap(inputs.engine_state, engine, inputs.after)
+        try:
+            gap = state_gap(inputs.engine_state, engine, inputs.after)
+        except AuditFinding as e:
+            return replace(found, reason=e.reason)
         if gap is None:
             return replace(found, reason="state_tensors")
         found = replace(found, state_diff=gap)
-        if gap > AUDIT_TOLERANCE:
+        if not gap <= AUDIT_TOLERANCE:
             return replace(found, reason="state_after")
     return replace(found, verdict="honest")
 
@@ -333,7 +397,12 @@ def verdict(inputs: StepInputs, threads: int = 1) -> AuditResult:
 def replay(trainer_dir: Path, version: int | None = None, threads: int = 1) -> AuditResult:
     """Replay the step that produced ``version`` (the newest entry's when None) from the trainer's data dir and
     compare with what was published. Raises AuditError when it cannot be replayed here."""
-    return verdict(step_inputs(trainer_dir, version), threads)
+    try:
+        inputs = step_inputs(trainer_dir, version)
+    except AuditFinding as e:  # the data dir contradicts the trainer's own signed entries: caught before a replay
+        entry = _entry(LedgerLog(trainer_dir / "ledger", load_or_create(trainer_dir / "node.key").node_id), version)
+        return AuditResult(entry.version, entry.epoch, len(entry.producers), 0, 0.0, 0.0, "caught", e.reason)
+    return verdict(inputs, threads)
 
 
 def run_audit(trainer_dir: Path, version: int | None, threads: int) -> int:

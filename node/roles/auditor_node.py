@@ -43,6 +43,7 @@ import aiohttp
 
 from intellect_node.roles.audit import (
     AuditError,
+    AuditFinding,
     AuditResult,
     assemble,
     engine_of,
@@ -73,6 +74,10 @@ ENVELOPE_MAX = 64 << 20
 FIRST_AUDIT_S = 5.0
 """After the node is ready, the first round comes this soon (then every ``audit_every_s``)."""
 CHUNK = 1 << 20
+DOWNLOAD_GRACE_S = 60.0
+DOWNLOAD_MIN_BPS = 1_000_000
+"""A download must end within its limit's size at this rate, plus the grace: a trainer that trickles bytes cannot
+hold an auditor for ever."""
 
 
 class ChainFollower:
@@ -83,6 +88,9 @@ class ChainFollower:
         self.head: Head = start(run_id)
         self.entries: deque[LedgerEntry] = deque(maxlen=ENTRIES_KEPT)
         self.hashes: dict[int, str] = {0: self.head.hash}
+        """Hash of the chain at each recent length (the newest 4 x ENTRIES_KEPT)."""
+        self.named: dict[int, str] = {}
+        """Heads the trainer's signed record named beyond what was served then: checked once the chain reaches them."""
 
     def catch_up(self, url: str, named: tuple[int, str] | None) -> None:
         """Fetch and check the entries past the head checked last (blocking: run it in a thread). LedgerError on an
@@ -103,13 +111,17 @@ class ChainFollower:
                 self.hashes[self.head.length] = self.head.hash
                 if len(self.hashes) > 4 * ENTRIES_KEPT:
                     self.hashes.pop(min(self.hashes))
-        if named is not None:
-            length, head = named
+        if named is not None and named[1]:
+            self.named[named[0]] = named[1]
+            while len(self.named) > ENTRIES_KEPT:
+                self.named.pop(min(self.named))
+        for length in [n for n in self.named if n <= self.head.length]:  # heads the trainer named, once reached
+            head = self.named.pop(length)
             known = self.hashes.get(length)
-            if head and known is not None and known != head:
+            if known is not None and known != head:
                 raise LedgerFork(
-                    f"the trainer's signed record names a ledger of {length} entries ending {head[:16]}..., "
-                    f"and it served one ending {known[:16]}..."
+                    f"the trainer's signed record named a ledger of {length} entries ending {head[:16]}..., and it "
+                    f"served one ending {known[:16]}..."
                 )
 
 
@@ -138,6 +150,9 @@ class RemoteAudit:
         self.chain = ChainFollower(run_id)
         self.audited: set[tuple[int, int]] = set()
         """(epoch, version) already replayed."""
+        self.spec: RunSpec | None = None
+        """The run spec this node follows (signed by the run key): a replay takes the task, seed and model from it,
+        never from the trainer's checkpoint (which must name the same)."""
         self._clock_offset = 0.0
 
     def candidate(self, held: list[int]) -> tuple[LedgerEntry, LedgerEntry]:
@@ -158,7 +173,7 @@ class RemoteAudit:
         past ``limit`` bytes or on a refusal."""
         headers = signed_headers(self.identity, "GET", path, self.run_id, self._clock_offset)
         digest, size = hashlib.sha256(), 0
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+        timeout = aiohttp.ClientTimeout(total=DOWNLOAD_GRACE_S + limit / DOWNLOAD_MIN_BPS, sock_read=60)
         async with session.get(url.rstrip("/") + path, headers=headers, timeout=timeout) as resp:
             offset = server_clock_offset(resp.headers.get("Date"))
             if offset is not None:
@@ -183,8 +198,20 @@ class RemoteAudit:
         check."""
         await asyncio.to_thread(self.chain.catch_up, url, named)
         index = json.loads(await asyncio.to_thread(get_bounded, url.rstrip("/") + "/audit"))
-        held = [int(s) for s in index.get("checkpoints", [])] if index.get("run_id") == self.run_id else []
+        listed = index.get("checkpoints") if isinstance(index, dict) and index.get("run_id") == self.run_id else None
+        held = [s for s in listed if isinstance(s, int)] if isinstance(listed, list) else []
         entry, before = self.candidate(held)
+        try:
+            result = await self._replay(url, session, entry, before, held)
+        except AuditFinding as e:  # the trainer contradicted its own signed word: caught, before any replay
+            result = AuditResult(entry.version, entry.epoch, len(entry.producers), 0, 0.0, 0.0, "caught", e.reason)
+            logger.error("audit of version %d: %s", entry.version, e)
+        self.audited.add((result.epoch, result.version))
+        return result
+
+    async def _replay(
+        self, url: str, session: aiohttp.ClientSession, entry: LedgerEntry, before: LedgerEntry, held: list[int]
+    ) -> AuditResult:
         manifest = self.store.manifest(entry.version)
         if manifest is None:
             raise AuditError("not_held", f"version {entry.version} was dropped here meanwhile")
@@ -193,10 +220,12 @@ class RemoteAudit:
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
         try:
+            spool = self.workdir / "spool.bin"  # first: the trainer drops it once it writes the next checkpoint
+            await self.download(session, url, f"/audit/spool/{entry.parent}", spool, SPOOL_MAX_BYTES)
             ckpt = self.workdir / f"step-{entry.parent:08d}.pt"
             got = await self.download(session, url, f"/audit/checkpoint/{entry.parent}", ckpt, limit)
             if got != before.state:
-                raise AuditError(
+                raise AuditFinding(
                     "state",
                     f"the trainer served a checkpoint of step {entry.parent} other than the one its ledger committed "
                     f"to (SHA-256 {got[:16]}..., the entry names {before.state[:16]}...)",
@@ -206,25 +235,23 @@ class RemoteAudit:
                 path = self.workdir / f"step-{entry.version:08d}.pt"
                 got = await self.download(session, url, f"/audit/checkpoint/{entry.version}", path, limit)
                 if got != entry.state:
-                    raise AuditError(
+                    raise AuditFinding(
                         "state",
                         f"the trainer served a checkpoint of step {entry.version} other than the one its ledger "
                         f"committed to (SHA-256 {got[:16]}..., the entry names {entry.state[:16]}...)",
                     )
                 after = engine_of(await asyncio.to_thread(load_state, path, ""))
                 path.unlink()
-            spool = self.workdir / "spool.bin"
-            await self.download(session, url, f"/audit/spool/{entry.parent}", spool, SPOOL_MAX_BYTES)
             state = await asyncio.to_thread(load_state, ckpt, "")  # its hash was checked as it arrived
             spooled = _spooled(await asyncio.to_thread(spool.read_bytes))
-            inputs = await asyncio.to_thread(assemble, self.run_id, entry, state, spooled, published, manifest)
+            inputs = await asyncio.to_thread(
+                assemble, self.run_id, entry, state, spooled, published, manifest, self.spec
+            )
             del state
             inputs.after = after
-            result = await asyncio.to_thread(verdict, inputs, self.threads)
+            return await asyncio.to_thread(verdict, inputs, self.threads)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        self.audited.add((result.epoch, result.version))
-        return result
 
 
 class AuditorNode(RelayNode):
@@ -255,6 +282,7 @@ class AuditorNode(RelayNode):
     async def work(self, spec: RunSpec, session: aiohttp.ClientSession) -> None:
         assert self.follower is not None
         self._reading = None
+        self.remote.spec = spec
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._follow(self.follower))
             tasks.create_task(self.audit_forever(session))
@@ -269,15 +297,13 @@ class AuditorNode(RelayNode):
                 await asyncio.sleep(1.0)
                 continue
             named = (trainer.ledger.length, trainer.ledger.head) if trainer.ledger is not None else None
+            self.remote.spec = self.spec  # a new epoch brings a new signed spec
             try:
                 result = await self.remote.audit_once(trainer.http_url, named, session)
                 self._finding(result, time.monotonic() - started)
             except AuditError as e:
                 self._count(e.reason)
-                if e.reason == "state":  # the trainer served a starting state other than the one it committed to
-                    logger.error("audit: %s", e)
-                else:  # nothing new is the common case between versions
-                    (logger.debug if e.reason == "nothing_new" else logger.info)("no step replayed this round: %s", e)
+                (logger.debug if e.reason == "nothing_new" else logger.info)("no step replayed this round: %s", e)
                 if e.reason == "nothing_new":  # the next version comes soon: look again before the full interval
                     await asyncio.sleep(min(every, 5.0))
                     continue
@@ -290,6 +316,9 @@ class AuditorNode(RelayNode):
             except (ValueError, OSError, aiohttp.ClientError, TimeoutError) as e:
                 self._count(type(e).__name__)
                 logger.warning("audit round failed: %r; trying again in %.0fs", e, every)
+            except Exception as e:  # whatever a trainer's files make the replay raise, the node goes on
+                self._count("replay_error")
+                logger.warning("audit round failed: %r; trying again in %.0fs", e, every, exc_info=True)
             await asyncio.sleep(max(1.0, every - (time.monotonic() - started)))
 
     def _count(self, reason: str) -> None:

@@ -102,8 +102,13 @@ class CreditBook:
             return []
         return [d for d, b in read_book(self.path).batches.items() if b.rollouts][-count:]
 
-    def acknowledged(self, digest: str) -> None:
-        self._write({"e": "ack", "d": digest, "at": round(time.time(), 3)})
+    def acknowledged(self, digest: str, sealed: bytes = b"") -> None:
+        """An acknowledgement; ``sealed``: the trainer's signed reply naming this batch, kept as evidence (a gossip
+        acknowledgement has none)."""
+        line: dict[str, Any] = {"e": "ack", "d": digest, "at": round(time.time(), 3)}
+        if sealed and len(sealed) <= SEALED_REPLY_MAX:
+            line["signed"] = sealed.hex()
+        self._write(line)
 
     def refused(self, digest: str, reason: str, detail: str, sealed: bytes = b"") -> None:
         """A refusal for good; ``sealed``: the trainer's signed reply, kept when it names this batch (the evidence
@@ -138,7 +143,7 @@ class Batch:
     """``acknowledged``, ``refused`` or "" (no decision received)."""
     reason: str = ""
     signed: bytes = b""
-    """A refusal's reply as the trainer sealed it (empty: not kept)."""
+    """The decision's reply as the trainer sealed it (empty: not kept)."""
 
 
 @dataclass
@@ -170,6 +175,7 @@ def read_book(path: Path) -> Book:
                 batch.rollouts, batch.tokens = int(line["rollouts"]), int(line["tokens"])
             elif kind == "ack":
                 batch.outcome = "acknowledged"
+                batch.signed = bytes.fromhex(str(line.get("signed", ""))) or batch.signed
             elif kind == "refused":
                 batch.outcome, batch.reason = "refused", str(line["reason"])
                 batch.signed = bytes.fromhex(str(line.get("signed", "")))
@@ -234,6 +240,9 @@ class Credit:
     entries: int
     signed_refusals: int = 0
     """Refused batches whose book line keeps the trainer's reply, signed by the run key and naming the batch."""
+    signed_lost: int = 0
+    """Lost batches (acknowledged, never trained, dropped nor refused) whose acknowledgement the book keeps, signed
+    by the run key and naming the batch: the evidence that the trainer took them."""
 
     def counts(self) -> Counter[str]:
         return Counter(state for _, state in self.rows)
@@ -299,12 +308,14 @@ class Tally:
             else:
                 state = "unanswered"
             rows.append((batch, state))
-        signed = sum(1 for b, state in rows if state == "refused" and signed_refusal(b, run_id))
-        return Credit(self.node_id, run_id, rows, trained_in, dict(twins), self.entries, signed)
+        signed = sum(1 for b, state in rows if state == "refused" and signed_reply(b, run_id, ok=False))
+        lost = sum(1 for b, state in rows if state == "lost" and signed_reply(b, run_id, ok=True))
+        return Credit(self.node_id, run_id, rows, trained_in, dict(twins), self.entries, signed, lost)
 
 
-def signed_refusal(batch: Batch, run_id: str) -> bool:
-    """Whether ``batch``'s kept reply is the run key's refusal of this very batch, for the reason the book says."""
+def signed_reply(batch: Batch, run_id: str, ok: bool) -> bool:
+    """Whether ``batch``'s kept reply is the run key's acceptance (``ok``) or refusal (for the reason the book says)
+    of this very batch."""
     if not batch.signed:
         return False
     try:
@@ -312,9 +323,8 @@ def signed_refusal(batch: Batch, run_id: str) -> bool:
     except Rejected:
         return False
     reply = signed.message
-    return bool(
-        signed.signer_id == run_id and not reply.ok and reply.digest == batch.digest and reply.reason == batch.reason
-    )
+    same = reply.ok if ok else not reply.ok and reply.reason == batch.reason
+    return bool(signed.signer_id == run_id and reply.digest == batch.digest and same)
 
 
 def account(node_id: str, run_id: str, book: Book, sealed: list[bytes], async_level: int = 2) -> Credit:
@@ -385,6 +395,7 @@ class LedgerWatch:
             "trained_tokens": sum(b.tokens for b in trained),
             "refused_by_reason": dict(credit.refused_by_reason()),
             "refused_signed": credit.signed_refusals,
+            "lost_signed": credit.signed_lost,
             "dropped_by_reason": dict(credit.dropped_by_reason()),
             "twin_batches": sum(credit.twins.values()),
             "error": "",
@@ -401,7 +412,7 @@ STATES = {
     "refused": "refused by the trainer",
     "dropped": "acknowledged, then dropped untrained (the ledger says why)",
     "acknowledged": "acknowledged, not trained yet",
-    "lost": "acknowledged, never trained nor refused",
+    "lost": "acknowledged, never trained, dropped nor refused",
     "unanswered": "no decision received (sent again, or given up as stale)",
 }
 
@@ -425,6 +436,11 @@ def render(credit: Credit) -> str:
             "  refused, by reason: "
             + ", ".join(f"{r} {n}" for r, n in reasons.most_common())
             + f" ({credit.signed_refusals} of them with the trainer's signed reply naming the batch, kept in the book)"
+        )
+    if credit.signed_lost:
+        lines.append(
+            f"  {credit.signed_lost} of the lost with the trainer's signed acknowledgement naming the batch, kept in "
+            "the book: the evidence that it took them"
         )
     dropped = credit.dropped_by_reason()
     if dropped:

@@ -447,7 +447,7 @@ class InferenceNode(Volunteer):
                     self._delivered(digest)
                 if self.book is not None:
                     if reply.ok:
-                        self.book.acknowledged(digest)
+                        self.book.acknowledged(digest, sealed)
                     else:
                         self.book.refused(digest, reply.reason, reply.detail, sealed)
             if reply.ok:

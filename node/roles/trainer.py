@@ -217,7 +217,7 @@ class Trainer:
             tracker,
         )
         self.ledger_routes = LedgerRoutes(self.run_id)
-        self.audit_routes = AuditRoutes(self.run_id, lambda: spec.epoch, ckpt.root, self._is_member, self.metrics)
+        self.audit_routes = AuditRoutes(self.run_id, lambda: spec.epoch, ckpt.root, self._may_audit, self.metrics)
         self.http = HttpServer(
             self.metrics,
             self.status,
@@ -247,6 +247,14 @@ class Trainer:
         except Rejected:
             return False
         return True
+
+    async def _may_audit(self, node_id: str) -> bool:
+        """Whether a node may download what a step started from (trainer_audit.py): a member whose record says it
+        is an auditor."""
+        if not await self._is_member(node_id):
+            return False
+        record = self.registry.records.get(node_id)
+        return record is not None and record.role == "auditor"
 
     def _trusted(self, node_id: str) -> bool:
         """Whether a key earned trust by itself: past probation (its batches passed), not banned. Such a key comes

@@ -10,17 +10,19 @@
   names).
 
 Who may download: a request signed by a node key of the run (the headers of weights/auth.py; method and path are
-signed, a nonce is never accepted twice), whose node is admitted and has a record in the run: the origin's own rule
-for relay slots. How often, with how much: ``SERVING`` downloads at once in all (one more: 503 with Retry-After),
-one at a time per key, ``PER_KEY_PER_HOUR`` per key per hour, each done within ``transfer_s`` of its size (a
-reader slower than ``MIN_RATE_BPS`` is cut off). What it costs us: a file streamed from disk (sendfile; nothing
-buffered), at most ``SERVING`` uploads of a checkpoint at a time. An attacker needs a member key and downloads
-every byte it makes us send. What it does not stop: members taking the slots in turn keep an honest auditor
-waiting; training never waits for it.
+signed, a nonce is never accepted twice), whose node is admitted, has a record in the run, and that record's role is
+``auditor`` (the trainer's ``_may_audit``). How often, with how much: ``SERVING`` downloads at once in all (one
+more: 503 with Retry-After), one at a time per key, ``PER_KEY_PER_HOUR`` per key per hour, each done within
+``transfer_s`` of its size and each 1 MiB chunk taken within ``CHUNK_S`` (a reader slower than that is cut off).
+What it costs us: a file streamed from disk a chunk at a time (1 MiB buffered per download), at most ``SERVING``
+uploads of a checkpoint at a time. An attacker needs an admitted auditor key and downloads every byte it makes us
+send. What it does not stop: auditor keys taking the slots in turn keep an honest auditor waiting; training never
+waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
@@ -36,11 +38,16 @@ from intellect_node.weights.auth import Refused, RequestAuth
 logger = logging.getLogger(__name__)
 SERVING = 2
 """Downloads served at once, all keys together."""
-PER_KEY_PER_HOUR = 12
-"""Downloads one key may start in an hour (an auditor needs two a step it replays: the checkpoint and its spool)."""
+PER_KEY_PER_HOUR = 24
+"""Downloads one key may start in an hour (an auditor needs three a step it replays: the spool and two checkpoints;
+six audits an hour at the default 600 s, with room for retries)."""
 MIN_RATE_BPS = 1_000_000
 """The slowest reader served: a download must finish within its size at this rate, plus ``GRACE_S``."""
 GRACE_S = 60.0
+CHUNK = 1 << 20
+CHUNK_S = 30.0
+"""A reader that takes no chunk (1 MiB) in this long is cut off, whatever its deadline: a stalled reader holds a
+slot for at most this."""
 KEYS = 10_000
 """Keys whose recent downloads are remembered (the oldest forgotten first)."""
 
@@ -111,6 +118,32 @@ class AuditRoutes:
         recent.append(now)
         self._serving.add(node_id)
 
+    async def _stream(self, request: web.Request, path: Path, size: int) -> tuple[web.StreamResponse, bool]:
+        """Send ``size`` bytes of ``path`` a chunk at a time; False (the connection closed) for a reader that took
+        longer than ``transfer_s`` in all or ``CHUNK_S`` for a chunk."""
+        deadline = time.monotonic() + transfer_s(size)
+        with open(path, "rb") as f:  # opened before the answer starts: a file rotated away meanwhile is a 404
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response.content_length = size
+            await response.prepare(request)
+            sent = 0
+            try:
+                while sent < size:
+                    chunk = await asyncio.to_thread(f.read, min(CHUNK, size - sent))
+                    if not chunk:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    await within(response.write(chunk), min(CHUNK_S, left))
+                    sent += len(chunk)
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.close()
+                return response, False
+            await response.write_eof()
+        return response, True
+
     async def _serve(self, request: web.Request, path: Path, what: str) -> web.StreamResponse:
         try:
             node_id = await self.auth.check(request)
@@ -125,20 +158,16 @@ class AuditRoutes:
         try:
             try:
                 size = path.stat().st_size
-            except FileNotFoundError:
+                response, whole = await self._stream(request, path, size)
+            except FileNotFoundError:  # never held, or rotated away since
                 self._count("not_held")
                 held = sorted(int(p.name[5:13]) for p in self.root.glob("step-????????.pt"))
                 raise web.HTTPNotFound(
                     text=f"no {what} {path.name} here (checkpoints held: {held}): the trainer keeps its last two"
                 ) from None
-            response = web.FileResponse(path)
-            try:
-                await within(response.prepare(request), transfer_s(size))
-            except TimeoutError:
+            if not whole:
                 self._count("too_slow")
-                logger.info("audit download of %s by %s cut off: slower than %d B/s", path.name, node_id, MIN_RATE_BPS)
-                if request.transport is not None:
-                    request.transport.close()
+                logger.info("audit download of %s by %s cut off: a reader too slow", path.name, node_id)
                 return response
             self._count(what)
             self.metrics.inc("node_audit_bytes_sent_total", size, help="bytes of checkpoints and spools sent")

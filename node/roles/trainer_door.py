@@ -219,6 +219,7 @@ class Door:
             trainer_step=self.progress.step,
             backlog=self.backlog(),
             retry_after_ms=retry_after_ms(self.progress.until_version()) if full else 0,
+            digest=digest,
         )
 
     def _check_header(self, batch: RolloutBatch, node_id: str) -> None:

@@ -268,7 +268,7 @@ class Ledger:
         if event == "acked":
             self.follow(key, groups, digest)
             return
-        account = self.open.get(key)
+        account = self.open.get(key) if groups > 0 else None
         if account is None:  # accepted before a restart: its outcome is not tracked
             return
         account[1] -= groups

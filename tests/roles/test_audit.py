@@ -12,6 +12,7 @@ import os
 import shutil
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -43,7 +44,7 @@ from intellect_node.weights.files import sha256_file, write_checkpoint
 from intellect_node.weights.store import WeightStore
 from intellect_protocol.envelope import seal
 from intellect_protocol.identity import Identity
-from intellect_protocol.ledger import train_hash
+from intellect_protocol.ledger import leaf_hash, merkle_root, train_hash
 from intellect_protocol.messages import RunSpec
 from tests.helpers.wait import until
 
@@ -91,6 +92,7 @@ def _forge(
     to: Path,
     change: Callable[[RunSpec, list[Group]], tuple[RunSpec, list[Group]]],
     consistent: bool = True,
+    tamper: Callable[[dict[str, torch.Tensor]], None] = lambda tensors: None,
 ) -> Path:
     """A copy of the trainer's data dir whose newest version holds what a trainer that made ``change`` to the
     step's inputs would have published (signed by the run key, as the real trainer would), with a re-signed entry
@@ -99,6 +101,7 @@ def _forge(
     inputs = step_inputs(to)
     spec, groups = change(inputs.spec, inputs.groups)
     _, tensors = step_weights(inputs, spec, groups)
+    tamper(tensors)
     weights = to / "weights" / inputs.run_id
     entry = inputs.entry
     shutil.rmtree(weights / str(entry.version))
@@ -192,7 +195,9 @@ class Served:
     """A trainer's data dir served as the trainer serves it (/ledger, /audit) on loopback, and an auditor (its own
     key, its own copy of the published versions) with a RemoteAudit against it."""
 
-    def __init__(self, trainer_dir: Path, auditor_dir: Path, members: set[str] | None = None) -> None:
+    def __init__(
+        self, trainer_dir: Path, auditor_dir: Path, members: set[str] | None = None, spec: RunSpec | None = None
+    ) -> None:
         self.run = load_or_create(trainer_dir / "node.key")
         ledger = LedgerLog(trainer_dir / "ledger", self.run.node_id)
         self.epoch = ledger.entry(len(ledger) - 1).epoch
@@ -210,6 +215,7 @@ class Served:
         shutil.copytree(trainer_dir / "weights" / self.run.node_id, auditor_dir / "weights")
         store = WeightStore(auditor_dir / "weights", self.run.node_id, self.epoch)
         self.remote = RemoteAudit(self.auditor, self.run.node_id, store, auditor_dir / "audit", 1)
+        self.remote.spec = spec or step_inputs(trainer_dir).spec  # the signed spec the node follows (the DHT's)
         self.url = ""
 
     async def __aenter__(self) -> Served:
@@ -267,12 +273,11 @@ def test_a_starting_state_changed_after_its_entry_is_caught(trained: Path, tmp_p
         moments = [t for t in _tensors(state["engine"]) if t.is_floating_point() and t.numel() > 1]
         moments[-1].mul_(2.0)
         torch.save(state, path)
-        async with Served(to, tmp_path / "auditor") as served:
-            with pytest.raises(AuditError) as caught:
-                await served.audit()
-        assert caught.value.reason == "state", caught.value
-        with pytest.raises(AuditError, match="state"):  # the same check on the trainer's own disk
-            replay(to)
+        async with Served(to, tmp_path / "auditor", spec=step_inputs(trained).spec) as served:
+            result = await served.audit()
+        assert result.verdict == "caught" and result.reason == "state", result.line()
+        local = replay(to)  # the same check on the trainer's own disk
+        assert local.verdict == "caught" and local.reason == "state", local.line()
 
     asyncio.run(run())
 
@@ -395,3 +400,77 @@ def test_a_reader_slower_than_the_floor_is_cut_off_and_frees_its_slot(
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_nan_in_the_published_weights_is_caught(trained: Path, tmp_path: Path) -> None:
+    """A NaN compares as neither larger nor smaller than anything: without its own check it would hide any change
+    the trainer made to the rest of its tensor."""
+
+    def poisoned(tensors: dict[str, torch.Tensor]) -> None:
+        name = sorted(tensors)[-1]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+        tensors[name].view(-1)[1:] += 1.0  # what the NaN would hide
+
+    forged = _forge(trained, tmp_path / "t", lambda spec, groups: (spec, groups), tamper=poisoned)
+    result = replay(forged)
+    assert result.verdict == "caught" and result.reason == "not_finite", result.line()
+
+
+def test_a_checkpoint_naming_another_run_spec_is_caught_over_http(trained: Path, tmp_path: Path) -> None:
+    """The auditor replays with the run spec the run key signed (the task, seed and model never come from the
+    trainer's file); a checkpoint whose spec is another is a finding."""
+
+    async def run() -> None:
+        async with Served(trained, tmp_path / "auditor") as served:
+            assert served.remote.spec is not None
+            served.remote.spec = served.remote.spec.model_copy(update={"seed": served.remote.spec.seed + 1})
+            result = await served.audit()
+            assert result.verdict == "caught" and result.reason == "spec", result.line()
+            with pytest.raises(AuditError, match="nothing_new"):  # a finding is final for that version
+                await served.audit()
+
+    asyncio.run(run())
+
+
+def _resign(to: Path, changes: dict[int, dict[str, object]]) -> None:
+    """The ledger of ``to`` from the first changed version on, re-signed by the run key with ``changes`` (by
+    version: fields to replace), each entry chained to the one before."""
+    run = load_or_create(to / "node.key")
+    ledger = LedgerLog(to / "ledger", run.node_id)
+    entries = [ledger.entry(i) for i in range(len(ledger))]
+    first = min(changes)
+    ledger.drop_unpublished(entries[-1].epoch, first - 1)
+    for entry in entries:
+        if entry.version < first:
+            continue
+        update = {**changes.get(entry.version, {}), "prev": ledger.head.hash}
+        ledger.append(seal(run, entry.model_copy(update=update)))
+
+
+def test_an_entry_whose_credits_its_groups_do_not_add_up_to_is_caught(trained: Path, tmp_path: Path) -> None:
+    """Crediting a batch with more tokens than the step trained of it (or a colluder's batch the step never used)."""
+    to = tmp_path / "t"
+    shutil.copytree(trained, to)
+    last = step_inputs(to).entry
+    tokens = [last.tokens[0] + 100, *last.tokens[1:]]
+    credits = [replace(c, tokens=t) for c, t in zip(last.credits(), tokens, strict=True)]
+    _resign(to, {last.version: {"tokens": tokens, "root": merkle_root([leaf_hash(c) for c in credits]).hex()}})
+    result = replay(to)
+    assert result.verdict == "caught" and result.reason == "credits", result.line()
+
+
+def test_optimizer_settings_changed_in_the_checkpoint_are_caught(trained: Path, tmp_path: Path) -> None:
+    """Weight decay, betas or eps come from the checkpoint when it is loaded: a trainer that changed them there (and
+    committed to that file) would replay as honest were they not checked against the run spec."""
+    to = tmp_path / "t"
+    shutil.copytree(trained, to)
+    run = load_or_create(to / "node.key")
+    path = to / "checkpoints" / run.node_id / f"step-{STEPS - 1:08d}.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for group in state["engine"]["optimizer"]["param_groups"]:
+        group["weight_decay"] = 0.5
+    torch.save(state, path)
+    _resign(to, {STEPS - 1: {"state": sha256_file(path)}})
+    result = replay(to)
+    assert result.verdict == "caught" and result.reason == "optimizer_settings", result.line()

@@ -43,8 +43,9 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
     made = {(v, i): _batch(v, i) for v in range(0, 6) for i in range(2)}
     for (v, i), batch in made.items():
         book.made(batch, _digest(v, i))
-    for v, i in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 1), (5, 0)]:
+    for v, i in [(0, 0), (0, 1), (1, 0), (2, 0), (3, 1), (5, 0)]:
         book.acknowledged(_digest(v, i))
+    book.acknowledged(_digest(1, 1), seal(RUN, SubmitReply(ok=True, digest=_digest(1, 1))))  # kept as evidence
     refusal = SubmitReply(ok=False, reason="unassigned_task", digest=_digest(2, 1))
     book.refused(_digest(2, 1), "unassigned_task", "slot 0 is not the task assigned to this node", seal(RUN, refusal))
     forged = seal(Identity.generate(), refusal.model_copy(update={"digest": _digest(4, 1)}))  # not the run key's
@@ -76,11 +77,12 @@ def test_each_batch_of_the_book_gets_its_state_and_a_twin_is_named(tmp_path: Pat
     assert states[(2, 1)] == "refused" and states[(5, 0)] == "acknowledged" and states[(3, 0)] == "unanswered"
     assert states[(3, 1)] == "dropped" and credit.dropped_by_reason() == {"stale": 1}
     assert states[(4, 1)] == "refused" and credit.signed_refusals == 1, "only the run key's reply naming the batch"
+    assert credit.signed_lost == 1, "the lost batch whose signed acknowledgement the book kept"
     assert credit.trained_in == {_digest(0, 0): 1, _digest(0, 1): 2, _digest(1, 0): 2}
     assert credit.twins == {4: 1}
     text = render(credit)
     assert "ANOTHER NODE USES THIS IDENTITY" in text and "versions 4" in text
-    assert "dropped, by reason: stale 1" in text
+    assert "dropped, by reason: stale 1" in text and "1 of the lost with the trainer's signed acknowledgement" in text
     assert "unassigned_task 2 (1 of them with the trainer's signed reply naming the batch" in text
     assert text.splitlines()[-1] == (
         f"credit node={ME} batches=12 trained=3 refused=2 dropped=1 acknowledged=1 lost=2 twin_batches=1"
