@@ -52,6 +52,7 @@ def _derive_in_a_process(spec: TaskSpec, rng_seed: int) -> dict[str, object]:
     return result
 
 
+@pytest.mark.integration  # seconds by design (two more interpreters import reasoning-gym)
 def test_two_processes_derive_the_same_tasks_and_scores() -> None:
     first = _derive_in_a_process(CHAIN_SUM, 1)
     second = _derive_in_a_process(CHAIN_SUM, 2)

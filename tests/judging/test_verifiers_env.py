@@ -33,6 +33,7 @@ print(json.dumps([[t.id, t.prompt] for t in [source.assigned(1, "ef" * 16, 0, b,
 """
 
 
+@pytest.mark.integration  # seconds by design (another interpreter imports verifiers)
 def test_rows_become_tasks_alike_on_every_node_and_held_out_ones_are_never_assigned() -> None:
     source = load_task_source(SUMS)
     held = {t.id for t in source.held_out_tasks()}

@@ -119,6 +119,7 @@ def test_an_entry_whose_batches_do_not_hash_to_its_root_is_refused() -> None:
         verify_entry(seal(run, lying), run.node_id, Head(0, genesis(run.node_id)))
 
 
+@pytest.mark.integration  # seconds by design (a whole 100,000-batch step)
 def test_a_step_of_100000_batches_fits_one_entry_and_proves_one_batch_in_17_hashes() -> None:
     run = Identity.generate()
     credits = _credits(100_000)

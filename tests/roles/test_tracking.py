@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from intellect_node.roles.tracking import Tracker
@@ -22,6 +23,7 @@ def test_step_metrics_are_written_as_tensorboard_scalars(tmp_path: Path) -> None
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (3, 0.333333)]
 
 
+@pytest.mark.integration  # seconds by design (wandb starts its own service process)
 def test_step_metrics_go_to_an_offline_wandb_run(tmp_path: Path) -> None:
     """``--track wandb`` needs no account or network: an offline run a researcher can ``wandb sync`` later."""
     tracker = Tracker("wandb", tmp_path, "run2", {"model": {"kind": "tiny-llama"}})
