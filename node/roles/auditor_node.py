@@ -51,7 +51,7 @@ from intellect_node.roles.audit import (
     parent_entry,
     verdict,
 )
-from intellect_node.roles.credit import LedgerFork, get_bounded, ledger_head
+from intellect_node.roles.credit import BODY_MAX_BYTES, LedgerFork
 from intellect_node.roles.relay_node import RelayNode
 from intellect_node.roles.trainer_ledger import parse_framed
 from intellect_node.weights.auth import server_clock_offset, signed_headers
@@ -74,6 +74,7 @@ ENVELOPE_MAX = 64 << 20
 FIRST_AUDIT_S = 5.0
 """After the node is ready, the first round comes this soon (then every ``audit_every_s``)."""
 CHUNK = 1 << 20
+FETCH_S = 30.0
 DOWNLOAD_GRACE_S = 60.0
 DOWNLOAD_MIN_BPS = 1_000_000
 """A download must end within its limit's size at this rate, plus the grace: a trainer that trickles bytes cannot
@@ -92,17 +93,20 @@ class ChainFollower:
         self.named: dict[int, str] = {}
         """Heads the trainer's signed record named beyond what was served then: checked once the chain reaches them."""
 
-    def catch_up(self, url: str, named: tuple[int, str] | None) -> None:
-        """Fetch and check the entries past the head checked last (blocking: run it in a thread). LedgerError on an
+    async def catch_up(self, session: aiohttp.ClientSession, url: str, named: tuple[int, str] | None) -> None:
+        """Fetch and check the entries past the head checked last. LedgerError on an
         entry that does not check (the reason names it), LedgerFork on a history other than the one checked before
         or the trainer's signed record ``named`` (length, head)."""
-        served = int(ledger_head(url, self.run_id)["length"])
+        head = json.loads(await fetch(session, url.rstrip("/") + "/ledger"))
+        if not isinstance(head, dict) or head.get("run_id") != self.run_id or not isinstance(head.get("length"), int):
+            raise ValueError(f"{url} does not serve the ledger of run {self.run_id}")
+        served = int(head["length"])
         if served < self.head.length:
             raise LedgerFork(f"the trainer serves {served} entries, fewer than the {self.head.length} checked here")
         for _ in range(PAGES_PER_ROUND):
             if self.head.length >= served:
                 break
-            page = parse_framed(get_bounded(f"{url.rstrip('/')}/ledger/entries?first={self.head.length}"))
+            page = parse_framed(await fetch(session, f"{url.rstrip('/')}/ledger/entries?first={self.head.length}"))
             if not page:
                 break
             for sealed in page:
@@ -123,6 +127,21 @@ class ChainFollower:
                     f"the trainer's signed record named a ledger of {length} entries ending {head[:16]}..., and it "
                     f"served one ending {known[:16]}..."
                 )
+
+
+async def fetch(session: aiohttp.ClientSession, url: str) -> bytes:
+    """One small answer of the trainer (the ledger, a page of entries, the audit index): at most BODY_MAX_BYTES,
+    within FETCH_S in all (a trainer that trickles bytes cannot hold the auditor)."""
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=FETCH_S)) as resp:
+        if resp.status != 200:
+            raise ValueError(f"{url} answered {resp.status}")
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > BODY_MAX_BYTES:
+                raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _spooled(data: bytes) -> list[bytes]:
@@ -196,8 +215,8 @@ class RemoteAudit:
         """One round against the trainer at ``url`` whose signed record names the ledger head ``named`` (module
         docstring). Raises AuditError when no step can be replayed here now, LedgerError on a chain that does not
         check."""
-        await asyncio.to_thread(self.chain.catch_up, url, named)
-        index = json.loads(await asyncio.to_thread(get_bounded, url.rstrip("/") + "/audit"))
+        await self.chain.catch_up(session, url, named)
+        index = json.loads(await fetch(session, url.rstrip("/") + "/audit"))
         listed = index.get("checkpoints") if isinstance(index, dict) and index.get("run_id") == self.run_id else None
         held = [s for s in listed if isinstance(s, int)] if isinstance(listed, list) else []
         entry, before = self.candidate(held)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -24,7 +25,7 @@ from intellect_node.launch import NodeProcess, join_argv
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group
-from intellect_node.roles import trainer_audit
+from intellect_node.roles import auditor_node, trainer_audit
 from intellect_node.roles.audit import (
     AUDIT_TOLERANCE,
     AuditError,
@@ -331,7 +332,7 @@ def test_a_ledger_other_than_the_trainers_record_names_is_a_fork(trained: Path, 
         async with Served(trained, tmp_path / "auditor") as served:
             chain = served.remote.chain
             with pytest.raises(LedgerFork, match="signed record"):
-                await asyncio.to_thread(chain.catch_up, served.url, (STEPS, "0" * 64))
+                await chain.catch_up(served.session, served.url, (STEPS, "0" * 64))
             assert chain.head.length == STEPS  # what checked is kept
 
     asyncio.run(run())
@@ -474,3 +475,36 @@ def test_optimizer_settings_changed_in_the_checkpoint_are_caught(trained: Path, 
     _resign(to, {STEPS - 1: {"state": sha256_file(path)}})
     result = replay(to)
     assert result.verdict == "caught" and result.reason == "optimizer_settings", result.line()
+
+
+def test_a_trainer_that_trickles_its_ledger_cannot_hold_the_auditor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile trainer answers the ledger a byte at a time, each in time for a per-read timeout: the auditor's
+    whole read has a deadline (FETCH_S), and the round ends with a timeout it counts."""
+    monkeypatch.setattr(auditor_node, "FETCH_S", 1.0)
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(100):
+            await response.write(b" ")
+            await asyncio.sleep(0.2)
+        return response
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/ledger", trickle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                started = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    await auditor_node.fetch(session, f"http://127.0.0.1:{port}/ledger")
+                assert time.monotonic() - started < 10
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
