@@ -211,6 +211,19 @@ class RemoteAudit:
                     await asyncio.to_thread(f.write, chunk)
         return digest.hexdigest()
 
+    async def committed(self, session: aiohttp.ClientSession, url: str, step: int, committed: str, limit: int) -> Path:
+        """The trainer's checkpoint of ``step`` downloaded into the work dir, its SHA-256 checked (as it arrives)
+        against what the ledger committed to; AuditFinding ``state`` when it is another file."""
+        path = self.workdir / f"step-{step:08d}.pt"
+        got = await self.download(session, url, f"/audit/checkpoint/{step}", path, limit)
+        if got != committed:
+            raise AuditFinding(
+                "state",
+                f"the trainer served a checkpoint of step {step} other than the one its ledger committed to "
+                f"(SHA-256 {got[:16]}..., the entry names {committed[:16]}...)",
+            )
+        return path
+
     async def audit_once(self, url: str, named: tuple[int, str] | None, session: aiohttp.ClientSession) -> AuditResult:
         """One round against the trainer at ``url`` whose signed record names the ledger head ``named`` (module
         docstring). Raises AuditError when no step can be replayed here now, LedgerError on a chain that does not
@@ -241,24 +254,10 @@ class RemoteAudit:
         try:
             spool = self.workdir / "spool.bin"  # first: the trainer drops it once it writes the next checkpoint
             await self.download(session, url, f"/audit/spool/{entry.parent}", spool, SPOOL_MAX_BYTES)
-            ckpt = self.workdir / f"step-{entry.parent:08d}.pt"
-            got = await self.download(session, url, f"/audit/checkpoint/{entry.parent}", ckpt, limit)
-            if got != before.state:
-                raise AuditFinding(
-                    "state",
-                    f"the trainer served a checkpoint of step {entry.parent} other than the one its ledger committed "
-                    f"to (SHA-256 {got[:16]}..., the entry names {before.state[:16]}...)",
-                )
+            ckpt = await self.committed(session, url, entry.parent, before.state, limit)
             after = None
             if entry.state and entry.version in held:  # the state the step made: the replay must land on it too
-                path = self.workdir / f"step-{entry.version:08d}.pt"
-                got = await self.download(session, url, f"/audit/checkpoint/{entry.version}", path, limit)
-                if got != entry.state:
-                    raise AuditFinding(
-                        "state",
-                        f"the trainer served a checkpoint of step {entry.version} other than the one its ledger "
-                        f"committed to (SHA-256 {got[:16]}..., the entry names {entry.state[:16]}...)",
-                    )
+                path = await self.committed(session, url, entry.version, entry.state, limit)
                 after = engine_of(await asyncio.to_thread(load_state, path, ""))
                 path.unlink()
             state = await asyncio.to_thread(load_state, ckpt, "")  # its hash was checked as it arrived

@@ -7,14 +7,16 @@ run key, the weights such a trainer would have made from the same checkpoint, an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -192,6 +194,19 @@ def test_the_auditor_node_replayed_the_running_trainers_step(trained: Path) -> N
     assert any(f"version={STEPS} " in line for line in lines)
 
 
+@contextlib.asynccontextmanager
+async def _loopback(app: web.Application) -> AsyncIterator[int]:
+    """``app`` served on 127.0.0.1 for the block; yields its port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
 class Served:
     """A trainer's data dir served as the trainer serves it (/ledger, /audit) on loopback, and an auditor (its own
     key, its own copy of the published versions) with a RemoteAudit against it."""
@@ -220,17 +235,14 @@ class Served:
         self.url = ""
 
     async def __aenter__(self) -> Served:
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.serving = _loopback(self.app)
+        self.url = f"http://127.0.0.1:{await self.serving.__aenter__()}"
         self.session = aiohttp.ClientSession()
         return self
 
-    async def __aexit__(self, *_: object) -> None:
+    async def __aexit__(self, *exc: Any) -> None:
         await self.session.close()
-        await self.runner.cleanup()
+        await self.serving.__aexit__(*exc)
 
     async def audit(self) -> AuditResult:
         return await self.remote.audit_once(self.url, None, self.session)
@@ -382,12 +394,7 @@ def test_a_reader_slower_than_the_floor_is_cut_off_and_frees_its_slot(
     async def scenario() -> None:
         app = web.Application()
         app.add_routes(routes.routes())
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
+        async with _loopback(app) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             path = "/audit/checkpoint/7"
             headers = "".join(f"{k}: {v}\r\n" for k, v in signed_headers(member, "GET", path, run.node_id).items())
@@ -397,8 +404,6 @@ def test_a_reader_slower_than_the_floor_is_cut_off_and_frees_its_slot(
             await until(lambda: not routes._serving, "the slow reader to be cut off", timeout=30)
             assert 'node_audit_downloads_total{outcome="too_slow"} 1.0' in metrics.render()
             writer.close()
-        finally:
-            await runner.cleanup()
 
     asyncio.run(scenario())
 
@@ -493,18 +498,10 @@ def test_a_trainer_that_trickles_its_ledger_cannot_hold_the_auditor(monkeypatch:
     async def scenario() -> None:
         app = web.Application()
         app.router.add_get("/ledger", trickle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            async with aiohttp.ClientSession() as session:
-                started = time.monotonic()
-                with pytest.raises(TimeoutError):
-                    await auditor_node.fetch(session, f"http://127.0.0.1:{port}/ledger")
-                assert time.monotonic() - started < 10
-        finally:
-            await runner.cleanup()
+        async with _loopback(app) as port, aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await auditor_node.fetch(session, f"http://127.0.0.1:{port}/ledger")
+            assert time.monotonic() - started < 10
 
     asyncio.run(scenario())
