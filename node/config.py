@@ -13,6 +13,8 @@ Environment variables are read here and nowhere else.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -20,7 +22,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from intellect_protocol.messages import SPECIAL_TOKENS, ModelSpec, RunSettings, RunSpec, tiny_model
+from intellect_protocol.messages import SPECIAL_TOKENS, ModelSpec, RunSettings, RunSpec, VerifySpec, tiny_model
+
+logger = logging.getLogger(__name__)
+
+
+TRUSTED_LOGPROB_ERROR = 0.05
+"""The largest ``verify.max_logprob_error`` under which a run may train on the producers' reported log-probs as
+logp_old: a ratio off by at most 5%, within PPO's clip of 0.2. Calibrations in bf16 allow far more (SmolLM2 0.68:
+a factor of two), so such runs must set ``train.recompute_logp_old``."""
 
 
 class RunConfig(RunSettings):
@@ -43,6 +53,13 @@ class RunConfig(RunSettings):
                 f"verify.check_fraction={self.verify.check_fraction} leaves completions whose reported log-probs "
                 "nobody checks, and they would reach the loss: set train.recompute_logp_old = true (the trainer "
                 "takes logp_old from its own forward) or verify.check_fraction = 1.0"
+            )
+        if self.verify.max_logprob_error > TRUSTED_LOGPROB_ERROR and not self.train.recompute_logp_old:
+            raise ValueError(
+                f"verify.max_logprob_error={self.verify.max_logprob_error:g} lets a producer's reported log-probs "
+                f"be off by that much (a factor of {math.exp(self.verify.max_logprob_error):.2f} in GRPO's ratio; "
+                f"bf16 and fp16 calibrations allow it), and they would reach the loss: set "
+                "train.recompute_logp_old = true (the trainer takes logp_old from its own forward)"
             )
         m = self.model
         if m.kind == "hf":
@@ -359,6 +376,14 @@ def _with_calibrated_thresholds(tree: dict[str, Any]) -> None:
                 "benchmarks/calibrate_validator.py measures them) or leave it"
             )
         tree["verify"] = {**found, **own}
+    elif model["compute_dtype"] == "float32" and model["kind"] == "hf" and not all(k in own for k in LIMITS):
+        logger.warning(
+            "no verify thresholds were calibrated for %r computing in float32: its run takes the defaults, measured "
+            "on the tiny model (topk %d); honest rollouts of another model may fail them, or cheats pass. Run "
+            "benchmarks/calibrate_validator.py for it and put the [verify] section it prints under [run.verify]",
+            model["name"],
+            VerifySpec().topk,
+        )
     elif model["compute_dtype"] != "float32" and not all(k in own for k in LIMITS):
         which = "the tiny model" if model["kind"] == "tiny-llama" else repr(model["name"])
         shipped = ", ".join(sorted(p.stem for p in CALIBRATED.glob("*.toml")))

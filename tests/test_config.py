@@ -37,7 +37,8 @@ def test_a_run_of_a_calibrated_model_and_dtype_takes_its_thresholds(path: Path) 
     assert VerifySpec.model_validate(section)  # every key known, every value in bounds
     model, dtype = path.stem.split("-")
     kind = ["model.kind=tiny-llama"] if model == "tiny" else ["model.kind=hf", f"model.name={model}"]
-    run = load_run_config(None, [*kind, f"model.compute_dtype={dtype}", "verify.check_fraction=1.0"])
+    own = [f"model.compute_dtype={dtype}", "verify.check_fraction=1.0", "train.recompute_logp_old=true"]
+    run = load_run_config(None, [*kind, *own])
     assert run.verify.model_dump() == {**VerifySpec().model_dump(), **section, "check_fraction": 1.0}
 
 
@@ -50,8 +51,31 @@ def test_a_run_in_bf16_without_calibrated_thresholds_is_refused_with_the_way_out
     with pytest.raises(ValueError, match="no verify thresholds were calibrated"):  # the rest would be fp32's
         load_run_config(None, some)
     rest = ["verify.max_mant_err_median=3", "verify.max_sampling_gap=0.7", "verify.min_rederived=0.8"]
-    given = load_run_config(None, [*some, *rest, "verify.max_logprob_error=0.7"])
+    given = load_run_config(None, [*some, *rest, "verify.max_logprob_error=0.7", "train.recompute_logp_old=true"])
     assert (given.verify.max_mant_err_mean, given.verify.max_exp_mismatches) == (4.0, 12)  # the run's own
+
+
+def test_loose_log_prob_thresholds_need_the_trainers_own_logp_old() -> None:
+    """A bf16 calibration lets reported log-probs be 0.68 off (a factor of two in GRPO's ratio): such a run must not
+    train on them."""
+    bf16 = ["model.kind=hf", "model.name=smollm2", "model.compute_dtype=bfloat16", "verify.check_fraction=1.0"]
+    with pytest.raises(ValueError, match=r"verify.max_logprob_error=0.684 .* set train.recompute_logp_old = true"):
+        load_run_config(None, bf16)
+    assert load_run_config(None, [*bf16, "train.recompute_logp_old=true"]).verify.max_logprob_error == 0.684
+    assert load_run_config(None, ["model.compute_dtype=bfloat16"]).verify.max_logprob_error < 0.05  # tiny: allowed
+
+
+def test_an_uncalibrated_model_in_fp32_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Its run takes thresholds measured on the tiny model: the trainer's operator is told how to measure its own."""
+    with caplog.at_level("WARNING", logger="intellect_node.config"):
+        run = load_run_config(None, ["model.kind=hf", "model.name=/models/other"])
+    assert run.verify.topk == 64
+    assert "no verify thresholds were calibrated for '/models/other' computing in float32" in caplog.text
+    assert "calibrate_validator.py" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="intellect_node.config"):
+        load_run_config(None, ["model.kind=hf", "model.name=smollm2"])  # shipped: smollm2-float32.toml
+    assert caplog.text == ""
 
 
 def test_a_calibration_is_not_mixed_with_another_proof_shape() -> None:
