@@ -188,7 +188,14 @@ FOREIGN_SHARE = 0.125
 where the chunk's k-th and (k+1)-th magnitudes are within rounding of each other, the validator's top-k holds an
 index the producer never committed to, and the proof's polynomial gives a random 16-bit value there. Mostly its
 exponent differs (one mismatch, allowed); one time in about 256 the exponent matches, and its random mantissa,
-averaged with 63 exact ones, made a mean error of 0.59 that banned an honest fp32 producer (0 mismatches, median 0)."""
+averaged with 63 exact ones, made a mean error of 0.59 that banned an honest fp32 producer (0 mismatches, median 0).
+Only values near the boundary can be foreign (``FOREIGN_WINDOW``): a large error elsewhere stays in the mean."""
+
+FOREIGN_WINDOW = 0.25
+"""A value counts as foreign (``FOREIGN_SHARE``) only if its magnitude is within this share above the validator's
+k-th largest: an index the producer never committed to is one whose magnitude ties the k-th within rounding (bf16
+rounding between two honest passes moves a value by a few percent). Without the window a producer could move up to
+``max_exp_mismatches`` of its largest values by up to half their mantissa range and keep them out of the mean."""
 
 
 def verify_chunk_proofs(
@@ -196,13 +203,15 @@ def verify_chunk_proofs(
 ) -> list[VerificationResult]:
     """Statistics for each (chunk, proof) pair; a proof that does not decode to ``topk`` coefficients fails.
     ``foreign_share`` (validators: ``FOREIGN_SHARE``) also counts as mismatches, out of the mantissa statistics, the
-    values whose mantissa differs by more than that share of its range; None gives the reference's statistics."""
+    values near the k-th magnitude (``FOREIGN_WINDOW``) whose mantissa differs by more than that share of its range;
+    None gives the reference's statistics."""
     if len(chunks) != len(proofs):
         raise ValueError(f"{len(proofs)} proofs for {len(chunks)} chunks")
     if not chunks:
         return []
     failed = VerificationResult(topk, NO_MATCH, NO_MATCH)
     rows, xs, vals, widths, where = [], [], [], [], []
+    near: list[torch.Tensor] = []  # per row: values close enough to the k-th magnitude to be foreign
     for i, (chunk, proof) in enumerate(zip(chunks, proofs, strict=True)):
         if len(proof) != proof_bytes(topk):
             continue
@@ -213,6 +222,8 @@ def verify_chunk_proofs(
         rows.append(coeffs)
         xs.append(indices % m)
         vals.append(_bits(values))
+        magnitudes = values.float().abs()
+        near.append(magnitudes <= magnitudes.min() * (1.0 + FOREIGN_WINDOW))
         widths.append(MANTISSA_BITS[values.dtype])
         where.append(i)
     results = [failed] * len(chunks)
@@ -226,7 +237,7 @@ def verify_chunk_proofs(
     mismatch = ((claimed & 0x7FFF) >> width) != ((own & 0x7FFF) >> width)
     err = ((claimed & mant_mask) - (own & mant_mask)).abs()
     if foreign_share is not None:
-        mismatch = mismatch | (err > (foreign_share * (1 << width)).to(torch.int64))
+        mismatch = mismatch | ((err > (foreign_share * (1 << width)).to(torch.int64)) & torch.stack(near))
     for row, i in enumerate(where):
         errs = err[row][~mismatch[row]]
         n_mis = int(mismatch[row].sum())

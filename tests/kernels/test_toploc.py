@@ -227,3 +227,28 @@ def test_a_top_k_index_taken_at_the_boundary_is_one_mismatch_not_a_mantissa_erro
     # a foreign value within the cap (16 units) whose exponent matched stays in the mean: at most 16/64 = 0.25
     assert max(r.mant_err_mean for r in ours) <= 16 / 64 < RunConfig().verify.max_mant_err_mean
     assert max(r.mant_err_median for r in ours) == 0.0
+
+
+def test_large_errors_far_from_the_boundary_stay_in_the_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer may not hide changed values behind the foreign rule: three of its largest values moved by a quarter
+    of their mantissa range (exponents kept, within the run's three mismatches) would each be 'foreign' without
+    the window, and the mean would show nothing. They are not near the k-th magnitude, so the mean shows them."""
+    g = torch.Generator().manual_seed(1)
+    honest, committed = [], []
+    for _ in range(64):
+        chunk = torch.randn(128, generator=g).to(torch.bfloat16)
+        order = chunk.float().abs().argsort(descending=True)
+        moved = chunk.clone()
+        for i in order[:3]:  # its three largest, each a quarter of the mantissa range (32 units of 128) up
+            bits = moved[i : i + 1].view(torch.int16)
+            bits += 32 if (int(bits) & 0x7F) < 96 else -32
+        honest.append(chunk)
+        committed.append(moved)
+    proofs = toploc.build_chunk_proofs(committed, 64)
+    ours = toploc.verify_chunk_proofs(honest, proofs, 64, foreign_share=toploc.FOREIGN_SHARE)
+    limits = RunConfig().verify
+    assert all(r.exp_mismatches == 0 for r in ours)
+    assert min(r.mant_err_mean for r in ours) >= 3 * 32 / 64 > limits.max_mant_err_mean
+    monkeypatch.setattr(toploc, "FOREIGN_WINDOW", float("inf"))
+    hidden = toploc.verify_chunk_proofs(honest, proofs, 64, foreign_share=toploc.FOREIGN_SHARE)
+    assert all(r.exp_mismatches == 3 and r.mant_err_mean == 0.0 for r in hidden)  # what the window closes
