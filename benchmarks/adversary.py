@@ -5,22 +5,21 @@
 The swarm: a trainer (tiny model, async level 16 so that cheaters' batches reach the validator rather than going
 stale; no online filter and a learning rate that leaves the policy where it starts, so that a step's work stays the
 same without an attack), a validator it trusts, two honest inference nodes and a relay, as separate processes in a
-network namespace of their own; the attacker in another, across a veth (as root; ``--netns off``: on loopback,
-from 127.0.0.2). Its training rate (trainer steps per second)
-is measured in a window without attack, then during each attack, each followed by another attack-free window (an
-attack's share is against the mean of the attack-free windows on either side of it: on two shared cores the
-attack-free rate drifts by a fifth over a run); the attacker is this process, with real keys,
-a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the project's review found, the
-cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission flood, and the classes of the
-second review (docs/threat-model.md): DHT answers that never expire, invite redemption floods, squatted origin
-slots, a jailed program filling /dev/shm, announcement floods, digest echoes, strangers' signed slot requests,
-acknowledgements on demand and dial-backs to silent ports. For each: whether the attack achieved its aim (key read,
-bad data accepted, duplicate trained, node crashed, swarm frozen, ...), the honest training rate during it as a
-share of the attack-free rate, and what it cost: the CPU seconds the swarm's processes spent beyond what their honest
-steps explain (at the CPU per step of the attack-free windows around it), per CPU second of the attacker's own
-processes (the attacker runs at the lowest priority on the same two cores, but while it prepares an attack). A
-node of the swarm that crashed, or an honest node the trainer banned, is a failure of its own. A table, then one
-line:
+network namespace of their own; the attacker in another, across a veth (as root; ``--netns off``: on loopback, from
+127.0.0.2). Its training rate (trainer steps per second) is measured in a window without attack, then during each
+attack, each followed by another attack-free window (an attack's share is against the mean of the attack-free
+windows on either side of it: on two shared cores the attack-free rate drifts by a fifth over a run); the attacker
+is this process, with real keys, a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the
+project's review found, the cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission
+flood, and the classes of the second review (docs/threat-model.md): DHT answers that never expire, invite redemption
+floods, squatted origin slots, a jailed program filling /dev/shm, announcement floods, digest echoes, strangers'
+signed slot requests, acknowledgements on demand, dial-backs to silent ports and auditors' downloads. For each:
+whether the attack achieved its aim (key read, bad data accepted, duplicate trained, node crashed, swarm frozen,
+...), the honest training rate during it as a share of the attack-free rate, and what it cost: the CPU seconds the
+swarm's processes spent beyond what their honest steps explain (at the CPU per step of the attack-free windows
+around it), per CPU second of the attacker's own processes (the attacker runs at the lowest priority on the same two
+cores, but while it prepares an attack). A node of the swarm that crashed, or an honest node the trainer banned, is
+a failure of its own. A table, then one line:
 
     adversary attacks=N held=N bad_accepted=0 crashes=0 honest_rate_min=0.xx
 """
@@ -71,6 +70,7 @@ from intellect_node.p2p.transport import DELIVERY_ERRORS, MAX_READING, submit, s
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
 from intellect_node.roles.inference import generate_batch
 from intellect_node.roles.invites import call_redeem
+from intellect_node.roles.trainer_audit import PER_KEY_PER_HOUR
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.files import load_checkpoint, verify_manifest
 from intellect_node.weights.stripes import DEFAULT_STRIPES
@@ -214,14 +214,21 @@ class Outcome:
     """CPU seconds the attacker (this process and the peers, daemons, servers and jailed programs it started, those
     that ended included) used."""
     extra_cpu: float = 0.0
-    """The swarm's CPU seconds that its honest work does not explain: what it used during the attack, less the
-    training steps it made meanwhile at the CPU seconds per step of the attack-free windows around it (0 when
-    less). Work an attack diverts from training on saturated cores counts here too."""
+    """The CPU seconds our nodes spent on the attack: per node, its use during the attack beyond both what its pace
+    in time and what its pace per training step in the attack-free windows around it explain (CPU-s per second
+    times the window; CPU-s per step times the steps made), summed over the nodes that used more (a node starved
+    meanwhile does not offset one that did the attack's work). Both, because inference nodes generate at their own
+    pace whatever the trainer's rate (per step alone, 42 refused requests showed 6 CPU-s spread over nodes they
+    never reached while the trainer slowed) and the trainer's work follows its steps (per second alone, a window
+    with more steps showed 3.8 CPU-s of the trainer's for 26 refused requests). Per-node noise of a 30 s window
+    puts ~1 CPU-s here without any attack."""
     steps: int = 0
     """Training steps made during the window."""
+    seconds: float = 0.0
+    """The window's length (an attack may run past its end)."""
     by_node: dict[str, float] = field(default_factory=dict)
     """``swarm_cpu`` by node (each with its DHT process and daemons); after the attack-free windows around it are
-    known, the part of each that its honest steps do not explain."""
+    known, each node's use beyond its attack-free pace."""
 
     @property
     def cost_ratio(self) -> float:
@@ -410,7 +417,8 @@ async def measure(
     outcome.attacker_cpu = max(0.0, cpu_after[1] - cpu_before[1])
     outcome.by_node = {n: cpu_after[2][n] - cpu_before[2].get(n, cpu_after[2][n]) for n in cpu_after[2]}
     outcome.steps = await asyncio.to_thread(steps, swarm) - before
-    outcome.rate = outcome.steps / (time.monotonic() - started)
+    outcome.seconds = time.monotonic() - started
+    outcome.rate = outcome.steps / outcome.seconds
     return outcome
 
 
@@ -1264,6 +1272,64 @@ class DialbackFlood:
         )
 
 
+class AuditFlood:
+    """Keys registered as auditors ask for the trainer's checkpoints as fast as it answers, strangers' signed requests
+    and unsigned index requests beside them (the /audit routes, node/roles/trainer_audit.py): each download is a
+    checkpoint streamed from the trainer's disk. Aim: more served than the routes' limit per key
+    (``PER_KEY_PER_HOUR``), or training slowed by serving them (the honest rate). ``SERVING`` at once is the
+    server's (tests/roles/test_audit.py): from here a download whose bytes all sit in socket buffers looks
+    unfinished."""
+
+    def __init__(self, swarm: Swarm, keys: int = 16, strangers: int = 4) -> None:
+        self.swarm = swarm
+        self.auditors = [Identity.generate() for _ in range(keys)]
+        self.strangers = [Identity.generate() for _ in range(strangers)]
+        self.statuses: dict[int, int] = {}
+        self.bytes = 0
+
+    async def prepare(self) -> None:
+        for key in self.auditors:
+            await asyncio.to_thread(self.swarm.register, key, "auditor")
+        await asyncio.sleep(10.0)  # the trainer's registry reads the nodes key every few seconds
+
+    async def one(self, session: aiohttp.ClientSession, key: Identity | None, until: float) -> None:
+        while time.monotonic() < until:
+            try:
+                async with session.get(self.swarm.trainer_url + "/audit") as r:
+                    steps = (await r.json())["checkpoints"] if r.status == 200 else []
+                    self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+                if key is None or not steps:
+                    continue
+                path = f"/audit/checkpoint/{steps[-1]}"
+                headers = signed_headers(key, "GET", path, self.swarm.run_id)
+                async with session.get(self.swarm.trainer_url + path, headers=headers) as r:
+                    self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+                    if r.status != 200:
+                        await asyncio.sleep(0.2)
+                        continue
+                    async for chunk in r.content.iter_chunked(1 << 16):
+                        self.bytes += len(chunk)
+            except (aiohttp.ClientError, ValueError, KeyError, TypeError):
+                await asyncio.sleep(0.2)
+
+    async def attack(self, until: float) -> Outcome:
+        url = self.swarm.trainer_url
+        served = lambda: _metric(url, 'node_audit_downloads_total{outcome="checkpoint"}')  # noqa: E731
+        before = await asyncio.to_thread(served)
+        async with attacker_session() as session:
+            keys: list[Identity | None] = [*self.auditors, *self.strangers, None, None]
+            await asyncio.gather(*(self.one(session, key, until) for key in keys))
+        done = await asyncio.to_thread(served) - before
+        allowed = len(self.auditors) * PER_KEY_PER_HOUR
+        return Outcome(
+            f"audit downloads ({len(self.auditors)} auditor keys, {len(self.strangers)} strangers)",
+            "limits exceeded",
+            done > allowed,
+            f"{done:.0f} checkpoints served (the keys' limit: {allowed} an hour), {self.bytes / 1e6:.0f} MB read; "
+            f"answers {dict(sorted(self.statuses.items()))}",
+        )
+
+
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -1295,6 +1361,7 @@ ATTACKS = (
     "nonce_flood",
     "reack",
     "dialback_flood",
+    "audit_flood",
 )
 
 
@@ -1342,6 +1409,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         trickler, pather = HostileParent(swarm, "trickle"), HostileParent(swarm, "path")
         squat, cheats, dialback = OriginSquat(swarm), Cheaters(swarm), DialbackFlood(swarm)
+        auditing = AuditFlood(swarm)
         flood = FromPeer(swarm, announce_flood, register=False, also=lambda: register_all(swarm, SYBILS))
         echo, reacker = FromPeer(swarm, digest_echo, register=True), FromPeer(swarm, reack, register=True)
         Attack = Callable[[float], Awaitable[Outcome]]
@@ -1367,13 +1435,11 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "nonce_flood": (None, lambda u: nonce_flood(swarm, u)),
             "reack": (reacker.prepare, reacker.attack),
             "dialback_flood": (dialback.prepare, dialback.attack),
+            "audit_flood": (auditing.prepare, auditing.attack),
         }
         assert set(attacks) == set(ATTACKS)
         outcomes = []
-        controls = [control.rate]
-        controls_cpu = [control.swarm_cpu]
-        controls_steps = [control.steps]
-        controls_by_node = [control.by_node]
+        controls = [control]
         for name in args.attacks or list(attacks):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
@@ -1381,20 +1447,21 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             # an attack-free window after each attack: each attack is judged against the windows on either side
             # of it (on two shared cores the attack-free rate drifts by a fifth over a run)
             after = await measure(swarm, args.window, lambda until: idle(swarm, until))
-            controls.append(after.rate)
-            controls_cpu.append(after.swarm_cpu)
-            controls_steps.append(after.steps)
-            controls_by_node.append(after.by_node)
-            baseline = (controls[-2] + controls[-1]) / 2
+            controls.append(after)
+            before_it = controls[-2]
+            baseline = (before_it.rate + after.rate) / 2
             outcome.control = baseline
             outcome.rate /= max(baseline, 1e-9)
-            per_step = (controls_cpu[-2] + controls_cpu[-1]) / max(1, controls_steps[-2] + controls_steps[-1])
-            outcome.extra_cpu = max(0.0, outcome.swarm_cpu - per_step * outcome.steps)
-            around = max(1, controls_steps[-2] + controls_steps[-1])
-            outcome.by_node = {
-                n: used - (controls_by_node[-2].get(n, 0.0) + controls_by_node[-1].get(n, 0.0)) / around * outcome.steps
-                for n, used in outcome.by_node.items()
-            }
+            around_s = max(before_it.seconds + after.seconds, 1e-9)
+            around_steps = max(before_it.steps + after.steps, 1)
+            by_node = {}
+            for n, used in outcome.by_node.items():
+                calm = before_it.by_node.get(n, 0.0) + after.by_node.get(n, 0.0)  # its CPU-s in both windows
+                by_time = used - calm / around_s * outcome.seconds
+                by_steps = used - calm / around_steps * outcome.steps
+                by_node[n] = min(by_time, by_steps)
+            outcome.by_node = by_node
+            outcome.extra_cpu = sum(max(0.0, x) for x in by_node.values())
             by_node = ", ".join(f"{n} {x:+.1f}" for n, x in sorted(outcome.by_node.items(), key=lambda kv: -kv[1]))
             print(
                 f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
