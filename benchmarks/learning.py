@@ -26,8 +26,10 @@ The clock of a swarm run starts when its trainer process is launched (start-up i
 when its loop starts. Every ``--eval-every`` minutes the policy of that moment is kept (a hard link of the
 newest published version; the colocated loop saves its weights) and, after all runs (so evaluation does not
 compete with training), each is scored on the same 200 held-out problems (never assigned for training), greedy,
-with the run's own answer extraction and reward (a problem counts when its reward is 1). The PNG plots mean
-training reward and held-out accuracy against wall-clock minutes.
+with the run's own answer extraction and reward (a problem counts when its reward is 1); with ``--eval-samples N``
+the last policy of each run is also scored by N samples per problem at the run's temperature (the share that earns
+reward 1: what GRPO raises, which the greedy score misses while the likeliest answer stays the same). The PNG plots
+mean training reward and held-out accuracy against wall-clock minutes.
 
 Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
 a later invocation with the same ``--out`` reuses finished runs (``--fresh`` redoes them) and evaluates all.
@@ -35,7 +37,7 @@ a later invocation with the same ``--out`` reuses finished runs (``--fresh`` red
 After the accuracy table, the trainer's time per step split into waiting for rollouts, judging batches itself,
 training and publishing (means over the run's steps).
 
-Usage: python benchmarks/learning.py [--config TOML] [--minutes 20] [--eval-every 5]
+Usage: python benchmarks/learning.py [--config TOML] [--minutes 20] [--eval-every 5] [--eval-samples 4]
        [--runs colocated,async2,sync,validators,vllm] [--out DIR]
 """
 
@@ -329,6 +331,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the colocated loop and evaluation")
     parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="also score each kept policy by N samples per held-out problem at the run's temperature (the same seeds "
+        "for every policy): the share that earns reward 1, what GRPO raises even where the greedy answer stays",
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="intellect-learning-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -381,11 +390,14 @@ def main() -> None:
     held_out = task_source(spec.task).held_out_tasks()[: args.eval_problems]
     started = time.monotonic()
     before = accuracy(spec, model, tok, held_out)
+    k = args.eval_samples
+    sampled_before = accuracy(spec, model, tok, held_out, samples=k) if k else float("nan")
     print(
         f"held-out accuracy before training: {before:.3f} ({len(held_out)} problems, "
-        f"{time.monotonic() - started:.0f}s)",
+        f"{time.monotonic() - started:.0f}s)" + (f"; sampled ({k} each) {sampled_before:.3f}" if k else ""),
         flush=True,
     )
+    sampled: dict[str, float] = {}
     for name in runs:
         curves[name].accuracy.append((0.0, before))
         for mark, folder in kept[name]:
@@ -395,6 +407,9 @@ def main() -> None:
             acc = accuracy(spec, model, tok, held_out)
             curves[name].accuracy.append((mark, acc))
             print(f"  {name} t={mark / 60:.1f}min accuracy={acc:.3f}", flush=True)
+        if k and len(kept[name]) > 1:  # the last kept policy, sampled
+            sampled[name] = accuracy(spec, model, tok, held_out, samples=k)
+            print(f"  {name} last policy, sampled ({k} each): {sampled[name]:.3f}", flush=True)
     png = plot(
         list(curves.values()),
         out / "learning.png",
@@ -450,6 +465,13 @@ def main() -> None:
         f"colocated_acc_after={final('colocated'):.3f} async2_acc_after={final('async2'):.3f} "
         f"sync_acc_after={final('sync'):.3f} vllm_acc_after={final('vllm'):.3f} "
         f"validators_acc_after={final('validators'):.3f} minutes={args.minutes:g}"
+        + (
+            f" sampled_acc_before={sampled_before:.3f} colocated_sampled_acc_after="
+            f"{sampled.get('colocated', float('nan')):.3f} async2_sampled_acc_after="
+            f"{sampled.get('async2', float('nan')):.3f}"
+            if k
+            else ""
+        )
     )
 
 

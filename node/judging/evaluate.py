@@ -1,4 +1,6 @@
-"""Held-out accuracy: greedy answers to the run's held-out tasks, scored by the run's own reward.
+"""Held-out accuracy: greedy answers to the run's held-out tasks, scored by the run's own reward; and the sampled
+accuracy beside it (the share of samples at the run's temperature that earn reward 1: what GRPO raises, which a
+greedy score can miss while the policy's likeliest answer stays the same).
 
 The same extraction and scoring (``intellect_node.judging.tasks.reward``) serve before and after training, for every
 run compared. Used by ``intellect-node demo`` and benchmarks/learning.py.
@@ -19,27 +21,34 @@ from intellect_protocol.messages import RunSpec
 
 
 @torch.no_grad()
-def accuracy(spec: RunSpec, model: Any, tokenizer: Any, tasks: list[Task], rows: int = 50) -> float:
-    """Fraction of ``tasks`` whose greedy completion (at most the run's max_new_tokens) earns reward 1."""
+def accuracy(
+    spec: RunSpec, model: Any, tokenizer: Any, tasks: list[Task], rows: int = 50, samples: int = 0, seed: int = 0
+) -> float:
+    """Fraction of ``tasks`` whose greedy completion (at most the run's max_new_tokens) earns reward 1; with
+    ``samples`` > 0, the fraction of ``samples`` completions per task, drawn at the run's temperature with seeds
+    from ``seed`` (the same draws for every policy scored), that earn reward 1."""
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
+    per_task = max(1, samples)
+    per_pass = max(1, rows // per_task)
     correct = 0
-    for start in range(0, len(tasks), rows):
-        part = tasks[start : start + rows]
+    for start in range(0, len(tasks), per_pass):
+        part = tasks[start : start + per_pass]
         groups = sample_groups(
             model,
             [encode_prompt(tokenizer, t.prompt) for t in part],
-            group_size=1,
+            group_size=per_task,
             max_new_tokens=spec.sampling.max_new_tokens,
-            temperature=1.0,
+            temperature=spec.sampling.temperature if samples else 1.0,
             eos_id=eos,
             pad_id=pad,
-            row_seeds=[0] * len(part),
-            greedy=True,
+            row_seeds=[seed + (start + i) * per_task + j for i in range(len(part)) for j in range(per_task)],
+            greedy=not samples,
         )
-        for task, (c,) in zip(part, groups, strict=True):
-            text = tokenizer.decode(c.tokens[:-1] if c.terminated else c.tokens, skip_special_tokens=False)
-            correct += reward(task, text, c.terminated, len(c.tokens), spec.task) == 1.0
-    return correct / max(1, len(tasks))
+        for task, group in zip(part, groups, strict=True):
+            for c in group:
+                text = tokenizer.decode(c.tokens[:-1] if c.terminated else c.tokens, skip_special_tokens=False)
+                correct += reward(task, text, c.terminated, len(c.tokens), spec.task) == 1.0
+    return correct / max(1, len(tasks) * per_task)
 
 
 def load_folder(model: Any, folder: Path) -> None:
