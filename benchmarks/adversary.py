@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import resource
@@ -419,6 +420,22 @@ async def measure(
     outcome.steps = await asyncio.to_thread(steps, swarm) - before
     outcome.seconds = time.monotonic() - started
     outcome.rate = outcome.steps / outcome.seconds
+    return outcome
+
+
+def charge(outcome: Outcome, before_it: Outcome, after: Outcome) -> Outcome:
+    """Set ``outcome``'s ``by_node`` (from the CPU-s each node used) and ``extra_cpu`` against the attack-free
+    windows ``before_it`` and ``after`` (``Outcome.extra_cpu``)."""
+    around_s = max(before_it.seconds + after.seconds, 1e-9)
+    around_steps = max(before_it.steps + after.steps, 1)
+    by_node = {}
+    for n, used in outcome.by_node.items():
+        calm = before_it.by_node.get(n, 0.0) + after.by_node.get(n, 0.0)  # its CPU-s in both windows
+        by_time = used - calm / around_s * outcome.seconds
+        by_steps = used - calm / around_steps * outcome.steps
+        by_node[n] = min(by_time, by_steps)
+    outcome.by_node = by_node
+    outcome.extra_cpu = sum(max(0.0, x) for x in by_node.values())
     return outcome
 
 
@@ -1452,22 +1469,24 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             baseline = (before_it.rate + after.rate) / 2
             outcome.control = baseline
             outcome.rate /= max(baseline, 1e-9)
-            around_s = max(before_it.seconds + after.seconds, 1e-9)
-            around_steps = max(before_it.steps + after.steps, 1)
-            by_node = {}
-            for n, used in outcome.by_node.items():
-                calm = before_it.by_node.get(n, 0.0) + after.by_node.get(n, 0.0)  # its CPU-s in both windows
-                by_time = used - calm / around_s * outcome.seconds
-                by_steps = used - calm / around_steps * outcome.steps
-                by_node[n] = min(by_time, by_steps)
-            outcome.by_node = by_node
-            outcome.extra_cpu = sum(max(0.0, x) for x in by_node.values())
+            charge(outcome, before_it, after)
             by_node = ", ".join(f"{n} {x:+.1f}" for n, x in sorted(outcome.by_node.items(), key=lambda kv: -kv[1]))
             print(
                 f"  {outcome.name}: {'ACHIEVED' if outcome.achieved else 'held'} rate={outcome.rate:.2f} "
                 f"(attack-free around it {baseline:.2f} steps/s) cost={outcome.cost_ratio:.2f} "
                 f"({outcome.extra_cpu:.1f} of our CPU-s [{by_node}], {outcome.attacker_cpu:.1f} of the "
                 f"attacker's) {outcome.detail}",
+                flush=True,
+            )
+        # the noise floor of "our extra CPU-s": each attack-free window between two others, charged as if attacked
+        floor = sorted(
+            charge(dataclasses.replace(c), controls[i - 1], controls[i + 1]).extra_cpu
+            for i, c in enumerate(controls[1:-1], start=1)
+        )
+        if floor:
+            print(
+                f"attack-free windows charged against their neighbours as if attacked ({len(floor)}): our extra "
+                f"CPU-s median {floor[len(floor) // 2]:.1f}, max {floor[-1]:.1f} (the noise floor)",
                 flush=True,
             )
         crashes = [n for n in swarm.crashed() if not n.startswith("newcomer")]
