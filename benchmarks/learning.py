@@ -407,7 +407,7 @@ def main() -> None:
             acc = accuracy(spec, model, tok, held_out)
             curves[name].accuracy.append((mark, acc))
             print(f"  {name} t={mark / 60:.1f}min accuracy={acc:.3f}", flush=True)
-        if k and len(kept[name]) > 1:  # the last kept policy, sampled
+        if k and any(mark for mark, _ in kept[name]):  # the last kept policy, sampled
             sampled[name] = accuracy(spec, model, tok, held_out, samples=k)
             print(f"  {name} last policy, sampled ({k} each): {sampled[name]:.3f}", flush=True)
     png = plot(

@@ -30,6 +30,7 @@ def accuracy(
     eos, pad = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id)
     per_task = max(1, samples)
     per_pass = max(1, rows // per_task)
+    base = seed * len(tasks) * per_task  # another seed, other draws: no row seed shared with a nearby seed
     correct = 0
     for start in range(0, len(tasks), per_pass):
         part = tasks[start : start + per_pass]
@@ -41,7 +42,7 @@ def accuracy(
             temperature=spec.sampling.temperature if samples else 1.0,
             eos_id=eos,
             pad_id=pad,
-            row_seeds=[seed + (start + i) * per_task + j for i in range(len(part)) for j in range(per_task)],
+            row_seeds=[base + (start + i) * per_task + j for i in range(len(part)) for j in range(per_task)],
             greedy=not samples,
         )
         for task, group in zip(part, groups, strict=True):

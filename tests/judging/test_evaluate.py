@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -36,10 +37,11 @@ def test_sampled_accuracy_is_a_share_of_samples_and_repeats_its_draws(monkeypatc
     assert 0.0 < sampled < 1.0 and round(sampled * 60, 6).is_integer()
     assert accuracy(SPEC, model, TOK, TASKS, rows=7, samples=5) == sampled  # batched otherwise: the same draws
     texts.clear()
-    accuracy(SPEC, model, TOK, TASKS, rows=10, samples=5, seed=1000)
-    other = list(texts)
-    texts.clear()
     accuracy(SPEC, model, TOK, TASKS, rows=10, samples=5)
-    assert other != texts  # another seed, other draws
+    mine = list(texts)
+    texts.clear()
+    accuracy(SPEC, model, TOK, TASKS, rows=10, samples=5, seed=1)
+    shared = sum((Counter(mine) & Counter(texts)).values())
+    assert shared < 15  # the next seed draws anew (seeds shifted by one row shared 48 of the 60 draws)
     greedy = [accuracy(SPEC, model, TOK, TASKS, seed=s) for s in (0, 1000)]
     assert greedy[0] == greedy[1]
