@@ -426,13 +426,15 @@ async def measure(
 def charge(outcome: Outcome, before_it: Outcome, after: Outcome) -> Outcome:
     """Set ``outcome``'s ``by_node`` (from the CPU-s each node used) and ``extra_cpu`` against the attack-free
     windows ``before_it`` and ``after`` (``Outcome.extra_cpu``)."""
-    around_s = max(before_it.seconds + after.seconds, 1e-9)
-    around_steps = max(before_it.steps + after.steps, 1)
     by_node = {}
     for n, used in outcome.by_node.items():
-        calm = before_it.by_node.get(n, 0.0) + after.by_node.get(n, 0.0)  # its CPU-s in both windows
-        by_time = used - calm / around_s * outcome.seconds
-        by_steps = used - calm / around_steps * outcome.steps
+        around = [w for w in (before_it, after) if n in w.by_node]  # a node absent from one is paced by the other
+        if not around:  # in neither: all it used is the attack's
+            by_node[n] = used
+            continue
+        calm = sum(w.by_node[n] for w in around)  # its CPU-s in the windows it was in
+        by_time = used - calm / max(sum(w.seconds for w in around), 1e-9) * outcome.seconds
+        by_steps = used - calm / max(sum(w.steps for w in around), 1) * outcome.steps
         by_node[n] = min(by_time, by_steps)
     outcome.by_node = by_node
     outcome.extra_cpu = sum(max(0.0, x) for x in by_node.values())
@@ -1289,6 +1291,10 @@ class DialbackFlood:
         )
 
 
+REGISTRY_WAIT_S = 30.0
+"""The longest an attack waits for the trainer's registry to read the records it placed."""
+
+
 class AuditFlood:
     """Keys registered as auditors ask for the trainer's checkpoints as fast as it answers, strangers' signed requests
     and unsigned index requests beside them (the /audit routes, node/roles/trainer_audit.py): each download is a
@@ -1305,9 +1311,16 @@ class AuditFlood:
         self.bytes = 0
 
     async def prepare(self) -> None:
+        known = (await asyncio.to_thread(self.swarm.status))["peers"]
         for key in self.auditors:
             await asyncio.to_thread(self.swarm.register, key, "auditor")
-        await asyncio.sleep(10.0)  # the trainer's registry reads the nodes key every few seconds
+        # the trainer's registry reads the nodes key every few seconds: wait until it counts the auditors' records
+        # (its /status "peers"), at most REGISTRY_WAIT_S (records of an earlier attack expiring can hide some)
+        deadline = time.monotonic() + REGISTRY_WAIT_S
+        while time.monotonic() < deadline:
+            if (await asyncio.to_thread(self.swarm.status))["peers"] >= known + len(self.auditors):
+                break
+            await asyncio.sleep(0.5)
 
     async def one(self, session: aiohttp.ClientSession, key: Identity | None, until: float) -> None:
         while time.monotonic() < until:
