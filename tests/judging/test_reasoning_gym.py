@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from intellect_node.config import load_run_config
 from intellect_node.judging.families.reasoning_gym import read_answer
 from intellect_node.judging.tasks import load_task_source, reward, task_source
 from intellect_protocol.messages import TaskSpec
@@ -89,6 +91,25 @@ def test_the_datasets_scorer_decides_and_a_cut_off_answer_scores_zero() -> None:
     tags = CHAIN_SUM.model_copy(update={"answer_format": "tags"})
     assert reward(task, f"so <answer>{task.answer}</answer>", True, 3, tags) == 1.0
     assert reward(task, f"{task.answer}", True, 3, tags) == 0.0
+
+
+def test_the_shipped_harder_task_is_sums_of_three_numbers() -> None:
+    """node/configs/smollm2-sum3.toml, the learning benchmark's harder task (docs/training.md): three terms from 0
+    to 10, added; the dataset's scorer gives 1 to the sum as the reply's last number and 0 to anything else."""
+    config = Path(__file__).resolve().parents[2] / "node" / "configs" / "smollm2-sum3.toml"
+    spec = load_run_config(config).spec("f" * 32).task
+    source = load_task_source(spec)
+    held = {t.id for t in source.held_out_tasks()}
+    assert len(held) == 200
+    for batch in range(20):
+        task = source.assigned(0, NODE, 1, batch, 0)
+        assert task.id not in held
+        question = task.prompt.split("Reply with just the number.")[0]
+        terms = [int(x) for x in re.findall(r"-?\d+", question)]
+        assert len(terms) == 3 and all(0 <= x <= 10 for x in terms) and "-" not in question
+        assert int(task.answer) == sum(terms)
+        assert reward(task, f"The sum is {task.answer}.", True, 6, spec) == 1.0
+        assert reward(task, f"{sum(terms) + 1}", True, 3, spec) == 0.0
 
 
 def test_answer_reading() -> None:
