@@ -1,10 +1,11 @@
 """Learning: SmolLM2-135M-Instruct on a task through the real swarm, on this CPU.
 
 The task and settings come from a run config: ``--config node/configs/smollm2-addition.toml`` (the default:
-two-digit addition) or ``smollm2-chainsum.toml`` (reasoning-gym's chain_sum, three terms). Both take 8 prompts x 8
-samples per step, up to 24 new tokens, lr 1e-5, fp32 master weights with bf16 autocast where bf16 is native (fp32
-elsewhere: policy.model.bf16_is_fast); addition samples at temperature 1.0, chain_sum at 0.7. The runs have the
-same task, settings and wall-clock budget:
+two-digit addition), ``smollm2-sum3.toml`` (reasoning-gym's basic_arithmetic: sums of three numbers up to 10) or
+``smollm2-chainsum.toml`` (reasoning-gym's chain_sum, three terms of + and -). All take 8 prompts x 8
+samples per step, up to 24 new tokens, lr 1e-5 (sum3: 2e-5), fp32 master weights with bf16 autocast where bf16 is
+native (fp32 elsewhere: policy.model.bf16_is_fast); addition samples at temperature 1.0, the others at 0.7. The
+runs have the same task, settings and wall-clock budget:
 
 - ``colocated``: the yardstick. One process generates, scores and updates in turn (both cores, no proofs, no
   validation, no networking; it samples from a bf16 copy of the weights where bf16 is native, else fp32).
@@ -34,8 +35,9 @@ mean training reward and held-out accuracy against wall-clock minutes.
 Each run is a child process of its own (memory is returned between runs) and leaves ``<out>/<run>/result.json``;
 a later invocation with the same ``--out`` reuses finished runs (``--fresh`` redoes them) and evaluates all.
 
-After the accuracy table, the trainer's time per step split into waiting for rollouts, judging batches itself,
-training and publishing (means over the run's steps).
+After the accuracy table, the colocated loop's time per step split into generating, scoring and training, and each
+swarm trainer's into waiting for rollouts, judging batches itself, training and publishing, with its producer's
+seconds per generated batch (means over the run's steps).
 
 Usage: python benchmarks/learning.py [--config TOML] [--minutes 20] [--eval-every 5] [--eval-samples 4]
        [--runs colocated,async2,sync,validators,vllm] [--out DIR]
@@ -76,6 +78,9 @@ CONFIG = Path(__file__).resolve().parent.parent / "node" / "configs" / "smollm2-
 SPLIT = {"waiting": "idle_s", "judging": "validate_s", "training": "seconds", "publishing": "publish_s"}
 """The trainer's time per step (history fields): waiting for rollouts, judging batches itself (on its own thread,
 while it waits or trains), the step itself, and writing and announcing the previous version (also overlapped)."""
+COLOCATED_SPLIT = ("generating", "scoring", "training")
+"""The colocated loop's time per step (both cores): sampling the batch (the weights copied to the sampler
+included), rewards, and the GRPO step (packing included)."""
 COLOCATED_NODE = "0" * 32
 
 
@@ -96,8 +101,11 @@ def save_weights(engine: PolicyEngine, folder: Path) -> None:
     save_file(engine.export_state(), str(folder / "model.safetensors"))
 
 
-def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> tuple[Curve, list[Any]]:
-    """generate -> score -> update in one process; snapshots of the weights at each ``every`` mark."""
+def colocated(
+    spec: RunSpec, seconds: float, every: float, out: Path, threads: int
+) -> tuple[Curve, list[Any], dict[str, float]]:
+    """generate -> score -> update in one process; snapshots of the weights at each ``every`` mark, and the
+    seconds per step each part took (``COLOCATED_SPLIT``)."""
     torch.set_num_threads(threads)
     tok = build_tokenizer(spec.model)
     engine = PolicyEngine(spec, build_model(spec.model, tok, torch.float32))
@@ -112,7 +120,9 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
     snapshots.append((0.0, out / "colocated" / "t0000"))
     started = time.monotonic()
     next_mark, step, last_done = every, 0, 0.0
+    spent = dict.fromkeys(COLOCATED_SPLIT, 0.0)
     while True:
+        began = time.monotonic()
         load_weights(sampler, engine.export_state())
         tasks = [source.assigned(spec.seed, COLOCATED_NODE, step, 0, slot) for slot in range(t.batch_groups)]
         prompts = [encode_prompt(tok, task.prompt) for task in tasks]
@@ -122,6 +132,7 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
             for j in range(s.group_size)
         ]
         groups = sample_groups(sampler, prompts, s.group_size, s.max_new_tokens, s.temperature, eos, pad, seeds)
+        generated = time.monotonic()
         batch = [
             Group(
                 COLOCATED_NODE,
@@ -134,11 +145,15 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
             for p, g, task in zip(prompts, groups, tasks, strict=True)
         ]
         rewards = torch.tensor([g.rewards for g in batch])
+        scored = time.monotonic()
         ids, attn, mask, logp_old = pack_sequences(batch, pad)
         engine.step(Packed(ids, attn, mask, logp_old, group_advantages(rewards).flatten()), t.lr)
         now = time.monotonic() - started
         if now > seconds:  # this step ended after the budget: the run's result is the step before it
             break
+        took = (generated - began, scored - generated, now + started - scored)
+        for part, seconds_spent in zip(COLOCATED_SPLIT, took, strict=True):
+            spent[part] += seconds_spent
         step += 1
         last_done = now
         curve.rewards.append((now, float(rewards.mean())))
@@ -153,7 +168,7 @@ def colocated(spec: RunSpec, seconds: float, every: float, out: Path, threads: i
         save_weights(engine, folder)  # the weights after the last step that ended within the budget
         snapshots.append((seconds, folder))
     print(f"  colocated: {step} steps, last at {last_done:.0f}s", flush=True)
-    return curve, snapshots
+    return curve, snapshots, {k: v / max(1, step) for k, v in spent.items()}
 
 
 def _status(url: str) -> dict[str, Any]:
@@ -172,6 +187,13 @@ def _counters(url: str, name: str) -> dict[str, float]:
             label = line.split('"', 2)[1]
             out[label] = out.get(label, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _counter(url: str, name: str) -> float:
+    """An unlabelled counter of a node, from its /metrics (0.0 where it is absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    return next((float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " ")), 0.0)
 
 
 def _keep(weights_root: Path, dest: Path) -> Path | None:
@@ -272,6 +294,10 @@ def swarm(
         status = _status(ready["status_url"])
         worker_status = _status(worker_ready["status_url"])
         worker_status["deferred"] = _counters(worker_ready["status_url"], "node_inference_batches_deferred_total")
+        generated = _counter(worker_ready["status_url"], "node_generation_batches_total")
+        worker_status["generation_s"] = _counter(worker_ready["status_url"], "node_generation_seconds_total") / max(
+            1.0, generated
+        )
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -286,8 +312,9 @@ def swarm(
 def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float, out: Path, threads: int) -> None:
     """One run, in this (child) process; its curve and kept policies go to ``<out>/<name>/result.json``."""
     if name == "colocated":
-        curve, kept = colocated(spec, seconds, every, out, threads)
+        curve, kept, split = colocated(spec, seconds, every, out, threads)
         steps = len(curve.rewards)
+        producer: dict[str, Any] = {}
     else:
         level = {"async2": 2, "sync": 0, "vllm": 2, "validators": 2}[name]
         extra = ("--set", "inference.backend=vllm") if name == "vllm" else ()
@@ -303,6 +330,7 @@ def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float
             "accepted": worker.get("batches_accepted", 0),
             "refused": worker.get("rejections", {}),
             "deferred": worker.get("deferred", {}),
+            "generation_s": worker.get("generation_s", 0.0),
         }
     (out / name).mkdir(parents=True, exist_ok=True)
     (out / name / "result.json").write_text(
@@ -311,8 +339,8 @@ def run_one(config: Path, name: str, spec: RunSpec, seconds: float, every: float
                 "rewards": curve.rewards,
                 "kept": [(m, str(p)) for m, p in kept],
                 "steps": steps,
-                "split": split if name != "colocated" else {},
-                "producer": producer if name != "colocated" else {},
+                "split": split,
+                "producer": producer,
             }
         )
     )
@@ -439,7 +467,11 @@ def main() -> None:
             f"{name:<11}{infos[name]['steps']:>7}{first:>16.3f}{last:>15.3f}{before:>12.3f}{accs}"
             f"{final(name) - before:>+8.3f}"
         )
-    swarms = [n for n in runs if infos[n].get("split")]
+    if "colocated" in runs and infos["colocated"].get("split"):
+        sp = infos["colocated"]["split"]
+        print()
+        print("colocated, s/step (both cores): " + ", ".join(f"{k} {sp[k]:.2f}" for k in COLOCATED_SPLIT))
+    swarms = [n for n in runs if n != "colocated" and infos[n].get("split")]
     if swarms:
         print()
         print(f"{'trainer, s/step':<16}" + "".join(f"{k:>10}" for k in SPLIT) + f"{'judged by validators / here':>30}")
@@ -457,7 +489,8 @@ def main() -> None:
             deferred = ", ".join(f"{k} {v:g}" for k, v in sorted(pr["deferred"].items())) or "none"
             print(
                 f"{name} producer: {pr['accepted']} batches accepted of {pr['sent']} decided; refused: {refused}; "
-                f"deferred (sent again later): {deferred}"
+                f"deferred (sent again later): {deferred}; {pr.get('generation_s', 0.0):.2f} s generating a batch "
+                "(one core)"
             )
     print(f"plot: {png}")
     print(

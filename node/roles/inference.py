@@ -400,13 +400,16 @@ class InferenceNode(Volunteer):
             if unsent is None:
                 began = time.monotonic()
                 batch = await asyncio.to_thread(self._generate, spec, backend, tokenizer)
+                took = time.monotonic() - began
                 tokens = sum(len(c) for g in batch.groups for c in g.completions)
                 self.metrics.observe(
                     "node_generation_tokens_per_second",
-                    tokens / max(1e-6, time.monotonic() - began),
+                    tokens / max(1e-6, took),
                     help="new tokens per second of a batch",
                     buckets=TOKENS_PER_S,
                 )
+                self.metrics.inc("node_generation_seconds_total", took, help="seconds spent generating batches")
+                self.metrics.inc("node_generation_batches_total", help="batches generated")
                 unsent = (batch, seal(self.identity, batch))
                 self._keep(*unsent)
                 if await sink.offer(*unsent):
