@@ -329,8 +329,10 @@ class Swarm:
         attacker = [p for p in _tree(os.getpid()) if p.pid not in swarm_procs and p.pid not in joined]
         # and the attacker's children that ended (its fresh peers' daemons, jailed programs): reaped, so counted here
         ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-        by_node = {
-            name: used(_tree(node.proc.pid)) for name, node in self.nodes.items() if not name.startswith("newcomer")
+        by_node = {  # a node whose process ended is left out (it is missing from the window, not idle in it)
+            name: used(_tree(node.proc.pid))
+            for name, node in self.nodes.items()
+            if not name.startswith("newcomer") and node.proc.poll() is None
         }
         return used(list(swarm_procs.values())), used(attacker) + ended.ru_utime + ended.ru_stime, by_node
 
@@ -416,7 +418,8 @@ async def measure(
     cpu_after = swarm.cpu()
     outcome.swarm_cpu = cpu_after[0] - cpu_before[0]
     outcome.attacker_cpu = max(0.0, cpu_after[1] - cpu_before[1])
-    outcome.by_node = {n: cpu_after[2][n] - cpu_before[2].get(n, cpu_after[2][n]) for n in cpu_after[2]}
+    # a node started within the window used all its CPU-s in it; one that ended is missing from it (``charge``)
+    outcome.by_node = {n: cpu_after[2][n] - cpu_before[2].get(n, 0.0) for n in cpu_after[2]}
     outcome.steps = await asyncio.to_thread(steps, swarm) - before
     outcome.seconds = time.monotonic() - started
     outcome.rate = outcome.steps / outcome.seconds
@@ -434,7 +437,9 @@ def charge(outcome: Outcome, before_it: Outcome, after: Outcome) -> Outcome:
             continue
         calm = sum(w.by_node[n] for w in around)  # its CPU-s in the windows it was in
         by_time = used - calm / max(sum(w.seconds for w in around), 1e-9) * outcome.seconds
-        by_steps = used - calm / max(sum(w.steps for w in around), 1) * outcome.steps
+        calm_steps = sum(w.steps for w in around)
+        # without a step around it there is no pace per step: the pace in time alone
+        by_steps = used - calm / calm_steps * outcome.steps if calm_steps else by_time
         by_node[n] = min(by_time, by_steps)
     outcome.by_node = by_node
     outcome.extra_cpu = sum(max(0.0, x) for x in by_node.values())

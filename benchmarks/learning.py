@@ -489,8 +489,8 @@ def main() -> None:
             deferred = ", ".join(f"{k} {v:g}" for k, v in sorted(pr["deferred"].items())) or "none"
             print(
                 f"{name} producer: {pr['accepted']} batches accepted of {pr['sent']} decided; refused: {refused}; "
-                f"deferred (sent again later): {deferred}; {pr.get('generation_s', 0.0):.2f} s generating a batch "
-                "(one core)"
+                f"deferred (sent again later): {deferred}"
+                + (f"; {pr['generation_s']:.2f} s generating a batch (one core)" if pr.get("generation_s") else "")
             )
     print(f"plot: {png}")
     print(
