@@ -238,8 +238,12 @@ class Door:
             wait = self.progress.until_version()
             raise Rejected(
                 "backlog_full",
-                "the trainer holds enough of this node's rollouts; wait for a version"
-                + (f" (the next is expected in {wait:.0f} s)" if wait else ""),
+                "the trainer holds enough of this node's rollouts; "
+                + (
+                    "the run has made its last step (max_steps): no newer version will come"
+                    if self.progress.final
+                    else "wait for a version" + (f" (the next is expected in {wait:.0f} s)" if wait else "")
+                ),
                 retry_after_s=wait,
             )
 

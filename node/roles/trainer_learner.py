@@ -176,6 +176,7 @@ class Learner:
             await self.durability.after_step(step, tensors, engine_state, self.checkpoint_meta, record)
             self._report(stats, len(groups), idle)
         await self.durability.drain()
+        self.progress.final = True
         logger.info("reached max_steps=%s; still serving weights and status until stopped", self.max_steps)
         await asyncio.Event().wait()
 

@@ -39,6 +39,9 @@ OPEN_BATCHES = 100_000
 """Acknowledged batches whose outcome ``Ledger`` follows at most (a few hundred bytes each)."""
 MAX_DROPPED = 100_000
 """Batches dropped untrained one ledger entry names at most."""
+FINAL_WAIT_S = 120.0
+"""What a finished run (``max_steps`` made) tells a producer to wait before it sends again: the longest a producer
+waits on one reply (inference.RETRY_HINT_MAX_S)."""
 RUNNING_WEIGHT = 0.3
 """The weight of the newest sample in the trainer's running estimates (time to a verdict, time between versions)."""
 ledger_log = logging.getLogger("intellect_node.ledger")
@@ -216,6 +219,8 @@ class Progress:
     """A running estimate of the seconds from one published version to the next (0 until two were)."""
     publishes: int = 0
     """Versions published in this life of the trainer."""
+    final: bool = False
+    """No version follows the newest: the trainer made its ``max_steps``."""
 
     def __post_init__(self) -> None:
         if self.published_at < 0:
@@ -241,7 +246,11 @@ class Progress:
 
     def until_version(self) -> float:
         """Seconds until the next version is expected: the running time between versions less the time since the
-        last. One already overdue is given a quarter of the running time again. 0 without an estimate."""
+        last. One already overdue is given a quarter of the running time again. 0 without an estimate;
+        ``FINAL_WAIT_S`` once no version follows (told "next in 0 s", producers of a finished run sent their batch
+        four times a second until stopped)."""
+        if self.final:
+            return FINAL_WAIT_S
         if not self.version_s:
             return 0.0
         left = self.version_s - (self.clock() - self.published_at)

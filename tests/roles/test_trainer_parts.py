@@ -33,7 +33,7 @@ from intellect_node.roles.trainer_checkpoint import CheckpointDir, Durability
 from intellect_node.roles.trainer_door import NEWCOMER_BURST, NEWCOMER_GRANT_S, Door, Newcomers
 from intellect_node.roles.trainer_learner import Learner
 from intellect_node.roles.trainer_ledger import StepRecord, open_ledger
-from intellect_node.roles.trainer_state import InFlight, Ledger, Progress, RewardCurve, Shared, TrainQueue
+from intellect_node.roles.trainer_state import FINAL_WAIT_S, InFlight, Ledger, Progress, RewardCurve, Shared, TrainQueue
 from intellect_node.roles.trainer_validation import Judging
 from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.store import WeightStore
@@ -214,6 +214,10 @@ def test_the_door_tells_a_producer_when_to_send_again(tmp_path: Path) -> None:
     shared.progress.publish(2)  # this one took 160 s: the running estimate moves to 0.7 x 100 + 0.3 x 160
     last = asyncio.run(offer(producer, made[-1]))
     assert last.ok and last.retry_after_ms == 118_000, "the acceptance that fills the share says when to come back"
+    shared.progress.final = True  # max_steps made: no version follows (it said "next in 0 s": 4 tries a second)
+    done = asyncio.run(offer(producer, generate_batch(spec, MODEL, TOK, producer.node_id, 0, len(made))))
+    assert (done.reason, done.retry_after_ms) == ("backlog_full", FINAL_WAIT_S * 1000)
+    assert "last step" in done.detail and "expected" not in done.detail
     fresh = Progress(clock=lambda: clock[0])  # a trainer's life before its second version: a step's duration
     fresh.publish(0)
     assert fresh.until_version() == 0.0
