@@ -175,6 +175,7 @@ class InferenceNode(Volunteer):
             "delivery_ms": list(self.delivery_ms),
             "unacknowledged": len(self.unacked),
             "twin_batches": self.twin_batches,
+            "held_back_s": max(0.0, self.held_back_until - time.monotonic()),  # told by the trainer to wait
             "credit": self.watch.summary if self.watch is not None else None,
         }
 
