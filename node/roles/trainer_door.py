@@ -277,7 +277,12 @@ class Door:
                 raise Rejected(
                     "busy",
                     f"a new node may have {a.probation_pending} batch(es) judged at once until "
-                    f"{a.probation_batches} passed" + (f"; its verdict is expected in {wait:.0f} s" if wait else ""),
+                    f"{a.probation_batches} passed"
+                    + (
+                        f"; its verdict is expected in {wait:.0f} s"
+                        if inflight.judge_s
+                        else f"; ask again in {wait:.0f} s (no batch judged yet to time a verdict by)"
+                    ),
                     retry_after_s=wait,
                 )
             if newcomers >= newcomer_slots:

@@ -43,6 +43,10 @@ FINAL_WAIT_S = 120.0
 """What a finished run (``max_steps`` made) tells a producer to wait before it sends again: the longest a producer
 waits on one reply (inference.RETRY_HINT_MAX_S)."""
 RUNNING_WEIGHT = 0.3
+UNESTIMATED_WAIT_MIN_S = 1.0
+"""Before its first verdict the trainer cannot say when a place frees; it tells a producer to wait half the age of
+the oldest batch in flight, at least this (the waits then grow as the judging takes long: a newcomer asks about
+log(t) times, not once a second: 17 refusals in the demo's first minute)."""
 """The weight of the newest sample in the trainer's running estimates (time to a verdict, time between versions)."""
 ledger_log = logging.getLogger("intellect_node.ledger")
 """One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
@@ -125,13 +129,15 @@ class InFlight:
     def until_verdict(self, node_id: str | None = None) -> float:
         """Seconds until the oldest batch in flight (of ``node_id``, or of anyone) is expected to have its verdict,
         freeing a place: the running time to a verdict less its age. One already overdue (its judging waits behind
-        a training step on the same cores, say) is given half the running time again. 0 without an estimate."""
-        if not self.judge_s:
-            return 0.0
+        a training step on the same cores, say) is given half the running time again. Before any verdict, half the
+        oldest one's age (at least ``UNESTIMATED_WAIT_MIN_S``); 0 with none in flight."""
         admitted = [at for key, at in self.keys.items() if node_id is None or key[0] == node_id]
         if not admitted:
             return 0.0
-        left = self.judge_s - (self.clock() - min(admitted))
+        age = self.clock() - min(admitted)
+        if not self.judge_s:
+            return max(UNESTIMATED_WAIT_MIN_S, age / 2)
+        left = self.judge_s - age
         return left if left > 0 else self.judge_s / 2
 
     def of(self, node_id: str) -> int:

@@ -159,8 +159,9 @@ def test_the_door_tells_a_producer_when_to_send_again(tmp_path: Path) -> None:
     time its verdict is expected (the running time to a verdict less the batch's age; half that time again once
     overdue); a trusted producer is told, with the acceptance that fills its share and with the backlog_full
     refusals after it, when the next version is expected (the running time between versions less the time since
-    the last; a quarter of it again once overdue). Without an estimate (nothing judged, one version published)
-    no time is given, and the producer falls back on its own backoff."""
+    the last; a quarter of it again once overdue). Before any verdict a newcomer is told half its batch's age (a
+    second at least: its asks grow apart as the judging takes long); with one version published no time is given,
+    and the producer falls back on its own backoff."""
     clock = [0.0]
     shared, registry = _shared(lambda: clock[0]), _Registry()
     door = _door(tmp_path / "probation", shared, registry)
@@ -174,7 +175,11 @@ def test_the_door_tells_a_producer_when_to_send_again(tmp_path: Path) -> None:
 
     assert asyncio.run(offer(newcomer, made[0])).ok
     first = asyncio.run(offer(newcomer, made[1]))
-    assert (first.reason, first.retry_after_ms) == ("busy", 0), "no verdict yet: no estimate"
+    assert (first.reason, first.retry_after_ms) == ("busy", 1000), "no verdict yet: no estimate, a second at least"
+    assert "no batch judged yet" in first.detail
+    clock[0] = 12.0
+    later = asyncio.run(offer(newcomer, made[1]))
+    assert later.retry_after_ms == 6000, "no estimate: half the waiting batch's age (asks grow apart, not 1/s)"
     clock[0] = 20.0
     shared.inflight.done((newcomer.node_id, 0, 0), len(made[0].groups))  # its verdict took 20 s
     assert asyncio.run(offer(newcomer, made[1])).ok
