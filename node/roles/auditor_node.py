@@ -41,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from intellect_node.aio import Backoff
 from intellect_node.roles.audit import (
     AuditError,
     AuditFinding,
@@ -307,6 +308,9 @@ class AuditorNode(RelayNode):
 
     async def audit_forever(self, session: aiohttp.ClientSession) -> None:
         every = self.cfg.audit_every_s
+        # after the trainer refused us (403: our record not read yet, or not admitted yet), waits doubling up to the
+        # round's interval: a trainer reads an unknown key's record at most every few seconds
+        refused = Backoff(FIRST_AUDIT_S, every)
         await asyncio.sleep(FIRST_AUDIT_S)
         while True:
             started = time.monotonic()
@@ -318,12 +322,16 @@ class AuditorNode(RelayNode):
             self.remote.spec = self.spec  # a new epoch brings a new signed spec
             try:
                 result = await self.remote.audit_once(trainer.http_url, named, session)
+                refused.reset()
                 self._finding(result, time.monotonic() - started)
             except AuditError as e:
                 self._count(e.reason)
                 (logger.debug if e.reason == "nothing_new" else logger.info)("no step replayed this round: %s", e)
                 if e.reason == "nothing_new":  # the next version comes soon: look again before the full interval
                     await asyncio.sleep(min(every, 5.0))
+                    continue
+                if e.reason == "http_403":
+                    await asyncio.sleep(refused.next())
                     continue
             except LedgerFork as e:  # evidence against the trainer: said loudly, counted, and the rounds go on
                 self._count("fork")

@@ -236,10 +236,11 @@ class Trainer:
     # ---- peer boundary -------------------------------------------------------------------------------
 
     async def _is_member(self, node_id: str) -> bool:
-        """Whether a node may hold one of the origin's relay slots: admitted, with a valid record in the run."""
+        """Whether a node may hold one of the origin's relay slots: admitted, with a valid record in the run (an
+        unknown key waits for a read: it asks again)."""
         if node_id in self.banned:
             return False
-        record = await self.registry.registered(node_id)
+        record = await self.registry.registered(node_id, patient=True)
         if record is None:
             return False
         try:

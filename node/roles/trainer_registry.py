@@ -23,6 +23,11 @@ REGISTRY_REFRESH_S = 1.0
 """An unknown signer triggers a fresh DHT lookup at most this often per node id ..."""
 REGISTRY_MIN_INTERVAL_S = 0.2
 """... and all unknown signers together at most this often, or ``READ_SHARE`` of the time, if that is rarer."""
+PATIENT_REFRESH_S = 2.0
+"""A request that can wait (a relay slot, an audit download: its node asks again) triggers a read only when the
+last one is older than this: a stranger's signed slot request costs a key generation and a signature, while the
+read it bought cost the trainer's DHT about as much CPU (the red team's made-up ids: 1.0-1.2 CPU-s of ours per
+CPU-s of theirs). A relay follower's own members check waits as long (weights/follower.py MEMBER_REFRESH_S)."""
 READ_SHARE = 0.1
 """At most this share of the time goes to reads that unknown signers trigger: a read of the ``nodes`` key costs
 in proportion to the records in it, so a flood of announcements from keys whose records went stale (each one an
@@ -43,6 +48,8 @@ class NodeRegistry:
         """The run's ``nodes`` key as last read, by node id."""
         self._lookup_at: dict[str, float] = {}
         self._registry_at = -math.inf
+        self._read_at = -math.inf
+        """When the last read of the records (of any kind) began."""
         self._spacing = REGISTRY_MIN_INTERVAL_S
         """Between two reads unknown signers trigger: the last such read's duration over READ_SHARE, at least
         REGISTRY_MIN_INTERVAL_S."""
@@ -51,13 +58,17 @@ class NodeRegistry:
         self._waiters = 0
         self._turn = 0
 
-    async def registered(self, node_id: str) -> NodeRecord | None:
+    async def registered(self, node_id: str, patient: bool = False) -> NodeRecord | None:
         """The node's record; an unknown key triggers a DHT lookup, at most once a second per key and one
         lookup at a time for all keys together, spaced at least REGISTRY_MIN_INTERVAL_S apart (a flood of
-        unknown keys costs the DHT at most a few reads a second, and a new node's first batch still gets one)."""
+        unknown keys costs the DHT at most a few reads a second, and a new node's first batch still gets one).
+        ``patient``: a request whose node asks again, which buys a read only once PATIENT_REFRESH_S passed since
+        the last one."""
         record = self.records.get(node_id)
         if record is not None or time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
             return record
+        if patient and (self._lock.locked() or time.monotonic() - self._read_at < PATIENT_REFRESH_S):
+            return None  # a read is under way or was just made: it asks again
         if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
             self._lookup_at.clear()
         self._lookup_at[node_id] = time.monotonic()
@@ -85,6 +96,7 @@ class NodeRegistry:
     async def refresh(self) -> None:
         """Merge a fresh read into what is known: a read that misses nodes (a partial answer under load, or a
         DHT that does not answer) never empties a working registry; a record leaves only once it is stale."""
+        self._read_at = time.monotonic()
         try:
             fresh = await self.membership.get_nodes()
         except Exception as e:  # a DHT that times out, fails or hands us something we cannot use
@@ -99,10 +111,11 @@ class NodeRegistry:
         self.records = {n: r for n, r in merged.items() if r.updated >= oldest}
 
     async def refresh_forever(self) -> None:
-        """Read the records again every REGISTRY_PERIOD_S (one DHT read; ``refresh`` never raises)."""
+        """Read the records now (a restarted trainer knows nobody: its relays' keep-alives would be refused until a
+        read) and again every REGISTRY_PERIOD_S (one DHT read; ``refresh`` never raises)."""
         while True:
-            await asyncio.sleep(REGISTRY_PERIOD_S)
             await self.refresh()
+            await asyncio.sleep(REGISTRY_PERIOD_S)
 
     async def validators(self, trusted: list[str]) -> list[NodeRecord]:
         """Registered validator nodes among ``trusted``, in turn (a different one first at each call)."""

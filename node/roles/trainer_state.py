@@ -43,11 +43,13 @@ FINAL_WAIT_S = 120.0
 """What a finished run (``max_steps`` made) tells a producer to wait before it sends again: the longest a producer
 waits on one reply (inference.RETRY_HINT_MAX_S)."""
 RUNNING_WEIGHT = 0.3
-UNESTIMATED_WAIT_MIN_S = 1.0
-"""Before its first verdict the trainer cannot say when a place frees; it tells a producer to wait half the age of
-the oldest batch in flight, at least this (the waits then grow as the judging takes long: a newcomer asks about
-log(t) times, not once a second: 17 refusals in the demo's first minute)."""
 """The weight of the newest sample in the trainer's running estimates (time to a verdict, time between versions)."""
+UNESTIMATED_WAIT_MIN_S = 1.0
+UNESTIMATED_WAIT_MAX_S = 8.0
+"""Before its first verdict the trainer cannot say when a place frees; it tells a producer to wait half the age of
+the oldest batch in flight, between these two (the waits grow as the judging takes long: a newcomer asked once a
+second, 17 refusals in the demo's first minute; the cap keeps one that asked just before the verdict from sleeping
+long past it, since its sleep is not cut short)."""
 ledger_log = logging.getLogger("intellect_node.ledger")
 """One line per accepted batch and per outcome of its groups (trained, stale, banned, invalid, filtered,
 unscorable): ``LEDGER <event> <epoch> <node> <version> <index> <groups> <step>``. benchmarks/chaos.py adds these up
@@ -130,13 +132,14 @@ class InFlight:
         """Seconds until the oldest batch in flight (of ``node_id``, or of anyone) is expected to have its verdict,
         freeing a place: the running time to a verdict less its age. One already overdue (its judging waits behind
         a training step on the same cores, say) is given half the running time again. Before any verdict, half the
-        oldest one's age (at least ``UNESTIMATED_WAIT_MIN_S``); 0 with none in flight."""
+        oldest one's age (within ``UNESTIMATED_WAIT_MIN_S`` and ``UNESTIMATED_WAIT_MAX_S``); 0 with none in
+        flight."""
         admitted = [at for key, at in self.keys.items() if node_id is None or key[0] == node_id]
         if not admitted:
             return 0.0
         age = self.clock() - min(admitted)
         if not self.judge_s:
-            return max(UNESTIMATED_WAIT_MIN_S, age / 2)
+            return min(UNESTIMATED_WAIT_MAX_S, max(UNESTIMATED_WAIT_MIN_S, age / 2))
         left = self.judge_s - age
         return left if left > 0 else self.judge_s / 2
 

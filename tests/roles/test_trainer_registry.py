@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from intellect_node.roles.trainer_registry import READ_SHARE, NodeRegistry
+from intellect_node.roles.trainer_registry import PATIENT_REFRESH_S, READ_SHARE, NodeRegistry
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord
 
@@ -49,3 +49,44 @@ def test_a_flood_of_unknown_signers_spends_at_most_the_read_share_on_reads() -> 
     elapsed = time.monotonic() - started
     assert dht.reads * dht.cost <= READ_SHARE * elapsed + 2 * dht.cost, (dht.reads, elapsed)
     assert found is not None, "a new node's first batch got no read"
+
+
+def test_strangers_slot_requests_buy_one_read_per_patient_interval() -> None:
+    """Relay slot and audit requests from unknown keys (each a fresh key: the red team's made-up ids) trigger a read
+    only once PATIENT_REFRESH_S passed since the last, whoever asks; a registered relay is found once it has."""
+    dht = _SlowDHT(cost=0.0)
+    registry = NodeRegistry(dht)  # type: ignore[arg-type]
+    relay = Identity.generate().node_id
+
+    async def flood() -> tuple[int, NodeRecord | None, NodeRecord | None]:
+        for _ in range(200):
+            assert await registry.registered(Identity.generate().node_id, patient=True) is None
+        reads = dht.reads
+        dht.records[relay] = NodeRecord(run_id=RUN, node_id=relay, role="relay", updated=time.time())
+        too_soon = await registry.registered(relay, patient=True)
+        registry._read_at -= PATIENT_REFRESH_S  # the interval passed
+        registry._lookup_at.clear()
+        return reads, too_soon, await registry.registered(relay, patient=True)
+
+    reads, too_soon, found = asyncio.run(flood())
+    assert reads == 1, f"200 strangers' slot requests bought {reads} reads"
+    assert too_soon is None and found is not None and dht.reads == 2
+
+
+def test_strangers_slot_requests_wait_while_a_read_is_under_way() -> None:
+    """While a read is under way (a stranger's batch bought it, or a slow ``nodes`` key), patient requests from
+    unknown keys are answered at once instead of queueing for reads of their own."""
+    dht = _SlowDHT(cost=0.3)
+    registry = NodeRegistry(dht)  # type: ignore[arg-type]
+
+    async def flood() -> list[NodeRecord | None]:
+        reading = asyncio.ensure_future(registry.registered(Identity.generate().node_id))  # a batch's lookup
+        await asyncio.sleep(0.05)
+        registry._read_at -= PATIENT_REFRESH_S  # as if the last read were long ago: only the lock holds them
+        strangers = [registry.registered(Identity.generate().node_id, patient=True) for _ in range(50)]
+        answers = await asyncio.gather(*strangers)
+        await reading
+        return answers
+
+    answers = asyncio.run(flood())
+    assert answers == [None] * 50 and dht.reads == 1, f"50 strangers' slot requests queued {dht.reads - 1} reads"
