@@ -134,6 +134,21 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def polite_get(url: str, patience: float = 60.0) -> bytes:
+    """GET ``url``, waiting as a 429's Retry-After asks: in its own namespace the harness asks from the attacker's
+    address, whose share of the public routes' rate an attack may have used (node/p2p/http.py)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body: bytes = resp.read()
+                return body
+        except urllib.error.HTTPError as e:
+            if e.code != 429 or time.monotonic() > deadline:
+                raise
+            time.sleep(float(e.headers.get("Retry-After", "1")))
+
+
 def netns_prefix(ns: str) -> list[str]:
     """Run a command in the network namespace ``ns`` and nothing else: ``ip netns exec`` would also mount a sysfs
     of its own over /sys, and with it the cgroups the jail needs would be gone."""
@@ -299,9 +314,8 @@ class Swarm:
         return self._epoch
 
     def status(self, name: str = "trainer") -> dict[str, Any]:
-        with urllib.request.urlopen(self.ready[name]["status_url"] + "/status", timeout=10) as resp:
-            data: dict[str, Any] = json.load(resp)
-            return data
+        data: dict[str, Any] = json.loads(polite_get(self.ready[name]["status_url"] + "/status"))
+        return data
 
     def processes(self) -> tuple[dict[int, psutil.Process], set[int]]:
         """The swarm's processes (each node with its DHT process and daemons), and the pids of the nodes that
@@ -1374,8 +1388,7 @@ class AuditFlood:
 
 
 def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = polite_get(url + "/metrics").decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

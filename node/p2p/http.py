@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from intellect_node.p2p.gossip import TokenBuckets
 from intellect_node.p2p.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,17 @@ def encode_status(status: dict[str, Any]) -> bytes:
     return text.encode()
 
 
+PUBLIC_RATE_PER_ADDRESS = 20.0
+"""Requests a second one remote address may make to a node's public routes (the dashboard, /health, /status,
+/metrics, and those a role adds: /ledger, /audit), in bursts of twice that; past it, 429 with Retry-After. Anyone may
+call them, and without a bound a client asking in a loop had the trainer answer as fast as it could: the red team's
+auditor keys polled the unsigned /audit listing 2,400 times a second (23 CPU-s of the trainer's in 60 s), and
+/status carries the whole step history (~0.5 kB a step), megabytes for a request of a few bytes in a long run. A
+dashboard asks every 2 s, Prometheus every 15 s."""
+SELF_PACED = ("/weights/", "/relay/")
+"""Routes bounded on their own: shards and news paced per child, slot requests signed and limited per address
+(node/weights/pacing.py, node/weights/auth.py)."""
+
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_bytes()
 CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -94,10 +106,24 @@ class HttpServer:
         self._status = status
         self._routes = routes or []
         self._runner: web.AppRunner | None = None
+        self._buckets = TokenBuckets(PUBLIC_RATE_PER_ADDRESS, 2 * PUBLIC_RATE_PER_ADDRESS)
         self.port = 0
 
+    @web.middleware
+    async def _limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The public routes' rate per remote address (``PUBLIC_RATE_PER_ADDRESS``), checked before any work."""
+        if not request.path.startswith(SELF_PACED) and not self._buckets.take(request.remote or "?"):
+            self._metrics.inc("node_http_refused_total", label="rate", help="HTTP requests refused, by reason")
+            return web.json_response(
+                {"error": "rate", "detail": f"at most {PUBLIC_RATE_PER_ADDRESS:.0f} requests a second per address"},
+                status=429,
+                headers={"Retry-After": "1"},
+            )
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def start(self, host: str, port: int) -> int:
-        app = web.Application()
+        app = web.Application(middlewares=[self._limit])
         app.router.add_get("/", self._dashboard)
         app.router.add_get("/health", self._health)
         app.router.add_get("/status", self._status_handler)

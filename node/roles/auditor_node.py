@@ -52,7 +52,7 @@ from intellect_node.roles.audit import (
     parent_entry,
     verdict,
 )
-from intellect_node.roles.credit import BODY_MAX_BYTES, LedgerFork
+from intellect_node.roles.credit import BODY_MAX_BYTES, BUSY_TRIES, LedgerFork, retry_after
 from intellect_node.roles.relay_node import RelayNode
 from intellect_node.roles.trainer_ledger import parse_framed
 from intellect_node.weights.auth import server_clock_offset, signed_headers
@@ -132,17 +132,24 @@ class ChainFollower:
 
 async def fetch(session: aiohttp.ClientSession, url: str) -> bytes:
     """One small answer of the trainer (the ledger, a page of entries, the audit index): at most BODY_MAX_BYTES,
-    within FETCH_S in all (a trainer that trickles bytes cannot hold the auditor)."""
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=FETCH_S)) as resp:
-        if resp.status != 200:
-            raise ValueError(f"{url} answered {resp.status}")
-        chunks, size = [], 0
-        async for chunk in resp.content.iter_chunked(1 << 16):
-            size += len(chunk)
-            if size > BODY_MAX_BYTES:
-                raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
-            chunks.append(chunk)
-    return b"".join(chunks)
+    within FETCH_S in all (a trainer that trickles bytes cannot hold the auditor); a busy answer (429, 503) is
+    asked again as its Retry-After says, BUSY_TRIES times at most."""
+    for tries in range(BUSY_TRIES + 1):
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=FETCH_S)) as resp:
+            if resp.status in (429, 503) and tries < BUSY_TRIES:  # busy: asked again as it says
+                wait = retry_after(resp.headers.get("Retry-After"))
+            elif resp.status != 200:
+                raise ValueError(f"{url} answered {resp.status}")
+            else:
+                chunks, size = [], 0
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > BODY_MAX_BYTES:
+                        raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        await asyncio.sleep(wait)
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _spooled(data: bytes) -> list[bytes]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.error
 import urllib.request
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -184,13 +185,35 @@ def read_book(path: Path) -> Book:
     return book
 
 
+BUSY_TRIES = 30
+"""Answers 429 or 503 (the trainer's rate per address for public routes, its ledger readers at once) waited out
+before a fetch fails, each as its Retry-After says (at most BUSY_WAIT_MAX_S)."""
+BUSY_WAIT_MAX_S = 5.0
+
+
 def get_bounded(url: str) -> bytes:
-    """One answer of the trainer, at most BODY_MAX_BYTES (more is an error, not a reason to run out of memory)."""
-    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:
-        body: bytes = resp.read(BODY_MAX_BYTES + 1)
+    """One answer of the trainer, at most BODY_MAX_BYTES (more is an error, not a reason to run out of memory); a
+    trainer that says it is busy (429, 503) is asked again as it says, BUSY_TRIES times at most."""
+    for tries in range(BUSY_TRIES + 1):
+        try:
+            with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:
+                body: bytes = resp.read(BODY_MAX_BYTES + 1)
+            break
+        except urllib.error.HTTPError as e:
+            if e.code not in (429, 503) or tries == BUSY_TRIES:
+                raise
+            time.sleep(retry_after(e.headers.get("Retry-After")))
     if len(body) > BODY_MAX_BYTES:
         raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
     return body
+
+
+def retry_after(header: str | None) -> float:
+    """A busy answer's Retry-After in seconds, within 0.1 and BUSY_WAIT_MAX_S (1 when it says nothing usable)."""
+    try:
+        return min(BUSY_WAIT_MAX_S, max(0.1, float(header or "1")))
+    except ValueError:
+        return 1.0
 
 
 def ledger_head(url: str, run_id: str) -> dict[str, Any]:

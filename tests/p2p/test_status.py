@@ -6,8 +6,9 @@ import asyncio
 import json
 
 import aiohttp
+from aiohttp import web
 
-from intellect_node.p2p.http import EncodedList, HttpServer, encode_status
+from intellect_node.p2p.http import PUBLIC_RATE_PER_ADDRESS, EncodedList, HttpServer, encode_status
 from intellect_node.p2p.metrics import Metrics
 
 
@@ -44,6 +45,49 @@ def test_status_served_over_http_grows_with_each_step() -> None:
     seen = asyncio.run(main())
     assert [s["step"] for s in seen] == [1, 2, 3]
     assert seen[-1]["history"] == [{"step": 1}, {"step": 2}, {"step": 3}]
+
+
+def test_a_client_polling_the_public_routes_in_a_loop_is_refused_past_its_rate_and_others_are_not() -> None:
+    """A stranger asking /status (the trainer's whole history: megabytes in a long run) or a role's public listing as
+    fast as the node answers gets 429 past PUBLIC_RATE_PER_ADDRESS a second, counted, before any work; another
+    address is still answered, and routes paced on their own (/weights, /relay) are not limited here."""
+    built = [0]
+
+    def status() -> dict[str, object]:
+        built[0] += 1
+        return {"role": "trainer", "history": EncodedList([{"step": i} for i in range(1000)])}
+
+    async def shard(_request: web.Request) -> web.Response:
+        return web.Response(body=b"x")
+
+    async def main() -> tuple[dict[int, int], dict[int, int], int, int]:
+        metrics = Metrics()
+        http = HttpServer(metrics, status, [web.get("/weights/{v}/{name}", shard)])
+        port = await http.start("127.0.0.1", 0)
+        statuses: dict[int, int] = {}
+        shards: dict[int, int] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(int(4 * PUBLIC_RATE_PER_ADDRESS)):  # a burst well past twice the rate
+                    async with session.get(f"http://127.0.0.1:{port}/status") as r:
+                        statuses[r.status] = statuses.get(r.status, 0) + 1
+                        if r.status == 429:
+                            assert r.headers["Retry-After"] == "1" and (await r.json())["error"] == "rate"
+                for _ in range(int(4 * PUBLIC_RATE_PER_ADDRESS)):
+                    async with session.get(f"http://127.0.0.1:{port}/weights/1/a") as r:
+                        shards[r.status] = shards.get(r.status, 0) + 1
+            other_address = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=other_address) as elsewhere:
+                async with elsewhere.get(f"http://127.0.0.1:{port}/health") as r:
+                    other = r.status
+        finally:
+            await http.close()
+        return statuses, shards, other, int(metrics.counter("node_http_refused_total", "rate"))
+
+    statuses, shards, other, refused = asyncio.run(main())
+    assert statuses.get(429, 0) >= PUBLIC_RATE_PER_ADDRESS, statuses
+    assert built[0] == statuses[200] <= 2 * PUBLIC_RATE_PER_ADDRESS + 5, "a refused request must build nothing"
+    assert (refused, shards, other) == (statuses[429], {200: int(4 * PUBLIC_RATE_PER_ADDRESS)}, 200)
 
 
 def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only() -> None:

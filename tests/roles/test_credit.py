@@ -182,3 +182,36 @@ def test_a_running_node_follows_the_ledger_in_parts_and_names_a_rewritten_histor
     assert isinstance(shorter, LedgerFork) and "fewer than the 6" in str(shorter)
     assert summary["trained"] == 6 and summary["ledger_entries"] == 6, "the last good figures are kept"
     assert summary["error"].startswith("LedgerFork")
+
+
+def test_a_busy_trainer_is_asked_again_as_it_says_and_a_refusal_is_not() -> None:
+    """The credit reader's fetch (``get_bounded``) waits out 429/503 as their Retry-After says: a volunteer paging a
+    long ledger meets the trainer's rate per address for public routes (node/p2p/http.py); a 404 still fails."""
+    answers = [429, 503, 200]
+
+    async def ledger(_request: web.Request) -> web.Response:
+        status = answers.pop(0)
+        return web.Response(status=status, body=b"{}", headers={"Retry-After": "0.2"} if status != 200 else {})
+
+    async def missing(_request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    async def main() -> tuple[bytes, str]:
+        app = web.Application()
+        app.router.add_get("/ledger", ledger)
+        app.router.add_get("/gone", missing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            body = await asyncio.to_thread(credit_module.get_bounded, f"http://127.0.0.1:{port}/ledger")
+            with pytest.raises(Exception) as refused:
+                await asyncio.to_thread(credit_module.get_bounded, f"http://127.0.0.1:{port}/gone")
+            return body, str(refused.value)
+        finally:
+            await runner.cleanup()
+
+    body, refused = asyncio.run(main())
+    assert body == b"{}" and answers == [] and "404" in refused
