@@ -3,6 +3,7 @@ the services that share it (the shard server's ``/weights/``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -88,6 +89,26 @@ dashboard asks every 2 s, Prometheus every 15 s."""
 SELF_PACED = ("/weights/", "/relay/")
 """Routes bounded on their own: shards and news paced per child, slot requests signed and limited per address
 (node/weights/pacing.py, node/weights/auth.py)."""
+UNLIMITED = frozenset({"/health"})
+"""Answered whatever the rate: a constant costs less than a refusal would, and a flood from a shared address (a NAT,
+Docker's proxy) must not make a node look dead to its container's health check or to the trainer's dial-back."""
+
+
+def source_of(remote: str | None) -> str:
+    """What the public routes' rate counts a request against: the IPv4 address, the IPv6 /64 (one subscriber's
+    usual share: a client rotating through its own /64 gets no fresh bursts)."""
+    if not remote:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(remote)
+    except ValueError:
+        return remote
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+    return str(ip)
+
 
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_bytes()
 CSP = (
@@ -112,7 +133,8 @@ class HttpServer:
     @web.middleware
     async def _limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The public routes' rate per remote address (``PUBLIC_RATE_PER_ADDRESS``), checked before any work."""
-        if not request.path.startswith(SELF_PACED) and not self._buckets.take(request.remote or "?"):
+        path = request.rel_url.path
+        if not (path.startswith(SELF_PACED) or path in UNLIMITED) and not self._buckets.take(source_of(request.remote)):
             self._metrics.inc("node_http_refused_total", label="rate", help="HTTP requests refused, by reason")
             return web.json_response(
                 {"error": "rate", "detail": f"at most {PUBLIC_RATE_PER_ADDRESS:.0f} requests a second per address"},

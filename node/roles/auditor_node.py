@@ -130,10 +130,16 @@ class ChainFollower:
                 )
 
 
+class _RateLimited(Exception):
+    def __init__(self, wait: float) -> None:
+        super().__init__(f"over the trainer's rate per address; again in {wait:.1f} s")
+        self.wait = wait
+
+
 async def fetch(session: aiohttp.ClientSession, url: str) -> bytes:
     """One small answer of the trainer (the ledger, a page of entries, the audit index): at most BODY_MAX_BYTES,
-    within FETCH_S in all (a trainer that trickles bytes cannot hold the auditor); a busy answer (429, 503) is
-    asked again as its Retry-After says, BUSY_TRIES times at most."""
+    each try within FETCH_S (a trainer that trickles bytes cannot hold the auditor); a busy answer (429, 503) is
+    asked again as its Retry-After says (at most BUSY_WAIT_MAX_S), BUSY_TRIES times at most."""
     for tries in range(BUSY_TRIES + 1):
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=FETCH_S)) as resp:
             if resp.status in (429, 503) and tries < BUSY_TRIES:  # busy: asked again as it says
@@ -197,8 +203,19 @@ class RemoteAudit:
 
     async def download(self, session: aiohttp.ClientSession, url: str, path: str, to: Path, limit: int) -> str:
         """GET ``path`` signed with this node's key into ``to``; returns the body's SHA-256 (hex). AuditError
-        past ``limit`` bytes or on a refusal."""
-        headers = signed_headers(self.identity, "GET", path, self.run_id, self._clock_offset)
+        past ``limit`` bytes or on a refusal; the trainer's rate per address (a 429 saying ``rate``) is waited out,
+        BUSY_TRIES times at most (this key's own limits, one download at a time and so many an hour, are not)."""
+        for tries in range(BUSY_TRIES + 1):
+            try:
+                return await self._download_once(session, url, path, to, limit)
+            except _RateLimited as e:  # the public routes' rate per address (node/p2p/http.py): asked again
+                if tries == BUSY_TRIES:
+                    raise AuditError("http_429", f"{path}: still over the trainer's rate per address") from None
+                await asyncio.sleep(e.wait)
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _download_once(self, session: aiohttp.ClientSession, url: str, path: str, to: Path, limit: int) -> str:
+        headers = signed_headers(self.identity, "GET", path, self.run_id, self._clock_offset)  # a fresh nonce each
         digest, size = hashlib.sha256(), 0
         timeout = aiohttp.ClientTimeout(total=DOWNLOAD_GRACE_S + limit / DOWNLOAD_MIN_BPS, sock_read=60)
         async with session.get(url.rstrip("/") + path, headers=headers, timeout=timeout) as resp:
@@ -207,6 +224,8 @@ class RemoteAudit:
                 self._clock_offset = offset
             if resp.status != 200:
                 text = (await resp.content.read(500)).decode(errors="replace")
+                if resp.status == 429 and '"rate"' in text:  # not this key's own limits (those stand)
+                    raise _RateLimited(retry_after(resp.headers.get("Retry-After")))
                 raise AuditError("not_held" if resp.status == 404 else f"http_{resp.status}", f"{path}: {text}")
             if resp.content_length is not None and resp.content_length > limit:
                 raise AuditError("too_large", f"{path} is {resp.content_length} bytes, more than {limit}")

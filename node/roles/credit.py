@@ -202,7 +202,9 @@ def get_bounded(url: str) -> bytes:
         except urllib.error.HTTPError as e:
             if e.code not in (429, 503) or tries == BUSY_TRIES:
                 raise
-            time.sleep(retry_after(e.headers.get("Retry-After")))
+            wait = retry_after(e.headers.get("Retry-After"))
+            e.close()
+            time.sleep(wait)
     if len(body) > BODY_MAX_BYTES:
         raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
     return body

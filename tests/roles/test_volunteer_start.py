@@ -167,7 +167,7 @@ def test_a_validator_the_trainer_does_not_trust_says_so(tmp_path: Path) -> None:
         # what an operator reads: no LEDGER line per event unless asked for (INTELLECT_NODE_LEDGER_LOG=1), and a
         # scrape whose labels say what they count (a DHT key, a gossip topic), each metric with a real HELP
         asyncio.run(
-            until(lambda: _metric(trainer, "node_trainer_groups_accepted_total") >= 1, "an accepted batch", 120)
+            until(lambda: _metric(trainer, "node_trainer_groups_accepted_total") >= 1, "an accepted batch", 120, 0.5)
         )
         assert "LEDGER " not in trainer.log_path.read_text(errors="replace")
         with urllib.request.urlopen(ready["status_url"] + "/metrics", timeout=10) as resp:
