@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import resource
 import signal
@@ -38,8 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +68,7 @@ from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.reach import ask_dialback
 from intellect_node.p2p.transport import DELIVERY_ERRORS, MAX_READING, submit, submit_protocol
 from intellect_node.policy.model import build_model, build_tokenizer, encode_prompt, load_weights
+from intellect_node.roles.credit import get_bounded
 from intellect_node.roles.inference import generate_batch
 from intellect_node.roles.invites import call_redeem
 from intellect_node.roles.trainer_audit import PER_KEY_PER_HOUR
@@ -132,21 +132,6 @@ def _tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
-
-
-def polite_get(url: str, patience: float = 60.0) -> bytes:
-    """GET ``url``, waiting as a 429's Retry-After asks: in its own namespace the harness asks from the attacker's
-    address, whose share of the public routes' rate an attack may have used (node/p2p/http.py)."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                body: bytes = resp.read()
-                return body
-        except urllib.error.HTTPError as e:
-            if e.code != 429 or time.monotonic() > deadline:
-                raise
-            time.sleep(float(e.headers.get("Retry-After", "1")))
 
 
 def netns_prefix(ns: str) -> list[str]:
@@ -261,6 +246,8 @@ class Swarm:
         self.up_at: dict[str, float] = {}
         """When each node printed its readiness line (monotonic)."""
         self.client: DHT | None = None
+        self.published: tuple[float, int] = (-math.inf, -1)
+        """When ``published`` last read the trainer's newest version, and what it read."""
         self.run = load_run_config(None, SETTINGS[1::2])
         self.tok = build_tokenizer(self.run.model)
 
@@ -314,7 +301,9 @@ class Swarm:
         return self._epoch
 
     def status(self, name: str = "trainer") -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(polite_get(self.ready[name]["status_url"] + "/status"))
+        # waits out a 429: in its own namespace the harness asks from the attacker's address, whose share of the
+        # public routes' rate an attack may have used (node/p2p/http.py)
+        data: dict[str, Any] = json.loads(get_bounded(self.ready[name]["status_url"] + "/status"))
         return data
 
     def processes(self) -> tuple[dict[int, psutil.Process], set[int]]:
@@ -408,8 +397,6 @@ def steps(swarm: Swarm) -> int:
     return int(swarm.status()["step"])
 
 
-_PUBLISHED: list[float] = [-1e9, -1.0]
-"""When ``published`` last read the trainer's status, and what it read."""
 PUBLISHED_TTL_S = 0.5
 """How long a read of the newest version serves the floods (async level 16: a batch half a second behind is still
 fresh): read at each batch they asked /status faster than the public routes' rate allows, and the harness's waits
@@ -418,9 +405,9 @@ on 429 would have slowed the flood itself."""
 
 def published(swarm: Swarm) -> int:
     """The newest version the trainer has published (a batch of a newer one is refused as from the future)."""
-    if time.monotonic() - _PUBLISHED[0] > PUBLISHED_TTL_S:
-        _PUBLISHED[:] = [time.monotonic(), float(swarm.status()["weight_version"])]
-    return int(_PUBLISHED[1])
+    if time.monotonic() - swarm.published[0] > PUBLISHED_TTL_S:
+        swarm.published = (time.monotonic(), int(swarm.status()["weight_version"]))
+    return swarm.published[1]
 
 
 async def measure(
@@ -1398,7 +1385,7 @@ class AuditFlood:
 
 
 def _metric(url: str, name: str) -> float:
-    text = polite_get(url + "/metrics").decode()
+    text = get_bounded(url + "/metrics").decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

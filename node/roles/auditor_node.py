@@ -36,8 +36,9 @@ import logging
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -63,6 +64,7 @@ from intellect_protocol.ledger import Head, LedgerEntry, LedgerError, start, ver
 from intellect_protocol.messages import Role, RunSpec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 ENTRIES_KEPT = 64
 """Newest ledger entries an auditor keeps (it replays recent steps: the trainer holds its last two checkpoints)."""
 PAGES_PER_ROUND = 64
@@ -130,32 +132,48 @@ class ChainFollower:
                 )
 
 
-class _RateLimited(Exception):
-    def __init__(self, wait: float) -> None:
-        super().__init__(f"over the trainer's rate per address; again in {wait:.1f} s")
-        self.wait = wait
+class _Busy(Exception):
+    """A try the trainer answered busy: ``wait`` seconds, then again; ``final`` is raised when no try is left."""
+
+    def __init__(self, wait: float, final: Exception) -> None:
+        super().__init__(f"busy; again in {wait:.1f} s")
+        self.wait, self.final = wait, final
+
+
+async def _busy_retried(attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()``, again after each ``_Busy`` as it says, BUSY_TRIES times at most."""
+    for _ in range(BUSY_TRIES):
+        try:
+            return await attempt()
+        except _Busy as e:
+            await asyncio.sleep(e.wait)
+    try:
+        return await attempt()
+    except _Busy as e:
+        raise e.final from None
 
 
 async def fetch(session: aiohttp.ClientSession, url: str) -> bytes:
     """One small answer of the trainer (the ledger, a page of entries, the audit index): at most BODY_MAX_BYTES,
     each try within FETCH_S (a trainer that trickles bytes cannot hold the auditor); a busy answer (429, 503) is
     asked again as its Retry-After says (at most BUSY_WAIT_MAX_S), BUSY_TRIES times at most."""
-    for tries in range(BUSY_TRIES + 1):
+
+    async def once() -> bytes:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=FETCH_S)) as resp:
-            if resp.status in (429, 503) and tries < BUSY_TRIES:  # busy: asked again as it says
-                wait = retry_after(resp.headers.get("Retry-After"))
-            elif resp.status != 200:
-                raise ValueError(f"{url} answered {resp.status}")
-            else:
-                chunks, size = [], 0
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > BODY_MAX_BYTES:
-                        raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        await asyncio.sleep(wait)
-    raise AssertionError("unreachable: the last try returns or raises")
+            if resp.status != 200:
+                refused = ValueError(f"{url} answered {resp.status}")
+                if resp.status in (429, 503):
+                    raise _Busy(retry_after(resp.headers.get("Retry-After")), refused)
+                raise refused
+            chunks, size = [], 0
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                size += len(chunk)
+                if size > BODY_MAX_BYTES:
+                    raise ValueError(f"{url} answered more than {BODY_MAX_BYTES} bytes")
+                chunks.append(chunk)
+        return b"".join(chunks)
+
+    return await _busy_retried(once)
 
 
 def _spooled(data: bytes) -> list[bytes]:
@@ -205,14 +223,7 @@ class RemoteAudit:
         """GET ``path`` signed with this node's key into ``to``; returns the body's SHA-256 (hex). AuditError
         past ``limit`` bytes or on a refusal; the trainer's rate per address (a 429 saying ``rate``) is waited out,
         BUSY_TRIES times at most (this key's own limits, one download at a time and so many an hour, are not)."""
-        for tries in range(BUSY_TRIES + 1):
-            try:
-                return await self._download_once(session, url, path, to, limit)
-            except _RateLimited as e:  # the public routes' rate per address (node/p2p/http.py): asked again
-                if tries == BUSY_TRIES:
-                    raise AuditError("http_429", f"{path}: still over the trainer's rate per address") from None
-                await asyncio.sleep(e.wait)
-        raise AssertionError("unreachable: the last try returns or raises")
+        return await _busy_retried(lambda: self._download_once(session, url, path, to, limit))
 
     async def _download_once(self, session: aiohttp.ClientSession, url: str, path: str, to: Path, limit: int) -> str:
         headers = signed_headers(self.identity, "GET", path, self.run_id, self._clock_offset)  # a fresh nonce each
@@ -224,9 +235,10 @@ class RemoteAudit:
                 self._clock_offset = offset
             if resp.status != 200:
                 text = (await resp.content.read(500)).decode(errors="replace")
-                if resp.status == 429 and '"rate"' in text:  # not this key's own limits (those stand)
-                    raise _RateLimited(retry_after(resp.headers.get("Retry-After")))
-                raise AuditError("not_held" if resp.status == 404 else f"http_{resp.status}", f"{path}: {text}")
+                refused = AuditError("not_held" if resp.status == 404 else f"http_{resp.status}", f"{path}: {text}")
+                if resp.status == 429 and '"rate"' in text:  # the public routes' rate, not this key's own limits
+                    raise _Busy(retry_after(resp.headers.get("Retry-After")), refused)
+                raise refused
             if resp.content_length is not None and resp.content_length > limit:
                 raise AuditError("too_large", f"{path} is {resp.content_length} bytes, more than {limit}")
             with open(to, "wb") as f:

@@ -81,7 +81,8 @@ def test_strangers_slot_requests_wait_while_a_read_is_under_way() -> None:
 
     async def flood() -> list[NodeRecord | None]:
         reading = asyncio.ensure_future(registry.registered(Identity.generate().node_id))  # a batch's lookup
-        await asyncio.sleep(0.05)
+        while not registry._lock.locked():  # until its read is under way
+            await asyncio.sleep(0)
         registry._read_at -= PATIENT_REFRESH_S  # as if the last read were long ago: only the lock holds them
         strangers = [registry.registered(Identity.generate().node_id, patient=True) for _ in range(50)]
         answers = await asyncio.gather(*strangers)
