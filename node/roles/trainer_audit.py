@@ -118,9 +118,12 @@ class AuditRoutes:
         recent.append(now)
         self._serving.add(node_id)
 
-    async def _stream(self, request: web.Request, path: Path, size: int) -> tuple[web.StreamResponse, bool]:
+    async def _stream(
+        self, request: web.Request, path: Path, size: int, last: Callable[[], None]
+    ) -> tuple[web.StreamResponse, bool]:
         """Send ``size`` bytes of ``path`` a chunk at a time; False (the connection closed) for a reader that took
-        longer than ``transfer_s`` in all or ``CHUNK_S`` for a chunk."""
+        longer than ``transfer_s`` in all or ``CHUNK_S`` for a chunk. ``last()`` is called before the last chunk is
+        handed over: a reader that has every byte may ask again before this coroutine resumes."""
         deadline = time.monotonic() + transfer_s(size)
         with open(path, "rb") as f:  # opened before the answer starts: a file rotated away meanwhile is a 404
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -135,6 +138,8 @@ class AuditRoutes:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError
+                    if sent + len(chunk) >= size:
+                        last()
                     await within(response.write(chunk), min(CHUNK_S, left))
                     sent += len(chunk)
             except TimeoutError:
@@ -158,7 +163,7 @@ class AuditRoutes:
         try:
             try:
                 size = path.stat().st_size
-                response, whole = await self._stream(request, path, size)
+                response, whole = await self._stream(request, path, size, lambda: self._serving.discard(node_id))
             except FileNotFoundError:  # never held, or rotated away since
                 self._count("not_held")
                 held = sorted(int(p.name[5:13]) for p in self.root.glob("step-????????.pt"))
