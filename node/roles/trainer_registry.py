@@ -2,9 +2,9 @@
 
 A batch from an unknown key triggers a DHT read, but a flood of unknown keys must cost the DHT only a few reads
 a second, and a new node's first batch must still get one: hence per-key and global spacing, one read at a time,
-and a cap on submissions waiting for a read. Besides, the trainer reads every record once every
-``REGISTRY_PERIOD_S`` (the origin's slot rules go by who names whom as parent). Trusted validators
-(``--validator``) are found here too, in turn.
+a cap on lookups under way, and one lookup per key however many of its requests wait for it. Besides, the trainer
+reads every record once every ``REGISTRY_PERIOD_S`` (the origin's slot rules go by who names whom as parent).
+Trusted validators (``--validator``) are found here too, in turn.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class NodeRegistry:
         self._validators_at = -math.inf
         self._lock = asyncio.Lock()
         self._waiters = 0
+        self._pending: dict[str, asyncio.Future[NodeRecord | None]] = {}
+        """Lookups under way, by the key they are for (MAX_REGISTRY_WAITERS at most): a second request from the
+        same key waits for the same answer."""
         self._turn = 0
 
     async def registered(self, node_id: str, patient: bool = False) -> NodeRecord | None:
@@ -65,8 +68,13 @@ class NodeRegistry:
         ``patient``: a request whose node asks again, which buys a read only once PATIENT_REFRESH_S passed since
         the last one."""
         record = self.records.get(node_id)
-        if record is not None or time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
+        if record is not None:
             return record
+        pending = self._pending.get(node_id)
+        if pending is not None:  # this key's lookup is under way: its answer is ours too (a producer announces a
+            return await asyncio.shield(pending)  # batch and pushes it at once: the push was refused as unknown)
+        if time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
+            return None
         if patient and (self._lock.locked() or time.monotonic() - self._read_at < PATIENT_REFRESH_S):
             return None  # a read is under way or was just made: it asks again
         if len(self._lookup_at) > MAX_TRACKED_LOOKUPS:
@@ -75,10 +83,15 @@ class NodeRegistry:
         if self._waiters >= MAX_REGISTRY_WAITERS:  # a flood of unknown keys: do not queue behind it
             return None
         self._waiters += 1
-        try:
-            return await self._lookup(node_id)
-        finally:
+        lookup = asyncio.ensure_future(self._lookup(node_id))
+        self._pending[node_id] = lookup
+
+        def done(_: object) -> None:
             self._waiters -= 1
+            del self._pending[node_id]
+
+        lookup.add_done_callback(done)
+        return await asyncio.shield(lookup)
 
     async def _lookup(self, node_id: str) -> NodeRecord | None:
         async with self._lock:

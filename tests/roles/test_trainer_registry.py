@@ -91,3 +91,20 @@ def test_strangers_slot_requests_wait_while_a_read_is_under_way() -> None:
 
     answers = asyncio.run(flood())
     assert answers == [None] * 50 and dht.reads == 1, f"50 strangers' slot requests queued {dht.reads - 1} reads"
+
+
+def test_a_producers_announcement_and_push_of_one_batch_share_one_lookup_and_both_find_it() -> None:
+    """A new producer announces its first batch on gossip and pushes it at once: the second request came while the
+    first's lookup was under way and was refused as an unknown signer (fresh-clone CI's bf16 swarm). Both wait for
+    the one lookup and find the record."""
+    dht = _SlowDHT(cost=0.2)
+    registry = NodeRegistry(dht)  # type: ignore[arg-type]
+    producer = Identity.generate().node_id
+    dht.records[producer] = NodeRecord(run_id=RUN, node_id=producer, role="inference", updated=time.time())
+
+    async def both() -> list[NodeRecord | None]:
+        return list(await asyncio.gather(registry.registered(producer), registry.registered(producer)))
+
+    announced, pushed = asyncio.run(both())
+    assert announced is not None and pushed is not None
+    assert dht.reads == 1 and registry._pending == {}
