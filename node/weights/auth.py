@@ -3,7 +3,8 @@
 A child proves its node id on every slot request (``POST`` and ``DELETE /relay/attach``) with three headers:
 its node id, its raw Ed25519 public key (hex) and ``<unix time>:<nonce>:<signature>``, the signature over
 ``"<METHOD> <path> <server node id> <time> <nonce>"`` with kind ``relay_request`` (domain-separated, see
-protocol/identity.py). The server checks, cheapest first: a rate limit per remote address, the headers' shape,
+protocol/identity.py). The server checks, cheapest first: a rate limit per remote address (a refusal is held a
+second, http.Tarpit: a flood that was refused at once asked again at once), the headers' shape,
 that the key is the node id's, the time within ``AUTH_WINDOW_S``, the nonce unseen, the signature, that the node
 id belongs to the run (a registered DHT record; a DHT lookup at most, bounded by the caller), and last that the key
 has not signed more than its allowance within the replay window: ``NONCES_PER_KEY`` requests asking for a slot, and
@@ -29,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from intellect_node.p2p.http import Tarpit, source_of
 from intellect_protocol.identity import Identity, node_id_of, verify
 
 CHILD_HEADER = "X-Intellect-Node"
@@ -89,15 +91,22 @@ def server_clock_offset(date_header: str | None) -> float | None:
 class Refused(Exception):
     """A slot request that is not authentic: ``status`` and ``reason`` for the answer and the counter."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, close: bool = False) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.close = close
+        """Close the connection after the answer (a tarpit with no room left)."""
 
     def http(self) -> web.HTTPException:
         """The answer: 429 for too many, 403 for a key the run does not know, else 401."""
         kinds: dict[int, type[web.HTTPException]] = {429: web.HTTPTooManyRequests, 403: web.HTTPForbidden}
-        return kinds.get(self.status, web.HTTPUnauthorized)(text=self.reason)
+        answer = kinds.get(self.status, web.HTTPUnauthorized)(text=self.reason)
+        if self.status == 429:
+            answer.headers["Retry-After"] = "1"
+        if self.close:
+            answer.force_close()
+        return answer
 
 
 class RequestAuth:
@@ -114,6 +123,7 @@ class RequestAuth:
         self._keeping: Counter[str] = Counter()
         """Per key, the keep-alives of held slots in the table."""
         self._buckets: dict[str, tuple[float, float]] = {}
+        self.tarpit = Tarpit()
         self.stripes: Callable[[], int] = lambda: 1
         """Stripes a node may hold a slot in here (relay.ShardServer: every one at the origin, else its home)."""
 
@@ -133,8 +143,8 @@ class RequestAuth:
     async def check(self, request: web.Request, holds: Callable[[str], bool] = lambda node_id: False) -> str:
         """The authenticated node id of a slot request; raises Refused. ``holds``: whether the node already holds
         the slot the request is for (a keep-alive, counted apart from requests asking for one)."""
-        if not self.allow(request.remote or "?"):
-            raise Refused(429, "rate")
+        if not self.allow(source_of(request.remote)):
+            raise Refused(429, "rate", close=not await self.tarpit.hold(request))
         node_id = request.headers.get(CHILD_HEADER, "")
         key_hex = request.headers.get(KEY_HEADER, "")
         match = _AUTH.match(request.headers.get(AUTH_HEADER, ""))

@@ -9,7 +9,14 @@ import time
 import aiohttp
 from aiohttp import web
 
-from intellect_node.p2p.http import PUBLIC_RATE_PER_ADDRESS, EncodedList, HttpServer, encode_status, source_of
+from intellect_node.p2p.http import (
+    PUBLIC_RATE_PER_ADDRESS,
+    EncodedList,
+    HttpServer,
+    Tarpit,
+    encode_status,
+    source_of,
+)
 from intellect_node.p2p.metrics import Metrics
 
 
@@ -97,6 +104,75 @@ def test_a_client_polling_the_public_routes_in_a_loop_is_refused_past_its_rate_a
     # an IPv6 client rotating through its /64 shares one bucket; an IPv4 client of a dual-stack socket is itself
     assert source_of("2001:db8::1") == source_of("2001:db8::ffff:1") != source_of("2001:db8:0:1::1")
     assert source_of("::ffff:10.0.0.1") == "10.0.0.1" and source_of(None) == "?"
+
+
+def test_a_refusal_for_the_rate_is_held_before_it_goes_out() -> None:
+    """An HTTP/1.1 connection carries one request at a time: held, a refusal stalls its connection, so a flood gets
+    about one request per connection per hold instead of refusals as fast as it asks."""
+    hold = 0.3
+
+    async def main() -> list[tuple[int, float, str]]:
+        http = HttpServer(Metrics(), lambda: {"role": "trainer"}, rate=0.001, burst=1)  # one request, then none
+        http.tarpit = Tarpit(hold_s=hold)
+        port = await http.start("127.0.0.1", 0)
+        answers = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(3):
+                    started = time.monotonic()
+                    async with session.get(f"http://127.0.0.1:{port}/status") as r:
+                        answers.append((r.status, time.monotonic() - started, r.headers.get("Connection", "")))
+        finally:
+            await http.close()
+        return answers
+
+    (ok, *refused) = asyncio.run(main())
+    assert ok[0] == 200 and [a[0] for a in refused] == [429, 429]
+    assert all(took >= hold and connection.lower() != "close" for _, took, connection in refused), refused
+
+
+def test_past_the_held_bound_a_refusal_goes_out_at_once_and_closes_its_connection() -> None:
+    """Held answers are bounded per address and in all: past either, a flood's refusal is not held but closes its
+    connection, so each further request costs its sender a new connection; another address still has its share."""
+
+    async def main() -> tuple[list[str], list[str], int]:
+        http = HttpServer(Metrics(), lambda: {"role": "trainer"}, rate=0.001, burst=1)
+        http.tarpit = Tarpit(hold_s=60.0, per_source=2, total=3)  # held until the server closes
+        port = await http.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/status"
+
+        async def ask(session: aiohttp.ClientSession) -> str:
+            async with session.get(url) as r:
+                assert r.status == 429
+                return "close" if r.headers.get("Connection", "").lower() == "close" else "held"
+
+        async def until_holding(n: int) -> None:
+            while http.tarpit.holding < n:
+                await asyncio.sleep(0.01)
+
+        async with (
+            aiohttp.ClientSession() as here,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as there,
+        ):
+            try:
+                for session in (here, there):
+                    async with session.get(url) as r:  # each address's one allowed request
+                        assert r.status == 200
+                held = [asyncio.create_task(ask(here)) for _ in range(2)]
+                await until_holding(2)
+                past_address = [await ask(here) for _ in range(2)]  # this address has two held
+                held.append(asyncio.create_task(ask(there)))
+                await until_holding(3)
+                past_total = [await ask(there), await ask(here)]  # three held in all
+                still_held = sum(not t.done() for t in held)
+            finally:
+                await http.close()
+                await asyncio.gather(*held, return_exceptions=True)
+        return past_address, past_total, still_held
+
+    past_address, past_total, still_held = asyncio.run(main())
+    assert past_address == ["close", "close"] and past_total == ["close", "close"]
+    assert still_held == 3
 
 
 def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only() -> None:

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.http import HttpServer, Tarpit
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights import auth
 from intellect_node.weights.auth import (
@@ -47,7 +47,7 @@ async def _serve(checker: RequestAuth) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post(PATH, attach)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # answers held in a tarpit are cut off at cleanup
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -82,6 +82,50 @@ def test_a_strangers_correctly_signed_requests_leave_no_nonce_behind() -> None:
     assert set(statuses) == {403}  # every one refused as not of the run ...
     assert strangers_left == 0  # ... and none of them kept: the table holds members' requests only
     assert after_member == 1
+
+
+def test_slot_requests_past_the_address_rate_are_held_then_closed_before_any_signature_is_checked() -> None:
+    """A flood of slot requests past RATE_PER_ADDRESS is refused before its signature costs anything, and the
+    refusal is held (a stranger's flood answered at once asked again at once: 69,487 refusals in 60 s in the red
+    team's run); past the bound on held answers the refusal closes its connection."""
+
+    async def scenario() -> tuple[list[str], int]:
+        checker = RequestAuth(SERVER, None)
+        checker.tarpit = Tarpit(hold_s=60.0, per_source=2)
+        verified = 0
+        real_verify = auth.verify
+
+        def counting(*args: object) -> bool:
+            nonlocal verified
+            verified += 1
+            return real_verify(*args)  # type: ignore[arg-type]
+
+        runner, url = await _serve(checker)
+        held: list[asyncio.Task[tuple[int, str]]] = []
+        try:
+            with mock.patch.object(auth, "RATE_PER_ADDRESS", 0.001), mock.patch.object(auth, "verify", counting):
+                async with aiohttp.ClientSession() as session:
+
+                    async def ask() -> str:
+                        async with session.post(
+                            url, headers=signed_headers(Identity.generate(), "POST", PATH, SERVER)
+                        ) as r:
+                            assert r.status == 429 and r.headers["Retry-After"] == "1"
+                            return "close" if r.headers.get("Connection", "").lower() == "close" else "held"
+
+                    held = [asyncio.create_task(_send(session, url, Identity.generate())) for _ in range(2)]
+                    while checker.tarpit.holding < 2:
+                        await asyncio.sleep(0.01)
+                    past = [await ask() for _ in range(3)]
+                    still_held = sum(not t.done() for t in held)
+        finally:
+            await runner.cleanup()
+            await asyncio.gather(*held, return_exceptions=True)
+        return past + [str(still_held)], verified
+
+    answers, verified = asyncio.run(scenario())
+    assert answers == ["close", "close", "close", "2"]
+    assert verified == 0
 
 
 def test_one_member_key_keeps_a_bounded_share_of_the_table() -> None:
