@@ -7,6 +7,8 @@ import asyncio
 import ipaddress
 import json
 import logging
+import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -45,10 +47,11 @@ class EncodedList(list[Any]):
             return [json.dumps(item) for item in self[start:end]]
         return self._texts[start:end]
 
-    def json(self) -> str:
+    def json(self, start: int = 0) -> str:
+        """The items from ``start`` on, as a JSON array."""
         if self._stale or len(self._texts) != len(self):  # changed some other way than append: encode again
             self._texts, self._stale = [json.dumps(item) for item in self], False
-        return "[" + ",".join(self._texts) + "]"
+        return "[" + ",".join(self._texts[start:]) + "]"
 
     def _changed(name: str) -> Any:  # type: ignore[misc]  # noqa: N805 (a decorator factory used in the body)
         method = getattr(list, name)
@@ -71,9 +74,46 @@ class EncodedList(list[Any]):
     del _changed
 
 
+class EncodedTail:
+    """The items of an ``EncodedList`` from ``start`` on, spliced into a status as they were encoded."""
+
+    def __init__(self, items: EncodedList, start: int) -> None:
+        self.items = items
+        self.start = start
+
+    def json(self) -> str:
+        return self.items.json(self.start)
+
+
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
+def decimal(raw: str, digits: int, negative: bool = False) -> int | None:
+    """``raw`` as an integer when it is plain ASCII decimal of at most ``digits`` digits (a leading ``-`` only when
+    ``negative``), else None. A query or path value is a peer's: ``str.isdigit`` also accepts digits ``int`` refuses
+    (``'²'``), and a check by it let ``/relay/next?after=²`` answer 500 and log a traceback, anonymously."""
+    if not _DECIMAL.fullmatch(raw) or (raw.startswith("-") and not negative) or len(raw.lstrip("-")) > digits:
+        return None
+    return int(raw)
+
+
+def history_since(status: dict[str, Any], since: str) -> dict[str, Any]:
+    """``status`` with its ``history`` cut to the entries from index ``since`` on, for a client that holds the first
+    ``since`` already (the dashboard: a long run's history is megabytes, and it asks every 2 s); ``history_from`` and
+    ``history_len`` say which part it is. Raises ValueError for a ``since`` that is not a count."""
+    count = decimal(since, 12)
+    if count is None:
+        raise ValueError("since must be a count of history entries")
+    history = status.get("history")
+    if not isinstance(history, EncodedList):  # a role without a history, or one kept otherwise: the whole status
+        return status
+    start = min(count, len(history))
+    return {**status, "history": EncodedTail(history, start), "history_from": start, "history_len": len(history)}
+
+
 def encode_status(status: dict[str, Any]) -> bytes:
-    """``status`` as JSON; values that are ``EncodedList`` are spliced in as already encoded."""
-    encoded = {k: v for k, v in status.items() if isinstance(v, EncodedList)}
+    """``status`` as JSON; values that are ``EncodedList`` or ``EncodedTail`` are spliced in as already encoded."""
+    encoded = {k: v for k, v in status.items() if isinstance(v, (EncodedList, EncodedTail))}
     text = json.dumps({k: v for k, v in status.items() if k not in encoded})
     if encoded:
         parts = [f"{json.dumps(k)}:{v.json()}" for k, v in encoded.items()]
@@ -129,7 +169,10 @@ class Tarpit:
     connection: a sender gets about one request a second per connection it opens. Held answers are bounded
     (``TARPIT_PER_SOURCE`` per address, ``TARPIT_MAX`` in all: an idle coroutine and a socket each); past the
     bound the refusal goes out at once and closes its connection, so every further request costs its sender a new
-    TCP connection. Honest clients are refused only past a rate they never need, and wait as Retry-After says."""
+    TCP connection. Honest clients are refused only past a rate they never need, and wait as Retry-After says.
+    Each rate has its own (the public routes', and each ``RequestAuth``: a trainer's relay slots and audit
+    downloads), so the bounds hold per tarpit. aiohttp does not cancel a handler whose client left: a held
+    answer is held its whole time, and a sender that hangs up frees no room sooner."""
 
     def __init__(self, hold_s: float = TARPIT_S, per_source: int = TARPIT_PER_SOURCE, total: int = TARPIT_MAX) -> None:
         self.hold_s = hold_s
@@ -192,6 +235,7 @@ class HttpServer:
         self.rate = rate
         self._buckets = TokenBuckets(rate, 2 * rate if burst is None else burst)
         self.tarpit = Tarpit()
+        self.started = time.time()
         self.port = 0
 
     @web.middleware
@@ -247,7 +291,16 @@ class HttpServer:
         return web.json_response({"ok": True})
 
     async def _status_handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=encode_status(self._status()), content_type="application/json")
+        """The role's status; ``?since=N``: the history from entry N on (``history_since``). ``started``: when this
+        server started, so a client that keeps the history it read knows when to read it whole again."""
+        status = {**self._status(), "started": self.started}
+        since = request.query.get("since")
+        if since is not None:
+            try:
+                status = history_since(status, since)
+            except ValueError as e:
+                return web.json_response({"error": "since", "detail": str(e)}, status=400)
+        return web.Response(body=encode_status(status), content_type="application/json")
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(text=self._metrics.render(), content_type="text/plain")

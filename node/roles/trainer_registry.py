@@ -13,6 +13,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 
 from intellect_node.p2p.dht import Membership
 from intellect_protocol.messages import NodeRecord
@@ -34,7 +35,10 @@ in proportion to the records in it, so a flood of announcements from keys whose 
 unknown signer again) would otherwise buy a whole read every REGISTRY_MIN_INTERVAL_S however large the key grew."""
 MAX_TRACKED_LOOKUPS = 10_000
 MAX_REGISTRY_WAITERS = 4
-"""Submissions from unknown keys waiting for a registry lookup at once; more are refused at once."""
+"""Lookups for unknown keys under way at once; a request that would start another is refused at once."""
+MAX_SHARING = 2
+"""Further requests of one key that wait for its lookup under way; more are refused at once (as unknown: a signed
+batch from a key the trainer has not read is asked again). Each waits holding a stream slot of the trainer's."""
 VALIDATOR_REFRESH_S = 5.0
 REGISTRY_PERIOD_S = 10.0
 """The trainer reads every record at least this often: the origin's slots go to the relays that trusted nodes name
@@ -59,6 +63,8 @@ class NodeRegistry:
         self._pending: dict[str, asyncio.Future[NodeRecord | None]] = {}
         """Lookups under way, by the key they are for (MAX_REGISTRY_WAITERS at most): a second request from the
         same key waits for the same answer."""
+        self._sharing: Counter[str] = Counter()
+        """Per key with a lookup under way, the further requests waiting for it (MAX_SHARING at most)."""
         self._turn = 0
 
     async def registered(self, node_id: str, patient: bool = False) -> NodeRecord | None:
@@ -72,7 +78,17 @@ class NodeRegistry:
             return record
         pending = self._pending.get(node_id)
         if pending is not None:  # this key's lookup is under way: its answer is ours too (a producer announces a
-            return await asyncio.shield(pending)  # batch and pushes it at once: the push was refused as unknown)
+            # batch and pushes it at once: the push was refused as unknown), for a few requests of a key at most
+            # (each holds one of the trainer's stream slots while it waits) and none that can ask again
+            if patient or self._sharing[node_id] >= MAX_SHARING:
+                return None
+            self._sharing[node_id] += 1
+            try:
+                return await asyncio.shield(pending)
+            finally:
+                self._sharing[node_id] -= 1
+                if self._sharing[node_id] <= 0:
+                    del self._sharing[node_id]
         if time.monotonic() - self._lookup_at.get(node_id, -math.inf) <= REGISTRY_REFRESH_S:
             return None
         if patient and (self._lock.locked() or time.monotonic() - self._read_at < PATIENT_REFRESH_S):

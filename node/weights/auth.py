@@ -91,19 +91,22 @@ def server_clock_offset(date_header: str | None) -> float | None:
 class Refused(Exception):
     """A slot request that is not authentic: ``status`` and ``reason`` for the answer and the counter."""
 
-    def __init__(self, status: int, reason: str, close: bool = False) -> None:
+    def __init__(self, status: int, reason: str, close: bool = False, retry_after: int | None = None) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
         self.close = close
         """Close the connection after the answer (a tarpit with no room left)."""
+        self.retry_after = retry_after
+        """Seconds after which asking again may be answered (the address's rate; a key's own allowance lasts the
+        replay window, and says none)."""
 
     def http(self) -> web.HTTPException:
         """The answer: 429 for too many, 403 for a key the run does not know, else 401."""
         kinds: dict[int, type[web.HTTPException]] = {429: web.HTTPTooManyRequests, 403: web.HTTPForbidden}
         answer = kinds.get(self.status, web.HTTPUnauthorized)(text=self.reason)
-        if self.status == 429:
-            answer.headers["Retry-After"] = "1"
+        if self.retry_after is not None:
+            answer.headers["Retry-After"] = str(self.retry_after)
         if self.close:
             answer.force_close()
         return answer
@@ -144,7 +147,7 @@ class RequestAuth:
         """The authenticated node id of a slot request; raises Refused. ``holds``: whether the node already holds
         the slot the request is for (a keep-alive, counted apart from requests asking for one)."""
         if not self.allow(source_of(request.remote)):
-            raise Refused(429, "rate", close=not await self.tarpit.hold(request))
+            raise Refused(429, "rate", close=not await self.tarpit.hold(request), retry_after=1)
         node_id = request.headers.get(CHILD_HEADER, "")
         key_hex = request.headers.get(KEY_HEADER, "")
         match = _AUTH.match(request.headers.get(AUTH_HEADER, ""))

@@ -35,6 +35,7 @@ from typing import BinaryIO
 from aiohttp import web
 
 from intellect_node.aio import within
+from intellect_node.p2p.http import decimal
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import CHILD_HEADER, TOKEN_HEADER, Members, Refused, RequestAuth
 from intellect_node.weights.earned import Feeding
@@ -179,10 +180,10 @@ class ShardServer:
 
     @staticmethod
     def _stripe_wanted(request: web.Request) -> int:
-        raw = request.query.get("stripe", "0")
-        if not raw.isdigit() or len(raw) > 2 or int(raw) >= 64:
+        stripe = decimal(request.query.get("stripe", "0"), 2)
+        if stripe is None or stripe >= 64:
             raise web.HTTPBadRequest(text="stripe=<0..63>")
-        return int(raw)
+        return stripe
 
     def _token(self, child: str) -> str:
         for token, owner in self._tokens.items():
@@ -381,10 +382,8 @@ class ShardServer:
     @staticmethod
     def _fetching(request: web.Request) -> tuple[int, int] | None:
         """What a child's ``v`` and ``have`` (signed) say: the version it fetches and its shards of the stripe."""
-        v, have = request.query.get("v", ""), request.query.get("have", "")
-        if not (v.isdigit() and have.isdigit() and len(v) <= 10 and len(have) <= 7):
-            return None
-        return int(v), int(have)
+        v, have = decimal(request.query.get("v", ""), 10), decimal(request.query.get("have", ""), 7)
+        return None if v is None or have is None else (v, have)
 
     def _behind(self, request: web.Request, stripe: int) -> bool:
         """Whether a new child says it holds over twice what this node does."""
@@ -414,11 +413,11 @@ class ShardServer:
         (long poll, 204 after ``LONG_POLL_S``). Children learn of a new version from their parent as it starts
         arriving, not at their next look at the DHT; the run key's signature makes the news trustworthy. Others
         wait only while fewer than MAX_ANON_WAITS do."""
-        after = request.query.get("after", "-1")
-        if not after.lstrip("-").isdigit() or len(after) > 11:
+        after = decimal(request.query.get("after", "-1"), 10, negative=True)
+        if after is None:
             raise web.HTTPBadRequest(text="after=<version>")
         async with self._waiting(self._child_of(request) is not None) as wait_s:
-            newest = await self.store.wait_newer(int(after), wait_s)
+            newest = await self.store.wait_newer(after, wait_s)
         data = self.store.manifest_bytes(newest) if newest is not None else None
         if newest is None or data is None:
             return web.Response(status=204)
@@ -441,10 +440,10 @@ class ShardServer:
             self._anon_waits -= 1
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
-        v, name = request.match_info["version"], request.match_info["name"]
-        if not v.isdigit() or len(v) > 10 or not SHARD_NAME.match(name) or name.endswith(".part"):
+        v, name = decimal(request.match_info["version"], 10), request.match_info["name"]
+        if v is None or not SHARD_NAME.match(name) or name.endswith(".part"):
             raise web.HTTPNotFound()
-        version = int(v)
+        version = v
         if name == MANIFEST_NAME:
             data = self.store.manifest_bytes(version)
             if data is None and await self.store.wait_begun(version, MANIFEST_POLL_S):

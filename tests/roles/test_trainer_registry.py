@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from intellect_node.roles.trainer_registry import PATIENT_REFRESH_S, READ_SHARE, NodeRegistry
+from intellect_node.roles.trainer_registry import MAX_SHARING, PATIENT_REFRESH_S, READ_SHARE, NodeRegistry
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import NodeRecord
 
@@ -108,3 +108,25 @@ def test_a_producers_announcement_and_push_of_one_batch_share_one_lookup_and_bot
     announced, pushed = asyncio.run(both())
     assert announced is not None and pushed is not None
     assert dht.reads == 1 and registry._pending == {}
+
+
+def test_a_keys_requests_beyond_a_few_do_not_wait_for_its_lookup_and_patient_ones_never_do() -> None:
+    """Each request waiting for a lookup holds one of the trainer's stream slots: one unregistered key pushing 16
+    signed batches at once must not hold them all through a slow read. Two more wait with the first; the rest, and
+    a relay slot or audit request (it asks again), are answered at once."""
+    dht = _SlowDHT(cost=0.3)
+    registry = NodeRegistry(dht)  # type: ignore[arg-type]
+    key = Identity.generate().node_id
+    dht.records[key] = NodeRecord(run_id=RUN, node_id=key, role="inference", updated=time.time())
+
+    async def many() -> tuple[list[NodeRecord | None], NodeRecord | None]:
+        first = asyncio.ensure_future(registry.registered(key))
+        await asyncio.sleep(0)  # its lookup is under way
+        patient = await registry.registered(key, patient=True)
+        rest = await asyncio.gather(*(registry.registered(key) for _ in range(15)))
+        return [await first, *rest], patient
+
+    answers, patient = asyncio.run(many())
+    assert patient is None
+    assert sum(a is not None for a in answers) == 1 + MAX_SHARING and dht.reads == 1
+    assert registry._sharing == {} and registry._pending == {}

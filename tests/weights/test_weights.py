@@ -18,7 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from intellect_node.p2p.http import HttpServer
+from intellect_node.p2p.http import HttpServer, decimal
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights import relay
 from intellect_node.weights import store as store_module
@@ -397,6 +397,35 @@ def test_only_files_the_signed_manifest_names_are_served(tmp_path: Path) -> None
             return codes
 
     assert asyncio.run(main()) == [404, 404, 404, 200]
+
+
+def test_numbers_in_a_strangers_request_that_are_not_plain_decimal_get_a_clear_refusal_not_a_500(
+    tmp_path: Path,
+) -> None:
+    """Anyone may ask a relay for news and shards: a version that ``str.isdigit`` takes but ``int`` does not (a
+    superscript two, Arabic-Indic digits, a doubled minus) is refused as a bad request (each such request was a
+    500, and aiohttp logged its traceback at ERROR)."""
+    write_checkpoint(tmp_path / "origin", RUN_KEY, RUN, 3, _tensors(), shard_bytes=20_000)
+
+    async def main() -> list[int]:
+        async with _origin(tmp_path / "origin") as (url, _), aiohttp.ClientSession() as session:
+            codes = []
+            for path in (
+                "/relay/next?after=%C2%B2",
+                "/relay/next?after=--5",
+                "/relay/next?after=%D9%A3",
+                "/relay/next?after=+3",
+                "/weights/%C2%B2/manifest.msgpack",
+                "/weights/%D9%A3/manifest.msgpack",
+                "/weights/3/manifest.msgpack",
+            ):
+                async with session.get(url + path) as resp:
+                    codes.append(resp.status)
+            return codes
+
+    assert asyncio.run(main()) == [400, 400, 400, 400, 404, 404, 200]
+    assert [decimal(x, 3) for x in ("12", "²", "-1", "1234", "", "٣")] == [12, None, None, None, None, None]
+    assert decimal("-12", 3, negative=True) == -12 and decimal("--1", 3, negative=True) is None
 
 
 def test_a_parent_that_trickles_is_cut_blamed_and_the_shards_come_from_elsewhere(
