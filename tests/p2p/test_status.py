@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from intellect_node.p2p.http import (
+    DASHBOARD,
     PUBLIC_RATE_PER_ADDRESS,
     EncodedList,
     HttpServer,
@@ -53,6 +57,76 @@ def test_status_served_over_http_grows_with_each_step() -> None:
     seen = asyncio.run(main())
     assert [s["step"] for s in seen] == [1, 2, 3]
     assert seen[-1]["history"] == [{"step": 1}, {"step": 2}, {"step": 3}]
+
+
+def test_a_client_that_holds_the_history_asks_only_for_what_came_after() -> None:
+    """``/status?since=N`` carries the history from entry N on (the dashboard asks every 2 s, and a long run's
+    history is megabytes), says which part it is, and refuses a ``since`` that is not a count."""
+    history = EncodedList({"step": i} for i in range(1, 6))
+
+    async def main() -> tuple[list[dict[str, object]], int]:
+        http = HttpServer(Metrics(), lambda: {"role": "trainer", "step": 5, "history": history})
+        port = await http.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                answers = []
+                for query in ("", "?since=0", "?since=3", "?since=99"):
+                    async with session.get(f"http://127.0.0.1:{port}/status{query}") as r:
+                        assert r.status == 200
+                        answers.append(await r.json())
+                async with session.get(f"http://127.0.0.1:{port}/status?since=-1") as r:
+                    bad = r.status
+        finally:
+            await http.close()
+        return answers, bad
+
+    (whole, since0, since3, past), bad = asyncio.run(main())
+    assert whole["history"] == since0["history"] == [{"step": i} for i in range(1, 6)] and "history_from" not in whole
+    assert (since3["history"], since3["history_from"], since3["history_len"]) == ([{"step": 4}, {"step": 5}], 3, 5)
+    assert (past["history"], past["history_from"], past["history_len"]) == ([], 5, 5)
+    assert since3["step"] == 5 and since3["started"] == whole["started"] > 0
+    assert bad == 400
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the dashboard's script")
+def test_the_dashboard_keeps_the_history_it_read_and_reads_it_whole_after_a_restart() -> None:
+    """The page's ``withHistory`` (run in Node.js as the page has it): appends each answer's tail to what it kept,
+    and starts over when the node restarted (a new ``started``) or the history shrank."""
+    page = DASHBOARD.decode()
+    code = page[page.index("let kept = ") : page.index("async function refresh()")]
+    run = subprocess.run(["node", "-e", code + DASHBOARD_CASES], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == [
+        [2, [1, 2]],
+        [3, [1, 2, 3]],
+        [3, [1, 2, 3]],
+        [0, []],
+        [4, [1, 2, 3, 4]],
+        [2, [1, 2]],
+        [2, []],
+        [0, [1]],
+        1,  # after the restart, read whole at once rather than at the next refresh
+    ]
+
+
+DASHBOARD_CASES = """
+let reread = 0;
+const refresh = () => { reread += 1; };
+const setTimeout = (f) => f();
+const out = [];
+const ask = (s) => { const r = withHistory(s); out.push([kept.history.length, (r.history || []).map((h) => h.step)]); };
+ask({started: 1, history: [{step: 1}, {step: 2}], history_from: 0, history_len: 2});
+ask({started: 1, history: [{step: 3}], history_from: 2, history_len: 3});
+ask({started: 1, history: [], history_from: 3, history_len: 3});
+ask({started: 2, history: [{step: 4}], history_from: 3, history_len: 4});  // restarted: read whole next time
+ask({started: 2, history: [{step: 1}, {step: 2}, {step: 3}, {step: 4}], history_from: 0, history_len: 4});
+ask({started: 2, history: [], history_from: 2, history_len: 2});  // shrank (resumed from an older step)
+ask({role: "relay"});
+ask({started: 3, history: [{step: 1}]});  // a history sent whole (no history_from): shown as it is
+out.push(reread);
+console.log(JSON.stringify(out));
+"""
+"""What the page's ``withHistory`` is given in turn (a stand-in ``refresh`` counts the reads it asks for at once)."""
 
 
 def test_a_client_polling_the_public_routes_in_a_loop_is_refused_past_its_rate_and_others_are_not() -> None:
@@ -193,7 +267,7 @@ def test_the_dashboard_is_one_self_contained_page_that_may_talk_to_its_node_only
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     assert "http://" not in page and "https://" not in page and "src=" not in page  # no external script or image
     assert '<link rel="icon" href="data:,">' in page  # no favicon request (a 404 in every browser's console)
-    assert 'fetch("status"' in page and "setInterval(refresh" in page  # it refreshes itself from its own node
+    assert "fetch(`status?since=" in page and "setInterval(refresh" in page  # it refreshes itself from its own node
     assert "esc(" in page  # peer-controlled strings (ids, reasons) are escaped before they are shown
 
 

@@ -24,6 +24,7 @@ import torch
 from aiohttp import web
 
 from intellect_node.launch import NodeProcess, join_argv
+from intellect_node.p2p.http import HttpServer, Tarpit
 from intellect_node.p2p.keys import load_or_create
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.policy.engine import Group
@@ -337,6 +338,34 @@ def test_audit_downloads_are_for_signed_members_within_their_allowance(trained: 
             assert SERVING == 2
 
     asyncio.run(run())
+
+
+def test_an_auditor_refused_for_its_address_rate_waits_and_its_download_completes(
+    trained: Path, tmp_path: Path
+) -> None:
+    """Behind one address with other clients (a NAT, Docker's proxy) an auditor can find the public routes' rate
+    spent: the 429 saying ``rate`` is waited out as its Retry-After says, and the download completes (its key's own
+    limits are not waited out: the test above)."""
+    served = Served(trained, tmp_path / "auditor")
+    metrics = Metrics()
+    path = f"/audit/spool/{STEPS - 1}"
+
+    async def run() -> str:
+        http = HttpServer(metrics, lambda: {"role": "trainer"}, served.routes.routes(), rate=1.0, burst=1)
+        http.tarpit = Tarpit(hold_s=0.1)
+        port = await http.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/audit") as resp:  # another client took the address's one request
+                    assert resp.status == 200
+                return await served.remote.download(session, url, path, tmp_path / "s", 1 << 30)
+        finally:
+            await http.close()
+
+    digest = asyncio.run(run())
+    assert digest == sha256_file(trained / "checkpoints" / served.run.node_id / f"spool-{STEPS - 1:08d}.bin")
+    assert metrics.counter("node_http_refused_total", "rate") >= 1
 
 
 def test_a_ledger_other_than_the_trainers_record_names_is_a_fork(trained: Path, tmp_path: Path) -> None:
