@@ -49,6 +49,9 @@ in (the origin: every stripe; a relay: its home). A child keeps each slot alive 
 a few rounds after a change or an unanswered one (links.KEEPALIVE_S, FAST_KEEPALIVE_S): up to 120 a slot. Counted
 apart from the asking: under one allowance, a child of the origin in four stripes would be refused within 16 s
 and lose its slot in every stripe."""
+KEY_RETRY_AFTER_S = 10
+"""The Retry-After of a key past its allowance: a node honours it (links.Attachments) and asks elsewhere meanwhile;
+at one ask in this long a key stays within NONCES_PER_KEY."""
 RATE_PER_ADDRESS = 50.0
 """Slot requests per second from one remote address (a burst of twice this)."""
 MAX_ADDRESSES = 10_000
@@ -98,8 +101,8 @@ class Refused(Exception):
         self.close = close
         """Close the connection after the answer (a tarpit with no room left)."""
         self.retry_after = retry_after
-        """Seconds after which asking again may be answered (the address's rate; a key's own allowance lasts the
-        replay window, and says none)."""
+        """Seconds after which asking again may be answered: the address's rate, or KEY_RETRY_AFTER_S for a key past
+        its allowance (a hint: the allowance comes back as the key's oldest requests leave the replay window)."""
 
     def http(self) -> web.HTTPException:
         """The answer: 429 for too many, 403 for a key the run does not know, else 401."""
@@ -187,7 +190,7 @@ class RequestAuth:
             raise Refused(401, "replayed")
         counts = self._keeping if keeping else self._per_key
         if counts[node_id] >= (NONCES_PER_SLOT * max(1, self.stripes()) if keeping else NONCES_PER_KEY):
-            raise Refused(429, "rate")
+            raise Refused(429, "rate", retry_after=KEY_RETRY_AFTER_S)
         if len(self._nonces) >= MAX_NONCES:
             raise Refused(429, "busy")
         self._nonces[(node_id, nonce)] = (now, keeping)

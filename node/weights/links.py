@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from intellect_node.aio import within
+from intellect_node.p2p.http import decimal
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.weights.auth import server_clock_offset, signed_headers
 from intellect_node.weights.fetch import ShardFetcher, read_limited
@@ -53,6 +55,14 @@ ATTACH_TIMEOUT = aiohttp.ClientTimeout(total=3, connect=1)
 KEEPALIVE_TIMEOUT = aiohttp.ClientTimeout(total=1.5, connect=1)
 """Two keep-alives in a row unanswered in this long (a cut-off parent sends no reset): the node leaves, ~3-4 s."""
 ASK_STAGGER_S = 0.5
+ASK_BACKOFF_S = 1.0, 30.0
+"""A stripe without a parent asks again after the first of these, doubled after each round that found none, up to
+the second (with a quarter either way at random); at once when the candidates change (a slot freed, a node came).
+Asked every keep-alive, the origin and every full relay of the stripe were asked about three times a second by each
+parentless node (a red-team swarm whose stripe-0 slot a leaf held: thousands of refusals in minutes, and the asker
+past its key's allowance, so answered 429 whatever slot came free)."""
+MAX_RETRY_AFTER_S = 60
+"""A candidate's Retry-After is honoured up to this (a larger one would let a node keep us from asking for long)."""
 NO_PARENT_LOG_S = 30.0
 """A stripe without a parent says whom it asked and what they answered at most this often (INFO)."""
 CHOOSE_BUDGET_S = 10.0
@@ -87,6 +97,12 @@ class Link:
     choosing: asyncio.Lock = field(default_factory=asyncio.Lock)
     unparented_said: float = -1e9
     """When a round of asking that found no parent in this stripe was last logged (NO_PARENT_LOG_S)."""
+    ask_after: float = 0.0
+    """No round of asking before this (time.monotonic()) unless the candidates changed (ASK_BACKOFF_S)."""
+    ask_wait: float = 0.0
+    """The wait after the last round that found no parent (doubled each time, 0 once one is found)."""
+    asked_among: frozenset[tuple[str, bool]] = frozenset()
+    """The candidates of that round and whether each had a free slot: a change is worth asking at once."""
 
     def attach_path(self) -> str:
         """Where to ask for (or keep, or give back) the slot; ``home=0``: this node takes no children in the
@@ -140,6 +156,8 @@ class Attachments:
         """Nodes not to ask to move up to before the time given (they refused: climb)."""
         self._clock: dict[str, float] = {}
         """How far each node we attach to has its clock ahead of ours (only when over CLOCK_TOLERANCE_S)."""
+        self._retry_at: dict[str, float] = {}
+        """Nodes that refused a slot with a Retry-After: not asked again before the time given."""
 
     def start(self, session: aiohttp.ClientSession, fetcher: ShardFetcher) -> None:
         self.session = session
@@ -171,8 +189,15 @@ class Attachments:
             tried: set[str] = set()
             answers: list[str] = []
             stripe = link.stripe if len(self.links) > 1 else None
+            now = time.monotonic()
             queue = parents(records, self.node_id, self.run_id, exclude | self.avoiding(), stripe, link.home)
-            deadline = time.monotonic() + CHOOSE_BUDGET_S
+            among = frozenset((c.node_id, _free(records.get(c.node_id))) for c in queue)
+            if now < link.ask_after and among == link.asked_among:
+                return  # asked them all a moment ago and nothing changed: the fetch goes on from the alternates
+            link.asked_among = among
+            self._retry_at = {n: t for n, t in self._retry_at.items() if t > now}
+            queue = [c for c in queue if c.node_id not in self._retry_at]
+            deadline = now + CHOOSE_BUDGET_S
             asking: dict[asyncio.Task[tuple[int | None, object]], Candidate] = {}
             try:
                 while (queue or asking) and time.monotonic() < deadline:
@@ -209,6 +234,9 @@ class Attachments:
                     task.cancel()
                     self._detach_soon(c, link)
                 now = time.monotonic()
+                if link.parent is None:
+                    link.ask_wait = min(ASK_BACKOFF_S[1], max(ASK_BACKOFF_S[0], 2 * link.ask_wait))
+                    link.ask_after = now + link.ask_wait * random.uniform(0.75, 1.25)
                 if link.parent is None and now - link.unparented_said >= NO_PARENT_LOG_S:
                     link.unparented_said = now
                     logger.info(
@@ -240,6 +268,7 @@ class Attachments:
         link.depth = len(path)
         link.unrooted_since = None
         link.unreachable = 0
+        link.ask_after, link.ask_wait = 0.0, 0.0
         if self.fetcher is not None:  # refused as an alternate a moment ago (full, say): as our parent it serves us
             self.fetcher.forgive(c.node_id)
         logger.info("parent=%s depth=%d stripe=%d (was %s)", c.node_id, link.depth, link.stripe, was)
@@ -308,6 +337,11 @@ class Attachments:
                     self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
                     if len(self._clock) > 4096:
                         self._clock.clear()
+                retry = decimal(resp.headers.get("Retry-After", ""), 9) if resp.status in (429, 503) else None
+                if retry:  # honoured, bounded: asked again no sooner (choose skips it meanwhile)
+                    self._retry_at[c.node_id] = time.monotonic() + min(retry, MAX_RETRY_AFTER_S)
+                    if len(self._retry_at) > 4096:
+                        self._retry_at.clear()
                 body: object = None
                 if resp.status in (200, 409, 503):
                     try:
@@ -410,9 +444,10 @@ class Attachments:
                 except TimeoutError:
                     pass
             try:
-                if link.parent is None:
+                if link.parent is None:  # records read afresh when it is time to ask again, else a recent read
                     excluded = self.fetcher._excluded() if self.fetcher else set()
-                    await self.choose(await self.read_records(0.0), excluded, link)
+                    fresh = time.monotonic() >= link.ask_after
+                    await self.choose(await self.read_records(0.0 if fresh else RECORDS_MAX_AGE_S), excluded, link)
                     if link.parent is not None and self.fetcher is not None:
                         await self.fetcher.refresh_now()
                 else:
@@ -471,6 +506,10 @@ class Attachments:
             link.depth = len(path)  # the parent moved in the tree: so did we
             link.parent = Candidate(c.node_id, c.url, len(path) - 1, True, frozenset({link.stripe}))
             self.publish_soon()
+
+
+def _free(r: NodeRecord | None) -> bool:
+    return r is not None and r.relay is not None and r.relay.slots_free > 0
 
 
 def _home(r: NodeRecord | None) -> int:

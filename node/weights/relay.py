@@ -81,10 +81,16 @@ re-parents under it. Only a child well ahead is refused: refusing any child a fe
 the origin gave up without a parent. Lying high only costs the liar. (docs/weights.md and
 docs/notes/weights-findings.md, "Parents ahead of their children".)"""
 
+ROOT_RETRY_S = 60.0
+"""A node takes a slot by the root rule (ShardServer._make_room) at most once in this long: a key at home in a stripe
+that does not receive through the slot loses it to the first earned asker, and may not take it back at once."""
+MAX_ROOTED = 4096
+
 
 _GIVEN = {
     "unearned": ("node_relay_unearned_children_replaced_total", "it had not earned its slot, the asker had"),
     "leaf": ("node_relay_leaves_preempted_total", "a leaf's, or past its stripe's share, for an interior node"),
+    "root": ("node_relay_rootless_stripes_rooted_total", "its stripe had no root here, the asker is at home in it"),
     "silent": ("node_relay_silent_children_replaced_total", "it fell silent"),
     "idle": ("node_relay_idle_children_replaced_total", "it received nothing through its slot"),
 }
@@ -138,6 +144,8 @@ class ShardServer:
         self.fair = FairShare(self.meter.peak_bps)
         self._leaves: set[str] = set()
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
+        self._rooted: dict[str, float] = {}
+        """Nodes given a slot by the root rule (_make_room), and when: not again within ROOT_RETRY_S."""
         self._told_bps = 0.0
         self._anon_waits = 0
         self._lent = 0
@@ -263,7 +271,15 @@ class ShardServer:
            never one of a child that earned its slot to a node that has not;
         3. the slot of a child silent for ``CONTESTED_TTL_S``: a relay that died holds its slot only this long;
         4. to a node that has something to fetch here (``lacks``), the slot of a child idle longest (it receives
-           nothing through it; earned.Feeding), a leaf first."""
+           nothing through it; earned.Feeding), a leaf first.
+
+        Between 2 and 3, at the origin, a stripe with no root: a node whose record says it is at home in the stripe
+        takes the slot of a child there that is not (an unearned one first, then an idle one), earned or not, at
+        most once in ``ROOT_RETRY_S``. The origin has one slot per stripe by default; held by a leaf, the stripe's
+        tree has no root, every other node fetches the stripe from alternates, and a relay (which earns only through
+        the trusted nodes below it) could never take it. A root that receives through its slot keeps it against
+        earned leaves (rule 1 spares it for them; they are named to it in the 503); an earned node at home there
+        still takes it, and an idle one loses it as any child does."""
         now = time.monotonic()
         stripe, k = int(child.split("/")[1]), self.stripes if self.home() is None else None
         info = self._child_info()
@@ -282,14 +298,31 @@ class ShardServer:
         def earned(c: str) -> bool:
             return self.earned(c.split("/")[0])
 
+        def at_home(c: str) -> bool:  # by its record and its requests: a node that takes children in the stripe
+            return not info[c][1] and self.home_of(c.split("/")[0]) == info[c][0]
+
+        def root(c: str) -> bool:  # a stripe's tree hangs from it here: it receives through its slot
+            return at_home(c) and self.feeding.was_fed(c) and not self.feeding.idle(c, now)
+
         out, why = None, ""
-        if mine and (unearned := [c for c in movable if not earned(c)]):
+        if mine and (unearned := [c for c in movable if not earned(c) and not (leaf and root(c))]):
             out, why = (
                 min(unearned, key=lambda c: (not self.feeding.idle(c, now), not info[c][1], info[c][2])),
                 "unearned",
             )
         if out is None:
             out, why = to_release(info, stripe, leaf, self.slots, k, None if mine else lambda c: not earned(c)), "leaf"
+        node = child.split("/")[0]
+        if out is None and k is not None and not leaf and self.home_of(node) == stripe:
+            mine_s = [c for c in info if info[c][0] == stripe]
+            self._rooted = {n: t for n, t in self._rooted.items() if now - t < ROOT_RETRY_S}
+            if mine_s and not any(at_home(c) for c in mine_s) and node not in self._rooted:
+                out = min(mine_s, key=lambda c: (earned(c), not self.feeding.idle(c, now), info[c][2]))
+                why = "root"
+                if len(self._rooted) < MAX_ROOTED:
+                    self._rooted[node] = now
+                else:  # bounded: past this, no stripe is rooted by this rule until some expire
+                    out = None
         if out is None:
             silent = [c for c in movable if now - info[c][2] >= CONTESTED_TTL_S]
             out, why = min(silent, key=lambda c: info[c][2], default=None), "silent"

@@ -4,6 +4,7 @@ parents stub HTTP servers on loopback that answer slot requests as told."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.weights import links
 from intellect_node.weights.fetch import ShardFetcher
 from intellect_node.weights.links import Attachments
 from intellect_node.weights.store import WeightStore
@@ -27,6 +29,7 @@ class _Parent:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.answer: tuple[int, dict[str, Any]] = (409, {"reason": "full"})
+        self.headers: dict[str, str] = {}
         self.asked: list[str] = []
         self.given_back = 0
         self.runner: web.AppRunner | None = None
@@ -36,7 +39,7 @@ class _Parent:
         async def attach(request: web.Request) -> web.Response:
             self.asked.append(request.query_string)
             status, body = self.answer
-            return web.json_response(body, status=status)
+            return web.json_response(body, status=status, headers=self.headers)
 
         async def detach(request: web.Request) -> web.Response:
             self.given_back += 1
@@ -144,3 +147,86 @@ def test_the_first_slot_given_with_a_path_from_the_origin_is_taken_and_a_cycle_i
     assert out["given_back"] == (0, 1)
     assert out["cycles"] == 1.0
     assert out["token_for"] == ("ta", "")
+
+
+def test_a_node_without_a_parent_asks_less_and_less_often_and_at_once_when_a_slot_comes(tmp_path: Path) -> None:
+    """A stripe's only candidate is full (503, naming nobody). The keep-alive loop asked it every second, for as
+    long as the node had no parent: the red team's relay asked the origin about three times a second all run, was
+    past its key's allowance within a minute, and then was answered 429 whatever came free. Now a round that finds
+    no parent waits ASK_BACKOFF_S, doubled each time: over 10 s the full node is asked at most 5 times (10 before).
+    A new candidate with a free slot is asked at once, and taken."""
+    me = Identity.generate()
+    full, free = _Parent(Identity.generate().node_id), _Parent(Identity.generate().node_id)
+
+    async def main() -> dict[str, object]:
+        await full.start()
+        await free.start()
+        host = _Host({full.node_id: full.record(1e6)})
+        metrics = Metrics()
+        part = _part(me, host, metrics, tmp_path)
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                part.start(session, ShardFetcher(session, part.store, me.node_id, metrics))
+                full.answer = (503, {"children": []})
+                link = part.home_link
+                keeping = asyncio.ensure_future(part.keep_link(session, link))
+                try:
+                    await asyncio.sleep(10.0)
+                    out["asked"] = len(full.asked)
+                    free.answer = (200, {"depth": 1, "path": [RUN, free.node_id], "token": "tf"})
+                    host.records = {**host.records, free.node_id: free.record(1e6)}
+                    start = time.monotonic()
+                    while link.parent is None and time.monotonic() - start < 5.0:
+                        await asyncio.sleep(0.05)
+                    out["parent"] = (link.parent.node_id if link.parent else None, time.monotonic() - start)
+                finally:
+                    keeping.cancel()
+                    await asyncio.gather(keeping, return_exceptions=True)
+                    await host.settled()
+        finally:
+            await full.runner.cleanup()  # type: ignore[union-attr]
+            await free.runner.cleanup()  # type: ignore[union-attr]
+        return out
+
+    out = asyncio.run(main())
+    assert 2 <= out["asked"] <= 5  # type: ignore[operator]
+    parent, after = out["parent"]  # type: ignore[misc]
+    assert parent == free.node_id and after < links.KEEPALIVE_S + 1.0
+
+
+def test_a_refusal_with_retry_after_is_not_asked_again_before_it(tmp_path: Path) -> None:
+    """A candidate that refuses with 429 and Retry-After: 5 (a key past its allowance, auth.KEY_RETRY_AFTER_S) is
+    left out of the rounds of asking for that long, even when the node's own backoff would ask again; another
+    candidate is still asked. A Retry-After of a day counts as MAX_RETRY_AFTER_S."""
+    me = Identity.generate()
+    busy, other = _Parent(Identity.generate().node_id), _Parent(Identity.generate().node_id)
+
+    async def main() -> list[int]:
+        await busy.start()
+        await other.start()
+        host = _Host({busy.node_id: busy.record(9e6), other.node_id: other.record(1e6)})
+        metrics = Metrics()
+        part = _part(me, host, metrics, tmp_path)
+        try:
+            async with aiohttp.ClientSession() as session:
+                part.start(session, ShardFetcher(session, part.store, me.node_id, metrics))
+                busy.answer, busy.headers = (429, {}), {"Retry-After": "5"}
+                other.answer = (503, {"children": []})
+                link = part.home_link
+                counts = []
+                for retry_after in ("5", "86400"):
+                    busy.headers = {"Retry-After": retry_after}
+                    part._retry_at.clear()
+                    for _ in range(2):
+                        link.ask_after = 0.0  # the node's own backoff over: only the Retry-After holds it back
+                        await part.choose(await host.read(0.0), set(), link)
+                    counts += [len(busy.asked), len(other.asked)]
+                    busy.asked.clear()
+                    other.asked.clear()
+                return counts + [round(max(part._retry_at.values()) - time.monotonic())]
+        finally:
+            await busy.runner.cleanup()  # type: ignore[union-attr]
+            await other.runner.cleanup()  # type: ignore[union-attr]
+
+    assert asyncio.run(main()) == [1, 2, 1, 2, links.MAX_RETRY_AFTER_S]

@@ -24,6 +24,7 @@ from intellect_node.weights.files import write_checkpoint
 from intellect_node.weights.follower import WeightFollower
 from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.store import WeightStore
+from intellect_node.weights.stripes import announced_home
 from intellect_protocol.identity import Identity
 from intellect_protocol.messages import AdmissionSpec, NodeRecord, RelayInfo
 from tests.helpers.keys import Keys
@@ -48,8 +49,10 @@ def _rec(
     url: str = "",
     bps: float = 0.0,
     stripes: int = 1,
+    home: int = 0,
 ) -> NodeRecord:
     relay_info = RelayInfo(
+        stripe=home,
         depth=0 if nid == RUN else 1,
         parent=parent,
         slots_total=4,
@@ -96,6 +99,7 @@ async def _origin(root: Path, slots: int, stripes: int, trust: _Trust) -> tuple[
     server = ShardServer(WeightStore(root, RUN), Metrics(), slots=slots, node_id=RUN, members=trust.is_member)
     server.path, server.stripes = (lambda: [RUN]), stripes
     server.earned = trust.earned()
+    server.home_of = lambda n: announced_home(trust.records, n)
     http = HttpServer(Metrics(), lambda: {}, server.routes())
     return server, http, f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
 
@@ -350,6 +354,84 @@ def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned
     held, fetched, status, body = asyncio.run(main())
     assert held == [200, 200] and fetched == 200
     assert status == 503 and body == {"children": [relay_node]}
+
+
+def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_root(tmp_path: Path) -> None:
+    """The origin has one slot per stripe; a node past probation, at home in stripe 1, holds stripe 0's as a leaf, so
+    stripe 0 has no root. A relay at home in stripe 0 (relays produce nothing: it has earned nothing) takes that slot,
+    and once it receives through it, the earned leaf asking again is sent to it, not given its slot back. Before, an
+    earned leaf's slot never went to a node that had not earned one: the red team's relay never got a parent in its
+    home stripe all run, and its stripe came from alternates."""
+    trust = _Trust()
+    leaf, relay_node, other = KEYS.new(), KEYS.new(), KEYS.new()
+    trust.members |= {leaf, relay_node, other}
+    trust.past_probation(leaf)
+    trust.records.update(
+        {
+            leaf: _rec(leaf, parent=RUN, role="inference", home=1, stripes=2),
+            relay_node: _rec(relay_node, home=0, stripes=2),
+            other: _rec(other, home=1, stripes=2),
+        }
+    )
+    root = tmp_path / "o"
+    _publish(root, 1)
+
+    async def main() -> dict[str, object]:
+        server, http, url = await _origin(root, slots=2, stripes=2, trust=trust)
+        out: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                out["leaf"] = (await _ask(session, url, leaf, "stripe=0&home=0"))[0]
+                out["other"] = (await _ask(session, url, other, "stripe=1"))[0]
+                status, body = await _ask(session, url, relay_node, "stripe=0&v=1&have=0")
+                out["relay"] = status
+                out["children"] = server.children()
+                if status != 200 or not isinstance(body, dict):
+                    return out
+                out["fetch"] = await _fetch_shard(session, url, root, relay_node, body["token"])
+                out["leaf_again"] = await _ask(session, url, leaf, "stripe=0&home=0&v=1&have=0")
+                out["kept"] = server.children()
+                out["rooted"] = server.metrics.counter("node_relay_rootless_stripes_rooted_total")
+        finally:
+            await http.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["leaf"] == 200 and out["other"] == 200
+    assert out["relay"] == 200 and out["children"] == sorted([relay_node, other])
+    assert out["fetch"] == 200 and out["leaf_again"] == (503, {"children": [relay_node]})
+    assert out["kept"] == sorted([relay_node, other]) and out["rooted"] == 1
+
+
+def test_a_key_at_home_that_receives_nothing_roots_a_stripe_once_a_minute_at_most(tmp_path: Path) -> None:
+    """The root rule is no squatter's door: a key whose record says it is at home in stripe 0 takes the earned leaf's
+    slot there, fetches nothing, and loses it to the leaf at its next ask (it has not earned its slot and receives
+    nothing through it); asking again at once it is refused (relay.ROOT_RETRY_S), and the leaf keeps the slot."""
+    trust = _Trust()
+    leaf, squatter = KEYS.new(), KEYS.new()
+    trust.members |= {leaf, squatter}
+    trust.past_probation(leaf)
+    trust.records.update(
+        {
+            leaf: _rec(leaf, parent=RUN, role="inference", home=1, stripes=2),
+            squatter: _rec(squatter, home=0, stripes=2),
+        }
+    )
+    _publish(tmp_path / "o", 1)
+
+    async def main() -> list[object]:
+        server, http, url = await _origin(tmp_path / "o", slots=2, stripes=2, trust=trust)
+        try:
+            async with aiohttp.ClientSession() as session:
+                seen: list[object] = [(await _ask(session, url, leaf, "stripe=0&home=0"))[0]]
+                for node, query in ((squatter, "stripe=0"), (leaf, "stripe=0&home=0"), (squatter, "stripe=0")):
+                    seen += [(await _ask(session, url, node, query))[0], server.children()]
+                return seen
+        finally:
+            await http.close()
+
+    seen = asyncio.run(main())
+    assert seen == [200, 200, [squatter], 200, [leaf], 503, [leaf]]
 
 
 def test_a_record_claiming_a_huge_upload_does_not_change_the_origins_plan(tmp_path: Path) -> None:
