@@ -62,7 +62,8 @@ Asked every keep-alive, the origin and every full relay of the stripe were asked
 parentless node (a red-team swarm whose stripe-0 slot a leaf held: thousands of refusals in minutes, and the asker
 past its key's allowance, so answered 429 whatever slot came free)."""
 MAX_RETRY_AFTER_S = 60
-"""A candidate's Retry-After is honoured up to this (a larger one would let a node keep us from asking for long)."""
+"""A candidate's Retry-After on a 429 is honoured up to this (a larger one would let a node keep us from asking for
+long). A 503's (no slot, in one stripe) is not: the backoff spaces the asking, and another stripe may have room."""
 NO_PARENT_LOG_S = 30.0
 """A stripe without a parent says whom it asked and what they answered at most this often (INFO)."""
 CHOOSE_BUDGET_S = 10.0
@@ -102,7 +103,8 @@ class Link:
     ask_wait: float = 0.0
     """The wait after the last round that found no parent (doubled each time, 0 once one is found)."""
     asked_among: frozenset[tuple[str, bool]] = frozenset()
-    """The candidates of that round and whether each had a free slot: a change is worth asking at once."""
+    """The candidates of that round and whether each had a free slot: a new one, or one with a slot come free, is
+    worth asking at once (one gone is not: the callers leave out different nodes for a while)."""
 
     def attach_path(self) -> str:
         """Where to ask for (or keep, or give back) the slot; ``home=0``: this node takes no children in the
@@ -192,8 +194,8 @@ class Attachments:
             now = time.monotonic()
             queue = parents(records, self.node_id, self.run_id, exclude | self.avoiding(), stripe, link.home)
             among = frozenset((c.node_id, _free(records.get(c.node_id))) for c in queue)
-            if now < link.ask_after and among == link.asked_among:
-                return  # asked them all a moment ago and nothing changed: the fetch goes on from the alternates
+            if now < link.ask_after and among <= link.asked_among:
+                return  # asked them all a moment ago and none came or freed a slot: the fetch goes on from alternates
             link.asked_among = among
             self._retry_at = {n: t for n, t in self._retry_at.items() if t > now}
             queue = [c for c in queue if c.node_id not in self._retry_at]
@@ -337,8 +339,8 @@ class Attachments:
                     self._clock[c.node_id] = offset if abs(offset) > CLOCK_TOLERANCE_S else 0.0
                     if len(self._clock) > 4096:
                         self._clock.clear()
-                retry = decimal(resp.headers.get("Retry-After", ""), 9) if resp.status in (429, 503) else None
-                if retry:  # honoured, bounded: asked again no sooner (choose skips it meanwhile)
+                retry = decimal(resp.headers.get("Retry-After", ""), 9) if resp.status == 429 else None
+                if retry:  # a rate (the address's or the key's, in every stripe): honoured, bounded (choose skips it)
                     self._retry_at[c.node_id] = time.monotonic() + min(retry, MAX_RETRY_AFTER_S)
                     if len(self._retry_at) > 4096:
                         self._retry_at.clear()

@@ -81,10 +81,13 @@ re-parents under it. Only a child well ahead is refused: refusing any child a fe
 the origin gave up without a parent. Lying high only costs the liar. (docs/weights.md and
 docs/notes/weights-findings.md, "Parents ahead of their children".)"""
 
-ROOT_RETRY_S = 60.0
-"""A node takes a slot by the root rule (ShardServer._make_room) at most once in this long: a key at home in a stripe
-that does not receive through the slot loses it to the first earned asker, and may not take it back at once."""
-MAX_ROOTED = 4096
+ROOT_TRIAL_S = 30.0
+"""How long a node that rooted a stripe at the origin by the root rule (ShardServer._make_room) keeps the slot against
+earned leaves without having earned it: long enough for the leaves it turned away to attach below it (each asks again
+within its backoff, links.ASK_BACKOFF_S), and all a key that serves nobody gets."""
+ROOT_RETRY_S = 120.0
+"""The root rule roots a stripe at most once in this long, whoever asks: Sybil keys each at home in the stripe take
+turns at most this often, so leaves are turned away ROOT_TRIAL_S of every ROOT_RETRY_S at most."""
 
 
 _GIVEN = {
@@ -144,8 +147,10 @@ class ShardServer:
         self.fair = FairShare(self.meter.peak_bps)
         self._leaves: set[str] = set()
         """Child slots held by nodes that are leaves in that stripe (they take no children there)."""
-        self._rooted: dict[str, float] = {}
-        """Nodes given a slot by the root rule (_make_room), and when: not again within ROOT_RETRY_S."""
+        self._rooted: dict[int, float] = {}
+        """Stripe -> when the root rule (_make_room) last rooted it: not again within ROOT_RETRY_S."""
+        self._trials: dict[str, float] = {}
+        """Child slot -> when it took its slot by the root rule (kept against earned leaves for ROOT_TRIAL_S)."""
         self._told_bps = 0.0
         self._anon_waits = 0
         self._lent = 0
@@ -273,13 +278,16 @@ class ShardServer:
         4. to a node that has something to fetch here (``lacks``), the slot of a child idle longest (it receives
            nothing through it; earned.Feeding), a leaf first.
 
-        Between 2 and 3, at the origin, a stripe with no root: a node whose record says it is at home in the stripe
-        takes the slot of a child there that is not (an unearned one first, then an idle one), earned or not, at
-        most once in ``ROOT_RETRY_S``. The origin has one slot per stripe by default; held by a leaf, the stripe's
-        tree has no root, every other node fetches the stripe from alternates, and a relay (which earns only through
-        the trusted nodes below it) could never take it. A root that receives through its slot keeps it against
-        earned leaves (rule 1 spares it for them; they are named to it in the 503); an earned node at home there
-        still takes it, and an idle one loses it as any child does."""
+        Between 2 and 3, at the origin, a stripe with no root (no child at home in it): a node whose record says it
+        is at home in the stripe takes the slot of a child there (an unearned one first, then an idle one), earned
+        or not, once in ``ROOT_RETRY_S`` per stripe, whoever asks (keys are free: a bound per key bounds nothing).
+        The origin has one slot per stripe by default; held by a leaf, the stripe's tree has no root, every other
+        node fetches the stripe from alternates, and a relay (which earns only through the trusted nodes below it)
+        could never take it. For ``ROOT_TRIAL_S`` the new root keeps the slot against earned leaves (rule 1 spares
+        it; the 503 names it to them, and they attach below it); past that, unless it earned its place, it is an
+        unearned child like any: a key that serves nobody holds the slot against the leaves it turned away for the
+        trial at most, one trial per stripe per ``ROOT_RETRY_S``. An earned node at home there takes it at any time,
+        and an idle one loses it as any child does."""
         now = time.monotonic()
         stripe, k = int(child.split("/")[1]), self.stripes if self.home() is None else None
         info = self._child_info()
@@ -301,11 +309,11 @@ class ShardServer:
         def at_home(c: str) -> bool:  # by its record and its requests: a node that takes children in the stripe
             return not info[c][1] and self.home_of(c.split("/")[0]) == info[c][0]
 
-        def root(c: str) -> bool:  # a stripe's tree hangs from it here: it receives through its slot
-            return at_home(c) and self.feeding.was_fed(c) and not self.feeding.idle(c, now)
+        def on_trial(c: str) -> bool:  # rooted its stripe by the rule below a moment ago, and receives
+            return now - self._trials.get(c, -1e9) < ROOT_TRIAL_S and at_home(c) and not self.feeding.idle(c, now)
 
         out, why = None, ""
-        if mine and (unearned := [c for c in movable if not earned(c) and not (leaf and root(c))]):
+        if mine and (unearned := [c for c in movable if not earned(c) and not (leaf and on_trial(c))]):
             out, why = (
                 min(unearned, key=lambda c: (not self.feeding.idle(c, now), not info[c][1], info[c][2])),
                 "unearned",
@@ -315,14 +323,12 @@ class ShardServer:
         node = child.split("/")[0]
         if out is None and k is not None and not leaf and self.home_of(node) == stripe:
             mine_s = [c for c in info if info[c][0] == stripe]
-            self._rooted = {n: t for n, t in self._rooted.items() if now - t < ROOT_RETRY_S}
-            if mine_s and not any(at_home(c) for c in mine_s) and node not in self._rooted:
+            if mine_s and not any(at_home(c) for c in mine_s) and now - self._rooted.get(stripe, -1e9) >= ROOT_RETRY_S:
                 out = min(mine_s, key=lambda c: (earned(c), not self.feeding.idle(c, now), info[c][2]))
                 why = "root"
-                if len(self._rooted) < MAX_ROOTED:
-                    self._rooted[node] = now
-                else:  # bounded: past this, no stripe is rooted by this rule until some expire
-                    out = None
+                self._rooted[stripe] = now
+                self._trials = {c: t for c, t in self._trials.items() if now - t < ROOT_TRIAL_S}
+                self._trials[child] = now  # it gets the slot now made free (_admit)
         if out is None:
             silent = [c for c in movable if now - info[c][2] >= CONTESTED_TTL_S]
             out, why = min(silent, key=lambda c: info[c][2], default=None), "silent"
@@ -369,11 +375,13 @@ class ShardServer:
 
     def _alternatives(self) -> list[str]:
         """The children a node refused a slot is told to ask instead: those that hold no idle slot and earned their
-        place here or received shards through it (earned.py). A node that only holds a slot is never named (it
-        would send the asker nowhere)."""
+        place here, received shards through it (earned.py), or just rooted a stripe (_make_room: the leaves it
+        turned away attach below it). A node that only holds a slot is never named (it would send the asker
+        nowhere)."""
         now, slots = time.monotonic(), self._active_children()
         idle = {c.split("/")[0] for c in slots if self.feeding.idle(c, now)}
-        fed = {c.split("/")[0] for c in slots if self.feeding.was_fed(c)}
+        trial = {c.split("/")[0] for c in slots if now - self._trials.get(c, -1e9) < ROOT_TRIAL_S}
+        fed = {c.split("/")[0] for c in slots if self.feeding.was_fed(c)} | trial
         nodes = sorted({c.split("/")[0] for c in slots})  # self.children(), from the slots already read
         return [n for n in nodes if n not in idle and (n in fed or self.earned(n))]
 
@@ -436,6 +444,7 @@ class ShardServer:
 
     def _release(self, child: str) -> None:
         self._leaves.discard(child)
+        self._trials.pop(child, None)
         self.feeding.forget(child)
         self._tokens = {t: c for t, c in self._tokens.items() if c != child}
         if self._children.pop(child, None) is not None and self.on_change is not None:

@@ -198,7 +198,8 @@ def test_a_node_without_a_parent_asks_less_and_less_often_and_at_once_when_a_slo
 def test_a_refusal_with_retry_after_is_not_asked_again_before_it(tmp_path: Path) -> None:
     """A candidate that refuses with 429 and Retry-After: 5 (a key past its allowance, auth.KEY_RETRY_AFTER_S) is
     left out of the rounds of asking for that long, even when the node's own backoff would ask again; another
-    candidate is still asked. A Retry-After of a day counts as MAX_RETRY_AFTER_S."""
+    candidate is still asked. A Retry-After of a day counts as MAX_RETRY_AFTER_S. A 503's Retry-After (no slot in
+    one stripe) holds nothing back: the other stripes may have room, and the backoff spaces the asking."""
     me = Identity.generate()
     busy, other = _Parent(Identity.generate().node_id), _Parent(Identity.generate().node_id)
 
@@ -224,9 +225,15 @@ def test_a_refusal_with_retry_after_is_not_asked_again_before_it(tmp_path: Path)
                     counts += [len(busy.asked), len(other.asked)]
                     busy.asked.clear()
                     other.asked.clear()
-                return counts + [round(max(part._retry_at.values()) - time.monotonic())]
+                held = round(max(part._retry_at.values()) - time.monotonic())
+                part._retry_at.clear()
+                busy.answer = (503, {"children": []})
+                for _ in range(2):
+                    link.ask_after = 0.0
+                    await part.choose(await host.read(0.0), set(), link)
+                return [*counts, held, len(busy.asked)]
         finally:
             await busy.runner.cleanup()  # type: ignore[union-attr]
             await other.runner.cleanup()  # type: ignore[union-attr]
 
-    assert asyncio.run(main()) == [1, 2, 1, 2, links.MAX_RETRY_AFTER_S]
+    assert asyncio.run(main()) == [1, 2, 1, 2, links.MAX_RETRY_AFTER_S, 2]

@@ -356,12 +356,15 @@ def test_a_503_names_a_child_that_receives_through_its_slot_though_nobody_earned
     assert status == 503 and body == {"children": [relay_node]}
 
 
-def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_root(tmp_path: Path) -> None:
+def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The origin has one slot per stripe; a node past probation, at home in stripe 1, holds stripe 0's as a leaf, so
-    stripe 0 has no root. A relay at home in stripe 0 (relays produce nothing: it has earned nothing) takes that slot,
-    and once it receives through it, the earned leaf asking again is sent to it, not given its slot back. Before, an
-    earned leaf's slot never went to a node that had not earned one: the red team's relay never got a parent in its
-    home stripe all run, and its stripe came from alternates."""
+    stripe 0 has no root. A relay at home in stripe 0 (relays produce nothing: it has earned nothing) takes that slot;
+    the earned leaf asking again at once (before the relay fetched anything) is sent to the relay, not given its slot
+    back. Past relay.ROOT_TRIAL_S the relay, still unearned, is a child like any, and the leaf asking again takes the
+    slot back; the relay may not root the stripe again within relay.ROOT_RETRY_S. Before, an earned leaf's slot never
+    went to a node that had not earned one: the red team's relay never got a parent in its home stripe all run."""
     trust = _Trust()
     leaf, relay_node, other = KEYS.new(), KEYS.new(), KEYS.new()
     trust.members |= {leaf, relay_node, other}
@@ -375,6 +378,8 @@ def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_
     )
     root = tmp_path / "o"
     _publish(root, 1)
+    clock = [1000.0]  # the origin's clock, moved by hand: a trial is a number of seconds, not a wait
+    monkeypatch.setattr(relay, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     async def main() -> dict[str, object]:
         server, http, url = await _origin(root, slots=2, stripes=2, trust=trust)
@@ -386,12 +391,19 @@ def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_
                 status, body = await _ask(session, url, relay_node, "stripe=0&v=1&have=0")
                 out["relay"] = status
                 out["children"] = server.children()
+                out["leaf_at_once"] = await _ask(session, url, leaf, "stripe=0&home=0&v=1&have=0")
                 if status != 200 or not isinstance(body, dict):
                     return out
                 out["fetch"] = await _fetch_shard(session, url, root, relay_node, body["token"])
-                out["leaf_again"] = await _ask(session, url, leaf, "stripe=0&home=0&v=1&have=0")
-                out["kept"] = server.children()
                 out["rooted"] = server.metrics.counter("node_relay_rootless_stripes_rooted_total")
+                start = clock[0]
+                while clock[0] - start < relay.ROOT_TRIAL_S + 1:  # keep-alives: nobody falls silent meanwhile
+                    clock[0] += relay.CONTESTED_TTL_S / 2
+                    for node, query in ((relay_node, "stripe=0"), (other, "stripe=1")):
+                        assert (await _ask(session, url, node, query))[0] == 200
+                out["leaf_after_trial"] = (await _ask(session, url, leaf, "stripe=0&home=0&v=1&have=0"))[0]
+                out["relay_again"] = (await _ask(session, url, relay_node, "stripe=0&v=1&have=1"))[0]
+                out["end"] = server.children()
         finally:
             await http.close()
         return out
@@ -399,39 +411,55 @@ def test_a_relay_at_home_in_a_stripe_whose_origin_slot_a_leaf_holds_becomes_its_
     out = asyncio.run(main())
     assert out["leaf"] == 200 and out["other"] == 200
     assert out["relay"] == 200 and out["children"] == sorted([relay_node, other])
-    assert out["fetch"] == 200 and out["leaf_again"] == (503, {"children": [relay_node]})
-    assert out["kept"] == sorted([relay_node, other]) and out["rooted"] == 1
+    assert out["leaf_at_once"] == (503, {"children": [relay_node]})
+    assert out["fetch"] == 200 and out["rooted"] == 1
+    assert out["leaf_after_trial"] == 200 and out["relay_again"] == 503
+    assert out["end"] == sorted([leaf, other])
 
 
-def test_a_key_at_home_that_receives_nothing_roots_a_stripe_once_a_minute_at_most(tmp_path: Path) -> None:
-    """The root rule is no squatter's door: a key whose record says it is at home in stripe 0 takes the earned leaf's
-    slot there, fetches nothing, and loses it to the leaf at its next ask (it has not earned its slot and receives
-    nothing through it); asking again at once it is refused (relay.ROOT_RETRY_S), and the leaf keeps the slot."""
+def test_keys_at_home_that_serve_nobody_hold_a_stripes_origin_slot_a_trial_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root rule is no squatter's door. A key whose record says it is at home in stripe 0 takes the earned leaf's
+    slot there and fetches nothing: the leaf is refused for relay.ROOT_TRIAL_S, then takes the slot back. Neither
+    that key nor another at home in the stripe (keys are free) roots the stripe again within relay.ROOT_RETRY_S,
+    and a second key asking while the first holds the slot finds the stripe rooted."""
     trust = _Trust()
-    leaf, squatter = KEYS.new(), KEYS.new()
-    trust.members |= {leaf, squatter}
+    leaf, squatter, sybil = KEYS.new(), KEYS.new(), KEYS.new()
+    trust.members |= {leaf, squatter, sybil}
     trust.past_probation(leaf)
     trust.records.update(
         {
             leaf: _rec(leaf, parent=RUN, role="inference", home=1, stripes=2),
             squatter: _rec(squatter, home=0, stripes=2),
+            sybil: _rec(sybil, home=0, stripes=2),
         }
     )
     _publish(tmp_path / "o", 1)
+    clock = [1000.0]
+    monkeypatch.setattr(relay, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     async def main() -> list[object]:
         server, http, url = await _origin(tmp_path / "o", slots=2, stripes=2, trust=trust)
         try:
             async with aiohttp.ClientSession() as session:
                 seen: list[object] = [(await _ask(session, url, leaf, "stripe=0&home=0"))[0]]
-                for node, query in ((squatter, "stripe=0"), (leaf, "stripe=0&home=0"), (squatter, "stripe=0")):
-                    seen += [(await _ask(session, url, node, query))[0], server.children()]
+                for node, query in ((squatter, "stripe=0"), (leaf, "stripe=0&home=0"), (sybil, "stripe=0")):
+                    seen += [(await _ask(session, url, node, query))[0]]
+                seen.append(server.children())
+                start = clock[0]
+                while clock[0] - start < relay.ROOT_TRIAL_S + 1:
+                    clock[0] += relay.CONTESTED_TTL_S / 2
+                    assert (await _ask(session, url, squatter, "stripe=0"))[0] == 200
+                for node, query in ((leaf, "stripe=0&home=0"), (squatter, "stripe=0"), (sybil, "stripe=0")):
+                    seen += [(await _ask(session, url, node, query))[0]]
+                seen.append(server.children())
                 return seen
         finally:
             await http.close()
 
     seen = asyncio.run(main())
-    assert seen == [200, 200, [squatter], 200, [leaf], 503, [leaf]]
+    assert seen == [200, 200, 503, 503, [squatter], 200, 503, 503, [leaf]]
 
 
 def test_a_record_claiming_a_huge_upload_does_not_change_the_origins_plan(tmp_path: Path) -> None:
