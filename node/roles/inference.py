@@ -1,10 +1,16 @@
 """The inference role: follow the newest signed policy, generate the assigned rollouts, deliver them.
 
 Loop: read the trainer's record from the DHT; if it announces a newer version, receive it through the relay tree
-(manifest signed by the run key, every shard hash-checked) and swap it in; derive the batch's tasks from (run
-seed, node id, version, batch index); sample a group per task; sign the batch and hand it to the run's rollout
-sink (node/p2p/rollouts: offered, then pushed to the trainer). Generation runs in a thread, so the node keeps
-serving /health, the DHT and weight shards while it works.
+(manifest signed by the run key, every shard hash-checked) and swap it in, or the newest version already received;
+derive the batch's tasks from (run seed, node id, version, batch index); sample a group per task; sign the batch and
+hand it to the run's rollout sink (node/p2p/rollouts: offered, then pushed to the trainer). Generation runs in a
+thread, so the node keeps serving /health, the DHT and weight shards while it works.
+
+Meanwhile, as a relay does, the node receives each version its parents tell it of
+(``follower.receive_announced``): it is at home in a stripe and the children there receive through it, so it must
+not wait for its own next batch to fetch (in the red team's swarm, children hung below producers waited 4-6 s for
+each version, and the producers themselves spent most of their time waiting for weights); and the version the next
+batch needs is usually here by then.
 
 Pacing by the trainer's replies: when the trainer holds enough of this node's rollouts (a ``backlog_full``
 refusal, or the acceptance that filled its share) the node waits for the next version instead of producing
@@ -180,8 +186,12 @@ class InferenceNode(Volunteer):
         }
 
     async def _swap_weights(self, trainer: NodeRecord, backend: GenerationBackend) -> None:
+        """Load the newest version: the trainer's record's, or a newer one already received from the parents
+        (``follower.receive_announced``; the record read is seconds behind the tree's news at times)."""
         assert self.follower is not None
         target = trainer.weight_version
+        if target >= 0:
+            target = max(target, max(self.store.complete_versions(), default=-1))
         if target <= self.loaded or target < 0:
             # an older version is a stale record (a DHT replica behind, or one replayed): a trainer never reuses a
             # version number, so going back would only get our batches refused as duplicates
@@ -340,9 +350,13 @@ class InferenceNode(Volunteer):
         backend = await asyncio.to_thread(build, spec, tokenizer)
         sink = self.sink
         assert sink is not None
+        assert self.follower is not None
+        following = asyncio.ensure_future(self.follower.receive_announced())
         try:
             await self._deliver_forever(spec, tokenizer, backend, build, sink)
         finally:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
             await sink.close()
 
     async def _deliver_forever(

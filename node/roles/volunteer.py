@@ -409,7 +409,7 @@ class Volunteer(abc.ABC):
                         tasks.create_task(self.recheck_reachability())
                     tasks.create_task(self.publish_on_change())
                     tasks.create_task(self.follower.keep_attached(session))
-                    if self.role == "relay":  # the others act on the trainer's record (see inference.py)
+                    if self.role in ("relay", "inference"):  # news from the parent; validators read the record
                         tasks.create_task(self.follower.watch_parent(session))
                     tasks.create_task(self.work(spec, session))
         finally:

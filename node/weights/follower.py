@@ -112,6 +112,8 @@ class WeightFollower:
         """The newest version the parent has told us of (its manifest carries the run key's signature)."""
         self.news = asyncio.Event()
         """Set when ``announced`` grows."""
+        self._syncing = asyncio.Lock()
+        """Held by the one ``sync`` under way."""
         self.disk_full_until = 0.0
         """Until then (monotonic) the node announces no free slot: its disk could not take the last version."""
         self.attachments = Attachments(
@@ -376,9 +378,16 @@ class WeightFollower:
             self._publish_soon()
 
     async def sync(self, version: int) -> Manifest:
-        """Hold a verified copy of ``version``; returns its manifest."""
+        """Hold a verified copy of ``version``; returns its manifest. One fetch at a time: a caller waits for the
+        one under way (an inference node's generation loop for its background follower: inference.py), then
+        finds its version here or fetches it."""
         if self.fetcher is None:
             raise RuntimeError("WeightFollower.start() has not run")
+        async with self._syncing:
+            return await self._sync(version)
+
+    async def _sync(self, version: int) -> Manifest:
+        assert self.fetcher is not None
         if version in self.store.complete_versions():
             manifest = self.store.manifest(version)
             if manifest is not None:
@@ -395,6 +404,23 @@ class WeightFollower:
         self._publish_soon()
         await self.attachments.leave_slow_parent()
         return manifest
+
+    async def receive_announced(self) -> None:
+        """Receive each version the parents announce (``watch_parent``) as it comes: for a node whose own work asks
+        for a version only now and then (an inference node, between batches), whose children in its home stripe
+        receive through it. A failure is counted; the next news, or the node's own ``sync``, tries again."""
+        while True:
+            await self.news.wait()
+            self.news.clear()
+            target = self.announced
+            if target <= max(self.store.complete_versions(), default=-1):
+                continue
+            try:
+                await self.sync(target)
+            except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
+                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                logger.debug("could not receive announced version %d: %r", target, e)
+                await asyncio.sleep(KEEPALIVE_S)
 
     async def watch_parent(self, session: aiohttp.ClientSession) -> None:
         """Learn of new versions from the parent as they start arriving there (``GET /relay/next``, a long

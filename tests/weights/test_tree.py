@@ -289,6 +289,53 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
     assert asyncio.run(main()) == (-1, 1)
 
 
+def test_a_node_receives_each_announced_version_while_its_own_work_asks_for_none(tmp_path: Path) -> None:
+    """An inference node at home in a stripe asked for a version only before each batch, so its children there
+    waited for its generation (4-6 s a version in the red team's swarm). With ``receive_announced`` running, a
+    version its parent announces arrives here though nobody calls ``sync``; a ``sync`` of it at the same moment
+    waits for that fetch instead of starting a second (one version received, once)."""
+    key, me = Identity.generate(), _id("e")
+    run = key.node_id
+
+    async def main() -> tuple[list[int], float, int]:
+        store = WeightStore(tmp_path / "o", run)
+        server = ShardServer(store, Metrics(), slots=2, node_id=run)
+        server.path = lambda: [run]
+        http = HttpServer(Metrics(), lambda: {}, server.routes())
+        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+        records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
+        metrics = Metrics()
+        follower = _follower(tmp_path, me, records, metrics, run)
+        try:
+            async with aiohttp.ClientSession() as session:
+                follower.start(session)
+                await follower.attachments.choose(await follower._records(), set())
+                assert follower.parent == run
+                tasks = [
+                    asyncio.create_task(follower.watch_parent(session)),
+                    asyncio.create_task(follower.receive_announced()),
+                ]
+                try:
+                    write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
+                    store.added()
+                    await until(lambda: 1 in follower.store.complete_versions(), "version 1 held", 10.0, every=0.01)
+                    write_checkpoint(store.root, key, run, 2, {"w": torch.full((4,), 2.0)}, 1 << 20)
+                    store.added()
+                    await asyncio.wait_for(follower.news.wait(), 5.0)
+                    await asyncio.wait_for(follower.sync(2), 10.0)  # while the background fetch of 2 is under way
+                    received = metrics.counter("node_weights_versions_received_total")
+                    return follower.store.complete_versions(), received, follower.announced
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await http.close()
+
+    held, received, announced = asyncio.run(main())
+    assert held == [1, 2] and received == 2 and announced == 2
+
+
 def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> None:
     """After a fetch in which an alternate delivered far faster than the parent, the node moves below the
     alternate (if it has a slot) and gives its slot at the slow parent back."""
