@@ -47,6 +47,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from intellect_node.aio import within
 from intellect_node.p2p.gossip import TokenBuckets
+from intellect_node.p2p.http import source_of
 from intellect_node.p2p.metrics import Metrics
 from intellect_node.p2p.transport import HEADER, LINGER_S, _read_frame, _write_frame, request
 from intellect_protocol.codec import Channel
@@ -135,16 +136,15 @@ def _targets(ask: DialBack, observed_ip: str) -> list[tuple[str, int]]:
 
 
 def _source(addr: str) -> str:
-    """What the limits count a stream against, from the remote address of its connection: the IPv4 address, the
-    IPv6 /64 (one subscriber's usual share), else one shared ``other``."""
+    """What the limits count a stream against, from the remote multiaddr of its connection: its IP address as the
+    public HTTP routes count one (http.source_of: the IPv4 address, the IPv6 /64), else one shared ``other``."""
     parts = addr.split("/")
-    if len(parts) > 2 and parts[1] == "ip4":
-        return parts[2]
-    if len(parts) > 2 and parts[1] == "ip6":
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
         try:
-            return str(ipaddress.IPv6Network(f"{parts[2]}/64", strict=False))
+            ipaddress.ip_address(parts[2])
         except ValueError:
-            pass
+            return "other"
+        return source_of(parts[2])
     return "other"
 
 

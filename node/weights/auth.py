@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from intellect_node.p2p.gossip import TokenBuckets
 from intellect_node.p2p.http import Tarpit, source_of
 from intellect_protocol.identity import Identity, node_id_of, verify
 
@@ -128,23 +129,15 @@ class RequestAuth:
         """Per key, the requests asking for a slot in the table."""
         self._keeping: Counter[str] = Counter()
         """Per key, the keep-alives of held slots in the table."""
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self._buckets = TokenBuckets(RATE_PER_ADDRESS, 2 * RATE_PER_ADDRESS, MAX_ADDRESSES)
         self.tarpit = Tarpit()
         self.stripes: Callable[[], int] = lambda: 1
         """Stripes a node may hold a slot in here (relay.ShardServer: every one at the origin, else its home)."""
 
     def allow(self, address: str) -> bool:
-        """One request from ``address`` within its rate (a token bucket per address)."""
-        now = time.monotonic()
-        if len(self._buckets) > MAX_ADDRESSES:
-            self._buckets = {a: b for a, b in self._buckets.items() if now - b[1] < 2.0}
-        tokens, stamp = self._buckets.get(address, (2 * RATE_PER_ADDRESS, now))
-        tokens = min(2 * RATE_PER_ADDRESS, tokens + (now - stamp) * RATE_PER_ADDRESS)
-        if tokens < 1.0:
-            self._buckets[address] = (tokens, now)
-            return False
-        self._buckets[address] = (tokens - 1.0, now)
-        return True
+        """One request from ``address`` within its rate (a token bucket per address, MAX_ADDRESSES of them at
+        most: the longest idle go first)."""
+        return self._buckets.take(address)
 
     async def check(self, request: web.Request, holds: Callable[[str], bool] = lambda node_id: False) -> str:
         """The authenticated node id of a slot request; raises Refused. ``holds``: whether the node already holds

@@ -90,7 +90,8 @@ def test_slot_requests_past_the_address_rate_are_held_then_closed_before_any_sig
     team's run); past the bound on held answers the refusal closes its connection."""
 
     async def scenario() -> tuple[list[str], int]:
-        checker = RequestAuth(SERVER, None)
+        with mock.patch.object(auth, "RATE_PER_ADDRESS", 0.001):
+            checker = RequestAuth(SERVER, None)  # its buckets take the rate when made
         checker.tarpit = Tarpit(hold_s=60.0, per_source=2)
         verified = 0
         real_verify = auth.verify
@@ -103,7 +104,7 @@ def test_slot_requests_past_the_address_rate_are_held_then_closed_before_any_sig
         runner, url = await _serve(checker)
         held: list[asyncio.Task[tuple[int, str]]] = []
         try:
-            with mock.patch.object(auth, "RATE_PER_ADDRESS", 0.001), mock.patch.object(auth, "verify", counting):
+            with mock.patch.object(auth, "verify", counting):
                 async with aiohttp.ClientSession() as session:
 
                     async def ask() -> str:
