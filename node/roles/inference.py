@@ -6,8 +6,8 @@ derive the batch's tasks from (run seed, node id, version, batch index); sample 
 hand it to the run's rollout sink (node/p2p/rollouts: offered, then pushed to the trainer). Generation runs in a
 thread, so the node keeps serving /health, the DHT and weight shards while it works.
 
-Meanwhile, as a relay does, the node receives each version its parents tell it of
-(``follower.receive_announced``): it is at home in a stripe and the children there receive through it, so it must
+Meanwhile, as a relay does, a node that serves (all but ``--no-relay`` ones) receives each version its parents tell
+it of (``follower.receive_announced``): it is at home in a stripe and the children there receive through it, so it must
 not wait for its own next batch to fetch (in the red team's swarm, children hung below producers waited 4-6 s for
 each version, and the producers themselves spent most of their time waiting for weights); and the version the next
 batch needs is usually here by then.
@@ -189,21 +189,20 @@ class InferenceNode(Volunteer):
         """Load the newest version: the trainer's record's, or a newer one already received from the parents
         (``follower.receive_announced``; the record read is seconds behind the tree's news at times)."""
         assert self.follower is not None
-        target = trainer.weight_version
-        if target >= 0:
-            target = max(target, max(self.store.complete_versions(), default=-1))
-        if target <= self.loaded or target < 0:
+        record = trainer.weight_version
+        if 0 <= record < self.loaded:
             # an older version is a stale record (a DHT replica behind, or one replayed): a trainer never reuses a
             # version number, so going back would only get our batches refused as duplicates
-            if target < self.loaded:
-                self.metrics.inc(
-                    "node_inference_older_versions_ignored_total",
-                    help="trainer records announcing a version older than the one loaded",
-                )
+            self.metrics.inc(
+                "node_inference_older_versions_ignored_total",
+                help="trainer records announcing a version older than the one loaded",
+            )
+        newest = max(record, max(self.store.complete_versions(), default=-1)) if record >= 0 else -1
+        if newest <= self.loaded:
             return
         started = time.monotonic()
-        manifest = await self.follower.sync(target)
-        tensors = await asyncio.to_thread(load_checkpoint, self.store.folder(target), manifest)
+        async with self.follower.newest(record) as (target, manifest):  # kept until read (no fetch prunes it)
+            tensors = await asyncio.to_thread(load_checkpoint, self.store.folder(target), manifest)
         await asyncio.to_thread(backend.load_weights, tensors)
         del tensors
         trim_freed()
@@ -351,12 +350,16 @@ class InferenceNode(Volunteer):
         sink = self.sink
         assert sink is not None
         assert self.follower is not None
-        following = asyncio.ensure_future(self.follower.receive_announced())
+        # a node that serves (the default) receives every version for its children; one with --no-relay only what
+        # its next batch needs
+        serving = self.server is not None
+        following = asyncio.ensure_future(self.follower.receive_announced()) if serving else None
         try:
             await self._deliver_forever(spec, tokenizer, backend, build, sink)
         finally:
-            following.cancel()
-            await asyncio.gather(following, return_exceptions=True)
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
             await sink.close()
 
     async def _deliver_forever(

@@ -15,10 +15,11 @@ budget allows, and serves them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
@@ -386,6 +387,16 @@ class WeightFollower:
         async with self._syncing:
             return await self._sync(version)
 
+    @contextlib.asynccontextmanager
+    async def newest(self, at_least: int) -> AsyncIterator[tuple[int, Manifest]]:
+        """Hold the newest version: ``at_least``, or a newer one already here (``receive_announced``). Yields it and
+        its manifest; until the block ends no fetch runs, so none prunes it (the caller reads its files there)."""
+        if self.fetcher is None:
+            raise RuntimeError("WeightFollower.start() has not run")
+        async with self._syncing:
+            version = max(at_least, max(self.store.complete_versions(), default=-1))
+            yield version, await self._sync(version)
+
     async def _sync(self, version: int) -> Manifest:
         assert self.fetcher is not None
         if version in self.store.complete_versions():
@@ -417,9 +428,17 @@ class WeightFollower:
                 continue
             try:
                 await self.sync(target)
-            except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
+            except (TimeoutError, Rejected, aiohttp.ClientError) as e:
                 self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
                 logger.debug("could not receive announced version %d: %r", target, e)
+                await asyncio.sleep(KEEPALIVE_S)
+            except OSError as e:  # our disk: the node's own loop says what to do about it, and tries again
+                self.metrics.inc("node_weights_fetch_failures_total", label="local_disk")
+                logger.debug("could not store announced version %d: %r", target, e)
+                await asyncio.sleep(KEEPALIVE_S)
+            except Exception:  # a bug here must not end the receiving unseen: logged, counted, tried again
+                self.metrics.inc("node_errors_total", label="receive_announced")
+                logger.exception("receiving announced version %d failed; going on", target)
                 await asyncio.sleep(KEEPALIVE_S)
 
     async def watch_parent(self, session: aiohttp.ClientSession) -> None:

@@ -293,7 +293,8 @@ def test_a_node_receives_each_announced_version_while_its_own_work_asks_for_none
     """An inference node at home in a stripe asked for a version only before each batch, so its children there
     waited for its generation (4-6 s a version in the red team's swarm). With ``receive_announced`` running, a
     version its parent announces arrives here though nobody calls ``sync``; a ``sync`` of it at the same moment
-    waits for that fetch instead of starting a second (one version received, once)."""
+    waits for that fetch instead of starting a second (one version received, once); and the node's generation loop,
+    whose trainer record still says version 1, loads version 2 (``newest``)."""
     key, me = Identity.generate(), _id("e")
     run = key.node_id
 
@@ -324,6 +325,8 @@ def test_a_node_receives_each_announced_version_while_its_own_work_asks_for_none
                     await asyncio.wait_for(follower.news.wait(), 5.0)
                     await asyncio.wait_for(follower.sync(2), 10.0)  # while the background fetch of 2 is under way
                     received = metrics.counter("node_weights_versions_received_total")
+                    async with follower.newest(1) as (newest, manifest):  # what an inference node loads
+                        assert (newest, manifest.version) == (2, 2)
                     return follower.store.complete_versions(), received, follower.announced
                 finally:
                     for task in tasks:
