@@ -12,8 +12,9 @@ windows on either side of it: on two shared cores the attack-free rate drifts by
 is this process, with real keys, a real hivemind DHT peer, libp2p streams and HTTP, playing each class of attack the
 project's review found, the cheating producers benchmarks/toploc_detect.py knows, a sybil flood and a submission
 flood, and the classes of the second review (docs/threat-model.md): DHT answers that never expire, invite redemption
-floods, squatted origin slots, a jailed program filling /dev/shm, announcement floods, digest echoes, strangers'
-signed slot requests, acknowledgements on demand, dial-backs to silent ports and auditors' downloads. For each:
+floods, squatted origin slots and stripe roots, a jailed program filling /dev/shm, announcement floods, digest
+echoes, strangers' signed slot requests, acknowledgements on demand, dial-backs to silent ports and auditors'
+downloads. For each:
 whether the attack achieved its aim (key read, bad data accepted, duplicate trained, node crashed, swarm frozen,
 ...), the honest training rate during it as a share of the attack-free rate, and what it cost: the CPU seconds the
 swarm's processes spent beyond what their honest steps explain (at the CPU per step of the attack-free windows
@@ -1091,6 +1092,52 @@ class OriginSquat:
         )
 
 
+class RootSquat(OriginSquat):
+    """The origin's root rule turned against it: keys whose records say they are at home in a stripe (with an address
+    where nothing answers) take turns asking the origin for their stripe's slot, which the rule gives a node at home
+    in a stripe with no root there, earned leaves' slots included (relay.ShardServer._make_room). Aim: the honest
+    nodes shut out of the origin's slots, sent to roots that serve nothing; a relay that joins meanwhile must still
+    get every version, and the honest rate hold. Four keys per stripe (the rule roots a stripe once in
+    ROOT_RETRY_S whoever asks)."""
+
+    def __init__(self, swarm: Swarm, per_stripe: int = 4) -> None:
+        super().__init__(swarm, keys=per_stripe * DEFAULT_STRIPES)
+        self.name = "newcomer-rootsquat"
+
+    def home(self, i: int) -> int:
+        return i % DEFAULT_STRIPES
+
+    async def hold(self) -> None:
+        assert self.session is not None
+        while True:
+            for i, key in enumerate(self.squatters):
+                path = f"/relay/attach?stripe={self.home(i)}"
+                headers = signed_headers(key, "POST", path, self.swarm.run_id)
+                try:
+                    async with self.session.post(self.swarm.trainer_url + path, headers=headers) as r:
+                        await r.read()
+                        self.granted += r.status == 200
+                        self.refused += r.status != 200
+                except aiohttp.ClientError:
+                    pass
+            await asyncio.sleep(1.0)
+
+    async def prepare(self) -> None:
+        for i, key in enumerate(self.squatters):
+            relay = RelayInfo(depth=1, parent=self.swarm.run_id, stripe=self.home(i), stripes=DEFAULT_STRIPES)
+            url = f"http://{ATTACKER_IP}:9"  # the discard port: nothing answers there
+            await asyncio.to_thread(self.swarm.register, key, "relay", http_url=url, relay=relay)
+        self.session = attacker_session()
+        self.holder = asyncio.ensure_future(self.hold())
+        await asyncio.sleep(3.0)
+        await asyncio.to_thread(self.swarm.join, self.name, "relay")
+
+    async def attack(self, until: float) -> Outcome:
+        outcome = await super().attack(until)
+        outcome.name = f"stripe roots squatted ({self.keys} keys claiming a home)"
+        return outcome
+
+
 async def jail_shm(swarm: Swarm, until: float) -> Outcome:
     """A code reward's program fills /dev/shm (and /dev, /tmp): memory the jail's limits did not count."""
     program = (
@@ -1408,6 +1455,7 @@ ATTACKS = (
     "dht_liar",
     "redeem_flood",
     "origin_squat",
+    "root_squat",
     "jail_shm",
     "announce_flood",
     "digest_echo",
@@ -1462,6 +1510,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
         print(f"attack-free rate: {control.rate:.2f} steps/s", flush=True)
         trickler, pather = HostileParent(swarm, "trickle"), HostileParent(swarm, "path")
         squat, cheats, dialback = OriginSquat(swarm), Cheaters(swarm), DialbackFlood(swarm)
+        rooter = RootSquat(swarm)
         auditing = AuditFlood(swarm)
         flood = FromPeer(swarm, announce_flood, register=False, also=lambda: register_all(swarm, SYBILS))
         echo, reacker = FromPeer(swarm, digest_echo, register=True), FromPeer(swarm, reack, register=True)
@@ -1482,6 +1531,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "dht_liar": (None, lambda u: dht_liar(swarm, u)),
             "redeem_flood": (None, lambda u: redeem_flood(swarm, u)),
             "origin_squat": (squat.prepare, squat.attack),
+            "root_squat": (rooter.prepare, rooter.attack),
             "jail_shm": (None, lambda u: jail_shm(swarm, u)),
             "announce_flood": (flood.prepare, flood.attack),
             "digest_echo": (echo.prepare, echo.attack),
