@@ -118,17 +118,6 @@ class Holders:
         return self.claims.get(digest, {}).get(producer) if producer is not None else None
 
 
-def versions_to_fetch(held: int, announced: int, async_level: int) -> list[int]:
-    """The versions a validator fetches when the trainer announces ``announced`` and the newest it holds is
-    ``held``: every one rollouts may still claim (``async_level`` back; relays keep that many), the newest first.
-    A validator is at home in a stripe like any node and serves it to its children there, who want the newest: in
-    order, after a trainer's burst of 16 versions they waited 4-6 s for each newest version while it walked through
-    the others (the red team's swarm: it received 859 of 861 versions, the others about 560, and the producers spent
-    four times as long waiting for weights as generating)."""
-    first = max(held + 1, announced - async_level)
-    return list(range(announced, first - 1, -1))
-
-
 class ValidatorNode(Volunteer):
     role: Role = "validator"
 
@@ -374,7 +363,9 @@ class ValidatorNode(Volunteer):
                 if trainer is None or trainer.epoch != spec.epoch or trainer.weight_version <= newest:
                     await asyncio.sleep(POLL_S)
                     continue
-                for version in versions_to_fetch(newest, trainer.weight_version, spec.train.async_level):
+                # every version rollouts may still claim, not only the newest (relays keep that many)
+                first = max(newest + 1, trainer.weight_version - spec.train.async_level)
+                for version in range(first, trainer.weight_version + 1):
                     try:
                         await self.follower.sync(version)
                     except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from intellect_node.roles import validator_node
-from intellect_node.roles.validator_node import CLAIMANTS, Holders, versions_to_fetch
+from intellect_node.roles.validator_node import CLAIMANTS, Holders
 from intellect_protocol.envelope import Rejected
 
 DIGEST = "d" * 64
@@ -54,14 +54,3 @@ def test_the_bookkeeping_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         h.produced_by(f"{i:064x}", PRODUCER)
     assert len(h.claims) == len(h.producers) == 8
     assert h.holder(f"{19:064x}") == "peer" and h.holder(f"{0:064x}") is None
-
-
-def test_a_validator_fetches_the_newest_version_first_then_the_older_ones_still_claimable() -> None:
-    """It serves the newest to its children in its home stripe; the older ones are for judging batches made on
-    them (async level 16 here): after a burst from 639 to 654, 654 comes first, then 653 down to 640; caught up to
-    650, only 654 to 651; a validator that joined late reaches back async_level versions only, never below 0."""
-    assert versions_to_fetch(639, 654, 16) == list(range(654, 639, -1))
-    assert versions_to_fetch(650, 654, 16) == [654, 653, 652, 651]
-    assert versions_to_fetch(-1, 100, 16) == list(range(100, 83, -1))
-    assert versions_to_fetch(-1, 3, 16) == [3, 2, 1, 0]
-    assert versions_to_fetch(654, 654, 16) == []
