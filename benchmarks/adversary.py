@@ -1124,7 +1124,14 @@ class RootSquat(OriginSquat):
 
     async def prepare(self) -> None:
         for i, key in enumerate(self.squatters):
-            relay = RelayInfo(depth=1, parent=self.swarm.run_id, stripe=self.home(i), stripes=DEFAULT_STRIPES)
+            relay = RelayInfo(
+                depth=1,
+                parent=self.swarm.run_id,
+                slots_total=4,
+                slots_free=0,
+                stripe=self.home(i),
+                stripes=DEFAULT_STRIPES,
+            )
             url = f"http://{ATTACKER_IP}:9"  # the discard port: nothing answers there
             await asyncio.to_thread(self.swarm.register, key, "relay", http_url=url, relay=relay)
         self.session = attacker_session()
