@@ -1049,26 +1049,35 @@ class OriginSquat:
         self.session: aiohttp.ClientSession | None = None
         self.holder: asyncio.Future[None] | None = None
 
+    period = 2.0
+    """Seconds between the squatters' rounds of asking (well within a slot's silence allowed)."""
+
+    def asks(self) -> list[tuple[Identity, int]]:
+        """Each round's slot requests: every key in every stripe (the origin's, unless --stripes says otherwise;
+        the benchmark's trainer: the default)."""
+        return [(key, stripe) for key in self.squatters for stripe in range(DEFAULT_STRIPES)]
+
+    def register(self, i: int, key: Identity) -> None:
+        self.swarm.register(key, "relay")
+
     async def hold(self) -> None:
         assert self.session is not None
-        stripes = DEFAULT_STRIPES  # the origin's, unless --stripes says otherwise (the benchmark's trainer: default)
         while True:
-            for key in self.squatters:
-                for stripe in range(stripes):
-                    path = f"/relay/attach?stripe={stripe}"
-                    headers = signed_headers(key, "POST", path, self.swarm.run_id)
-                    try:
-                        async with self.session.post(self.swarm.trainer_url + path, headers=headers) as r:
-                            await r.read()
-                            self.granted += r.status == 200
-                            self.refused += r.status != 200
-                    except aiohttp.ClientError:
-                        pass
-            await asyncio.sleep(2.0)
+            for key, stripe in self.asks():
+                path = f"/relay/attach?stripe={stripe}"
+                headers = signed_headers(key, "POST", path, self.swarm.run_id)
+                try:
+                    async with self.session.post(self.swarm.trainer_url + path, headers=headers) as r:
+                        await r.read()
+                        self.granted += r.status == 200
+                        self.refused += r.status != 200
+                except aiohttp.ClientError:
+                    pass
+            await asyncio.sleep(self.period)
 
     async def prepare(self) -> None:
-        for key in self.squatters:
-            await asyncio.to_thread(self.swarm.register, key, "relay")
+        for i, key in enumerate(self.squatters):
+            await asyncio.to_thread(self.register, i, key)
         self.session = attacker_session()
         self.holder = asyncio.ensure_future(self.hold())
         await asyncio.sleep(3.0)
@@ -1100,6 +1109,8 @@ class RootSquat(OriginSquat):
     get every version, and the honest rate hold. Four keys per stripe (the rule roots a stripe once in
     ROOT_RETRY_S whoever asks)."""
 
+    period = 1.0
+
     def __init__(self, swarm: Swarm, per_stripe: int = 4) -> None:
         super().__init__(swarm, keys=per_stripe * DEFAULT_STRIPES)
         self.name = "newcomer-rootsquat"
@@ -1107,37 +1118,15 @@ class RootSquat(OriginSquat):
     def home(self, i: int) -> int:
         return i % DEFAULT_STRIPES
 
-    async def hold(self) -> None:
-        assert self.session is not None
-        while True:
-            for i, key in enumerate(self.squatters):
-                path = f"/relay/attach?stripe={self.home(i)}"
-                headers = signed_headers(key, "POST", path, self.swarm.run_id)
-                try:
-                    async with self.session.post(self.swarm.trainer_url + path, headers=headers) as r:
-                        await r.read()
-                        self.granted += r.status == 200
-                        self.refused += r.status != 200
-                except aiohttp.ClientError:
-                    pass
-            await asyncio.sleep(1.0)
+    def asks(self) -> list[tuple[Identity, int]]:
+        return [(key, self.home(i)) for i, key in enumerate(self.squatters)]
 
-    async def prepare(self) -> None:
-        for i, key in enumerate(self.squatters):
-            relay = RelayInfo(
-                depth=1,
-                parent=self.swarm.run_id,
-                slots_total=4,
-                slots_free=0,
-                stripe=self.home(i),
-                stripes=DEFAULT_STRIPES,
-            )
-            url = f"http://{ATTACKER_IP}:9"  # the discard port: nothing answers there
-            await asyncio.to_thread(self.swarm.register, key, "relay", http_url=url, relay=relay)
-        self.session = attacker_session()
-        self.holder = asyncio.ensure_future(self.hold())
-        await asyncio.sleep(3.0)
-        await asyncio.to_thread(self.swarm.join, self.name, "relay")
+    def register(self, i: int, key: Identity) -> None:
+        relay = RelayInfo(
+            depth=1, parent=self.swarm.run_id, slots_total=4, slots_free=0, stripe=self.home(i), stripes=DEFAULT_STRIPES
+        )
+        url = f"http://{ATTACKER_IP}:9"  # the discard port: nothing answers there
+        self.swarm.register(key, "relay", http_url=url, relay=relay)
 
     async def attack(self, until: float) -> Outcome:
         outcome = await super().attack(until)

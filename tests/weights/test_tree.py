@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -245,6 +247,29 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@contextlib.asynccontextmanager
+async def _below_origin(
+    tmp_path: Path, run: str, me: str, metrics: Metrics
+) -> AsyncIterator[tuple[WeightStore, WeightFollower, aiohttp.ClientSession]]:
+    """An origin (a shard server on loopback, store empty) and ``me`` attached below it: the origin's store, the
+    follower and its session."""
+    store = WeightStore(tmp_path / "o", run)
+    server = ShardServer(store, Metrics(), slots=2, node_id=run)
+    server.path = lambda: [run]
+    http = HttpServer(Metrics(), lambda: {}, server.routes())
+    url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
+    records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
+    follower = _follower(tmp_path, me, records, metrics, run)
+    try:
+        async with aiohttp.ClientSession() as session:
+            follower.start(session)
+            await follower.attachments.choose(await follower._records(), set())
+            assert follower.parent == run
+            yield store, follower, session
+    finally:
+        await http.close()
+
+
 def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
     """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
     signed by another key announces nothing."""
@@ -252,39 +277,26 @@ def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(
     run = key.node_id
 
     async def main() -> tuple[int, int]:
-        store = WeightStore(tmp_path / "o", run)
-        server = ShardServer(store, Metrics(), slots=2, node_id=run)
-        server.path = lambda: [run]
-        http = HttpServer(Metrics(), lambda: {}, server.routes())
-        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
-        records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
         metrics = Metrics()
-        follower = _follower(tmp_path, me, records, metrics, run)
-        try:
-            async with aiohttp.ClientSession() as session:
-                follower.start(session)
-                await follower.attachments.choose(await follower._records(), set())
-                assert follower.parent == run
-                watch = asyncio.create_task(follower.watch_parent(session))
-                try:
-                    write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
-                    store.added()
-                    await until(
-                        lambda: metrics.counter("node_relay_news_rejected_total", "foreign_manifest") > 0,
-                        "the forged manifest's refusal",
-                        5.0,
-                        every=0.01,
-                    )
-                    after_forgery = follower.announced
-                    shutil.rmtree(store.folder(1))
-                    write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
-                    store.added()
-                    await asyncio.wait_for(follower.news.wait(), 5.0)
-                    return after_forgery, follower.announced
-                finally:
-                    watch.cancel()
-        finally:
-            await http.close()
+        async with _below_origin(tmp_path, run, me, metrics) as (store, follower, session):
+            watch = asyncio.create_task(follower.watch_parent(session))
+            try:
+                write_checkpoint(store.root, forger, run, 1, {"w": torch.zeros(4)}, 1 << 20)
+                store.added()
+                await until(
+                    lambda: metrics.counter("node_relay_news_rejected_total", "foreign_manifest") > 0,
+                    "the forged manifest's refusal",
+                    5.0,
+                    every=0.01,
+                )
+                after_forgery = follower.announced
+                shutil.rmtree(store.folder(1))
+                write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
+                store.added()
+                await asyncio.wait_for(follower.news.wait(), 5.0)
+                return after_forgery, follower.announced
+            finally:
+                watch.cancel()
 
     assert asyncio.run(main()) == (-1, 1)
 
@@ -299,41 +311,28 @@ def test_a_node_receives_each_announced_version_while_its_own_work_asks_for_none
     run = key.node_id
 
     async def main() -> tuple[list[int], float, int]:
-        store = WeightStore(tmp_path / "o", run)
-        server = ShardServer(store, Metrics(), slots=2, node_id=run)
-        server.path = lambda: [run]
-        http = HttpServer(Metrics(), lambda: {}, server.routes())
-        url = f"http://127.0.0.1:{await http.start('127.0.0.1', 0)}"
-        records = {run: _rec(run, 0, 2).model_copy(update={"http_url": url})}
         metrics = Metrics()
-        follower = _follower(tmp_path, me, records, metrics, run)
-        try:
-            async with aiohttp.ClientSession() as session:
-                follower.start(session)
-                await follower.attachments.choose(await follower._records(), set())
-                assert follower.parent == run
-                tasks = [
-                    asyncio.create_task(follower.watch_parent(session)),
-                    asyncio.create_task(follower.receive_announced()),
-                ]
-                try:
-                    write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
-                    store.added()
-                    await until(lambda: 1 in follower.store.complete_versions(), "version 1 held", 10.0, every=0.01)
-                    write_checkpoint(store.root, key, run, 2, {"w": torch.full((4,), 2.0)}, 1 << 20)
-                    store.added()
-                    await asyncio.wait_for(follower.news.wait(), 5.0)
-                    await asyncio.wait_for(follower.sync(2), 10.0)  # while the background fetch of 2 is under way
-                    received = metrics.counter("node_weights_versions_received_total")
-                    async with follower.newest(1) as (newest, manifest):  # what an inference node loads
-                        assert (newest, manifest.version) == (2, 2)
-                    return follower.store.complete_versions(), received, follower.announced
-                finally:
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            await http.close()
+        async with _below_origin(tmp_path, run, me, metrics) as (store, follower, session):
+            tasks = [
+                asyncio.create_task(follower.watch_parent(session)),
+                asyncio.create_task(follower.receive_announced()),
+            ]
+            try:
+                write_checkpoint(store.root, key, run, 1, {"w": torch.ones(4)}, 1 << 20)
+                store.added()
+                await until(lambda: 1 in follower.store.complete_versions(), "version 1 held", 10.0, every=0.01)
+                write_checkpoint(store.root, key, run, 2, {"w": torch.full((4,), 2.0)}, 1 << 20)
+                store.added()
+                await asyncio.wait_for(follower.news.wait(), 5.0)
+                await asyncio.wait_for(follower.sync(2), 10.0)  # while the background fetch of 2 is under way
+                received = metrics.counter("node_weights_versions_received_total")
+                async with follower.newest(1) as (newest, manifest):  # what an inference node loads
+                    assert (newest, manifest.version) == (2, 2)
+                return follower.store.complete_versions(), received, follower.announced
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     held, received, announced = asyncio.run(main())
     assert held == [1, 2] and received == 2 and announced == 2
