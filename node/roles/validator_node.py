@@ -1,13 +1,14 @@
 """The validator role: judge rollout batches as the trainer admits them, in parallel, and gossip signed verdicts.
 
-``intellect-node join --role validator --peers ... --run-id ...`` follows the run's weights like any node (and
-relays them) and keeps the last ``async_level + 1`` versions. It listens on the run's gossip topics: producers'
-announcements tell it who holds each batch, and the trainer's acknowledgement of an admitted batch (signed by the
-run key) names the batch's producer and the validators asked to judge it. A named validator fetches the body by
-digest (node/p2p/batches.py), checks it on the exact version it claims (node/judging/validator.py) and publishes a
-signed Verdict on the ``verdicts`` topic. The trainer counts verdicts only from validators it was started with
-(``intellect-node bootstrap --validator <node id>``) and judges a batch itself when the named ones do not answer
-within ``verify.verdict_wait_s``.
+``intellect-node join --role validator --peers ... --run-id ...`` follows the run's newest weights like any node
+(and relays them: it is at home in a stripe, and its children there receive through it), and fetches an older
+version only when a batch it judges claims it (``judge``); it keeps the last ``async_level + 1`` versions. It
+listens on the run's gossip topics: producers' announcements tell it who holds each batch, and the trainer's
+acknowledgement of an admitted batch (signed by the run key) names the batch's producer and the validators asked
+to judge it. A named validator fetches the body by digest (node/p2p/batches.py), checks it on the exact version it
+claims (node/judging/validator.py) and publishes a signed Verdict on the ``verdicts`` topic. The trainer counts
+verdicts only from validators it was started with (``intellect-node bootstrap --validator <node id>``) and judges a
+batch itself when the named ones do not answer within ``verify.verdict_wait_s``.
 
 Who holds a batch (``Holders``): anyone may announce any digest, so an announcement is only a claim, kept per
 signing key. The holder of a batch is the peer of its producer's own claim, the producer being the key the run key's
@@ -50,6 +51,10 @@ from intellect_protocol.identity import node_id_of
 from intellect_protocol.messages import BatchAck, BatchAnnounce, Role, RolloutBatch, RunSpec, SubmitReply, Verdict
 
 logger = logging.getLogger(__name__)
+VERSION_WAIT_S = 30.0
+"""How long a batch's judging may wait for the version it claims: the fetch of it (after any fetch under way), or
+its arrival when the fetch fails at once. Past it the batch is refused ``version_unavailable`` and the trainer
+judges it itself."""
 WATCH_S = 0.5
 JOBS = 256
 UNASKED_ACKS, UNASKED_S = 32, 60.0
@@ -135,6 +140,8 @@ class ValidatorNode(Volunteer):
         """When the trainer's last acknowledgement was heard (time.monotonic())."""
         self.unasked = 0
         """Acknowledgements heard in a row that named other judges, or none."""
+        self.announced = -1
+        """The trainer's newest version, as its record says (``work``)."""
 
     def working(self) -> dict[str, Any]:
         """Not working while the trainer acknowledges batches (one heard within ``UNASKED_S``) and the last
@@ -296,11 +303,7 @@ class ValidatorNode(Volunteer):
             raise Rejected("signer_mismatch", "batch not signed by its producer")
         if self.spec is None or batch.epoch != self.spec.epoch:
             raise Rejected("wrong_epoch", f"batch of run epoch {batch.epoch}; this validator follows another")
-        deadline = time.monotonic() + 30.0
-        while batch.version not in self.store.complete_versions() and time.monotonic() < deadline:
-            if batch.version < min(self.store.complete_versions(), default=-1):
-                break  # pruned: it will not come back
-            await asyncio.sleep(WATCH_S)  # the version may still be on its way down the tree
+        await self._hold(batch.version, self.spec)
         async with self._lock:  # one model, one batch at a time
             started = time.monotonic()
             verdict = await asyncio.to_thread(self._judge, batch, data, full)
@@ -317,6 +320,28 @@ class ValidatorNode(Volunteer):
             verdict.reason,
         )
         return verdict
+
+    async def _hold(self, version: int, spec: RunSpec) -> None:
+        """Have ``version`` here to judge a batch on it, within VERSION_WAIT_S: fetched now (the work loop fetches
+        only the newest, which the children in this node's stripe wait for), or, when a fetch fails, awaited as
+        another fetch may still bring it. Nothing is fetched for a version no rollout may claim any more (more than
+        ``async_level`` behind the newest known): its batch is refused ``version_unavailable``."""
+        assert self.follower is not None
+        deadline = time.monotonic() + VERSION_WAIT_S
+        newest = max(self.announced, self.store.newest())
+        while version not in self.store.complete_versions():
+            if version < newest - spec.train.async_level:
+                raise Rejected("version_unavailable", f"version {version} is older than any a rollout may claim")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Rejected("version_unavailable", f"version {version} did not arrive in {VERSION_WAIT_S:.0f}s")
+            try:
+                await within(self.follower.sync(version), left)
+            except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
+                raise_if_cancelled()
+                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                logger.debug("could not fetch version %d to judge a batch: %r", version, e)
+                await asyncio.sleep(min(WATCH_S, max(0.0, deadline - time.monotonic())))
 
     async def judge_forever(self) -> None:
         while True:
@@ -359,18 +384,21 @@ class ValidatorNode(Volunteer):
                             tokenizer = build_tokenizer(spec.model)
                             self.validator = self._validator(spec, tokenizer)
                             self.loaded = -1
-                newest = max(self.store.complete_versions(), default=-1)
-                if trainer is None or trainer.epoch != spec.epoch or trainer.weight_version <= newest:
+                if trainer is None or trainer.epoch != spec.epoch:
                     await asyncio.sleep(POLL_S)
                     continue
-                # every version rollouts may still claim, not only the newest (relays keep that many)
-                first = max(newest + 1, trainer.weight_version - spec.train.async_level)
-                for version in range(first, trainer.weight_version + 1):
-                    try:
-                        await self.follower.sync(version)
-                    except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
-                        self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
-                        self.fetch_failed(version, repr(e))
-                        await asyncio.sleep(POLL_S)
+                self.announced = max(self.announced, trainer.weight_version)
+                if trainer.weight_version <= max(self.store.complete_versions(), default=-1):
+                    await asyncio.sleep(POLL_S)
+                    continue
+                # the newest only: the children in this node's stripe wait for it, and walking through every
+                # version a rollout may claim kept them 4-6 s behind after each burst of the trainer's versions
+                # (the red team's swarm); judging fetches an older version when a batch claims it (_hold)
+                try:
+                    await self.follower.sync(trainer.weight_version)
+                except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
+                    self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                    self.fetch_failed(trainer.weight_version, repr(e))
+                    await asyncio.sleep(POLL_S)
         finally:
             worker.cancel()

@@ -14,8 +14,11 @@ import pytest
 import torch
 from aiohttp import web
 
+from intellect_node.config import NodeConfig
 from intellect_node.p2p.http import HttpServer
 from intellect_node.p2p.metrics import Metrics
+from intellect_node.roles import validator_node
+from intellect_node.roles.validator_node import ValidatorNode
 from intellect_node.weights import relay
 from intellect_node.weights.auth import signed_headers
 from intellect_node.weights.files import write_checkpoint
@@ -24,8 +27,9 @@ from intellect_node.weights.relay import ShardServer
 from intellect_node.weights.sources import Source
 from intellect_node.weights.store import WeightStore
 from intellect_node.weights.tree import holders, parents
+from intellect_protocol.envelope import Rejected
 from intellect_protocol.identity import Identity
-from intellect_protocol.messages import NodeRecord, RelayInfo
+from intellect_protocol.messages import ModelSpec, NodeRecord, RelayInfo, RunSpec, TrainSpec
 from tests.helpers.keys import Keys
 from tests.helpers.wait import until
 
@@ -336,6 +340,45 @@ def test_a_node_receives_each_announced_version_while_its_own_work_asks_for_none
 
     held, received, announced = asyncio.run(main())
     assert held == [1, 2] and received == 2 and announced == 2
+
+
+def test_a_validator_fetches_the_newest_version_and_an_older_one_only_for_a_batch_that_claims_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A validator is at home in a stripe and serves it: its work loop fetches the trainer's newest version only
+    (walking through every version a rollout may claim kept its children 4-6 s behind after each burst of versions).
+    A batch on an older version it does not hold is judged all the same: the judging fetches that version
+    (``_hold``); a batch on a version newer than the trainer's record yet is judged once it arrives; a version no
+    rollout may claim any more (more than ``async_level`` behind) is refused at once, with nothing fetched."""
+    key, me = Identity.generate(), _id("v")
+    run = key.node_id
+    monkeypatch.setattr(validator_node, "VERSION_WAIT_S", 10.0)
+    spec = RunSpec(run_id=run, created=0.0, seed=0, model=ModelSpec(), train=TrainSpec(async_level=2))
+
+    async def main() -> tuple[list[int], int, str, list[int]]:
+        metrics = Metrics()
+        async with _below_origin(tmp_path, run, me, metrics) as (store, follower, _):
+            for version in (1, 2, 3, 4):
+                write_checkpoint(store.root, key, run, version, {"w": torch.full((4,), float(version))}, 1 << 20)
+            store.added()
+            node = ValidatorNode(NodeConfig(data_dir=tmp_path / "v", run_id=run, peers=["/ip4/127.0.0.1/tcp/1"]))
+            node.follower, node.store, node.announced = follower, follower.store, 4
+            await follower.sync(4)  # what the work loop fetches: the newest only
+            await node._hold(3, spec)  # a batch made on version 3
+            after_three = follower.store.complete_versions()
+            with pytest.raises(Rejected) as stale:
+                await node._hold(1, spec)  # 1 < 4 - async_level: no rollout may claim it
+            received = metrics.counter("node_weights_versions_received_total")
+            newer = asyncio.create_task(node._hold(5, spec))  # the trainer's record says 4 still
+            await asyncio.sleep(0.5)
+            write_checkpoint(store.root, key, run, 5, {"w": torch.full((4,), 5.0)}, 1 << 20)
+            store.added()
+            await asyncio.wait_for(newer, 10.0)
+            return after_three, received, stale.value.reason, follower.store.complete_versions()
+
+    after_three, received, reason, held = asyncio.run(main())
+    assert after_three == [3, 4] and received == 2 and reason == "version_unavailable"
+    assert held == [4, 5]  # the follower keeps two here
 
 
 def test_a_parent_much_slower_than_another_source_is_left(tmp_path: Path) -> None:
