@@ -2,13 +2,14 @@
 
 ``intellect-node join --role validator --peers ... --run-id ...`` follows the run's newest weights like any node
 (and relays them: it is at home in a stripe, and its children there receive through it), and fetches an older
-version only when a batch it judges claims it (``judge``); it keeps the last ``async_level + 1`` versions. It
-listens on the run's gossip topics: producers' announcements tell it who holds each batch, and the trainer's
-acknowledgement of an admitted batch (signed by the run key) names the batch's producer and the validators asked
-to judge it. A named validator fetches the body by digest (node/p2p/batches.py), checks it on the exact version it
-claims (node/judging/validator.py) and publishes a signed Verdict on the ``verdicts`` topic. The trainer counts
-verdicts only from validators it was started with (``intellect-node bootstrap --validator <node id>``) and judges a
-batch itself when the named ones do not answer within ``verify.verdict_wait_s``.
+version only when a batch it judges claims it (``judge``); it keeps the newest ``async_level + 1`` versions it
+holds (fewer under ``--keep-versions`` or a disk cap). It listens on the run's gossip topics: producers'
+announcements tell it who holds each batch, and the trainer's acknowledgement of an admitted batch (signed by the
+run key) names the batch's producer and the validators asked to judge it. A named validator fetches the body by
+digest (node/p2p/batches.py), checks it on the exact version it claims (node/judging/validator.py) and publishes a
+signed Verdict on the ``verdicts`` topic. The trainer counts verdicts only from validators it was started with
+(``intellect-node bootstrap --validator <node id>``) and judges a batch itself when the named ones do not answer
+within ``verify.verdict_wait_s``.
 
 Who holds a batch (``Holders``): anyone may announce any digest, so an announcement is only a claim, kept per
 signing key. The holder of a batch is the peer of its producer's own claim, the producer being the key the run key's
@@ -52,9 +53,8 @@ from intellect_protocol.messages import BatchAck, BatchAnnounce, Role, RolloutBa
 
 logger = logging.getLogger(__name__)
 VERSION_WAIT_S = 30.0
-"""How long a batch's judging may wait for the version it claims: the fetch of it (after any fetch under way), or
-its arrival when the fetch fails at once. Past it the batch is refused ``version_unavailable`` and the trainer
-judges it itself."""
+"""How long a batch's judging may wait for the version it claims: its fetch (after any fetch under way), tried
+again while it fails. Past it the batch is refused ``version_unavailable`` and the trainer judges it itself."""
 WATCH_S = 0.5
 JOBS = 256
 UNASKED_ACKS, UNASKED_S = 32, 60.0
@@ -140,8 +140,8 @@ class ValidatorNode(Volunteer):
         """When the trainer's last acknowledgement was heard (time.monotonic())."""
         self.unasked = 0
         """Acknowledgements heard in a row that named other judges, or none."""
-        self.announced = -1
-        """The trainer's newest version, as its record says (``work``)."""
+        self.trainer_at = (-1, -1)
+        """The trainer's epoch and newest version, as its record said last (``work``)."""
 
     def working(self) -> dict[str, Any]:
         """Not working while the trainer acknowledges batches (one heard within ``UNASKED_S``) and the last
@@ -165,14 +165,20 @@ class ValidatorNode(Volunteer):
         logger.info("refused validation request peer=%s reason=%s detail=%s", peer, e.reason, e.detail)
         return SubmitReply(ok=False, reason=e.reason, detail=e.detail[:500])
 
+    async def _load(self, version: int) -> None:
+        """The model on ``version``'s weights, read while no fetch runs (a fetch prunes older versions)."""
+        assert self.follower is not None and self.validator is not None
+        if self.loaded == version:
+            return
+        async with self.follower.held(version) as manifest:
+            if manifest is None:
+                raise Rejected("version_unavailable", f"version {version} is not held here")
+            model = self.validator.model
+            await asyncio.to_thread(load_weights, model, load_checkpoint(self.store.folder(version), manifest))
+        self.loaded = version
+
     def _judge(self, batch: RolloutBatch, data: bytes, full: bool = False) -> Verdict:
-        assert self.validator is not None
-        if self.loaded != batch.version:
-            manifest = self.store.manifest(batch.version)
-            if manifest is None or batch.version not in self.store.complete_versions():
-                raise Rejected("version_unavailable", f"version {batch.version} is not held here")
-            load_weights(self.validator.model, load_checkpoint(self.store.folder(batch.version), manifest))
-            self.loaded = batch.version
+        assert self.validator is not None and self.loaded == batch.version
         try:
             return self.validator.check(batch, full=full).verdict(batch, data)
         finally:
@@ -305,7 +311,10 @@ class ValidatorNode(Volunteer):
             raise Rejected("wrong_epoch", f"batch of run epoch {batch.epoch}; this validator follows another")
         await self._hold(batch.version, self.spec)
         async with self._lock:  # one model, one batch at a time
+            if self.spec is None or batch.epoch != self.spec.epoch:  # the run started over while it waited
+                raise Rejected("wrong_epoch", f"batch of run epoch {batch.epoch}; this validator follows another")
             started = time.monotonic()
+            await self._load(batch.version)
             verdict = await asyncio.to_thread(self._judge, batch, data, full)
         self.judged += 1
         self.metrics.inc("node_validator_batches_total", label="ok" if verdict.ok else verdict.reason)
@@ -322,14 +331,18 @@ class ValidatorNode(Volunteer):
         return verdict
 
     async def _hold(self, version: int, spec: RunSpec) -> None:
-        """Have ``version`` here to judge a batch on it, within VERSION_WAIT_S: fetched now (the work loop fetches
-        only the newest, which the children in this node's stripe wait for), or, when a fetch fails, awaited as
-        another fetch may still bring it. Nothing is fetched for a version no rollout may claim any more (more than
-        ``async_level`` behind the newest known): its batch is refused ``version_unavailable``."""
+        """Have ``version`` here to judge a batch on it, within VERSION_WAIT_S: the work loop fetches only the
+        newest (the children in this node's stripe wait for it), so an older one is fetched now, after any fetch
+        under way, and tried again while it fails. Refused ``version_unavailable``, with nothing fetched, once no
+        rollout may claim it (more than ``async_level`` behind the newest known), and when this node prunes it as
+        it arrives (``--keep-versions`` or the disk cap); ``wrong_epoch`` when the run starts over meanwhile."""
         assert self.follower is not None
         deadline = time.monotonic() + VERSION_WAIT_S
-        newest = max(self.announced, self.store.newest())
         while version not in self.store.complete_versions():
+            if self.spec is None or self.spec.epoch != spec.epoch:
+                raise Rejected("wrong_epoch", f"the run was started over while version {version} was awaited")
+            epoch, announced = self.trainer_at
+            newest = max(announced if epoch == spec.epoch else -1, self.store.newest())
             if version < newest - spec.train.async_level:
                 raise Rejected("version_unavailable", f"version {version} is older than any a rollout may claim")
             left = deadline - time.monotonic()
@@ -339,9 +352,13 @@ class ValidatorNode(Volunteer):
                 await within(self.follower.sync(version), left)
             except (TimeoutError, Rejected, aiohttp.ClientError, OSError) as e:
                 raise_if_cancelled()
-                self.metrics.inc("node_weights_fetch_failures_total", label=getattr(e, "reason", "network"))
+                reason = getattr(e, "reason", "timeout" if isinstance(e, TimeoutError) else "network")
+                self.metrics.inc("node_weights_fetch_failures_total", label=reason)
                 logger.debug("could not fetch version %d to judge a batch: %r", version, e)
                 await asyncio.sleep(min(WATCH_S, max(0.0, deadline - time.monotonic())))
+                continue
+            if version not in self.store.complete_versions():  # fetched, and pruned at once: it would be again
+                raise Rejected("version_unavailable", f"version {version} is older than the versions kept here")
 
     async def judge_forever(self) -> None:
         while True:
@@ -387,7 +404,7 @@ class ValidatorNode(Volunteer):
                 if trainer is None or trainer.epoch != spec.epoch:
                     await asyncio.sleep(POLL_S)
                     continue
-                self.announced = max(self.announced, trainer.weight_version)
+                self.trainer_at = (trainer.epoch, trainer.weight_version)
                 if trainer.weight_version <= max(self.store.complete_versions(), default=-1):
                     await asyncio.sleep(POLL_S)
                     continue

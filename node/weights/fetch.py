@@ -319,7 +319,9 @@ class ShardFetcher:
             if isinstance(e, TimeoutError):
                 raise Rejected("timeout", f"version {version} not complete after {timeout:.0f}s") from None
             raise
-        await self.store.finish(version)
+        # whole even when the caller gives up now (a deadline): a rename half done would leave the version neither
+        # served nor pruned until it is asked for again
+        await asyncio.shield(self.store.finish(version))
         return manifest
 
     async def _one(

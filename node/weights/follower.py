@@ -397,6 +397,13 @@ class WeightFollower:
             version = max(at_least, max(self.store.complete_versions(), default=-1))
             yield version, await self._sync(version)
 
+    @contextlib.asynccontextmanager
+    async def held(self, version: int) -> AsyncIterator[Manifest | None]:
+        """``version``'s manifest when it is held here (None when not), with no fetch running until the block ends,
+        so none prunes it while the caller reads its files (a validator loading the version a batch claims)."""
+        async with self._syncing:
+            yield self.store.manifest(version) if version in self.store.complete_versions() else None
+
     async def _sync(self, version: int) -> Manifest:
         assert self.fetcher is not None
         if version in self.store.complete_versions():

@@ -349,35 +349,42 @@ def test_a_validator_fetches_the_newest_version_and_an_older_one_only_for_a_batc
     (walking through every version a rollout may claim kept its children 4-6 s behind after each burst of versions).
     A batch on an older version it does not hold is judged all the same: the judging fetches that version
     (``_hold``); a batch on a version newer than the trainer's record yet is judged once it arrives; a version no
-    rollout may claim any more (more than ``async_level`` behind) is refused at once, with nothing fetched."""
+    rollout may claim any more (more than ``async_level`` behind) is refused at once, with nothing fetched; and one
+    this node prunes as it arrives (it keeps two versions here) is refused after one fetch, not fetched again and
+    again until the wait ends."""
     key, me = Identity.generate(), _id("v")
     run = key.node_id
     monkeypatch.setattr(validator_node, "VERSION_WAIT_S", 10.0)
     spec = RunSpec(run_id=run, created=0.0, seed=0, model=ModelSpec(), train=TrainSpec(async_level=2))
 
-    async def main() -> tuple[list[int], int, str, list[int]]:
+    async def main() -> tuple[list[int], int, str, str, int, list[int]]:
         metrics = Metrics()
         async with _below_origin(tmp_path, run, me, metrics) as (store, follower, _):
             for version in (1, 2, 3, 4):
                 write_checkpoint(store.root, key, run, version, {"w": torch.full((4,), float(version))}, 1 << 20)
             store.added()
             node = ValidatorNode(NodeConfig(data_dir=tmp_path / "v", run_id=run, peers=["/ip4/127.0.0.1/tcp/1"]))
-            node.follower, node.store, node.announced = follower, follower.store, 4
+            node.follower, node.store, node.spec, node.trainer_at = follower, follower.store, spec, (0, 4)
             await follower.sync(4)  # what the work loop fetches: the newest only
             await node._hold(3, spec)  # a batch made on version 3
             after_three = follower.store.complete_versions()
             with pytest.raises(Rejected) as stale:
                 await node._hold(1, spec)  # 1 < 4 - async_level: no rollout may claim it
             received = metrics.counter("node_weights_versions_received_total")
+            with pytest.raises(Rejected) as pruned:
+                await asyncio.wait_for(node._hold(2, spec), 5.0)  # claimable, but older than the two kept
+            fetches_of_two = metrics.counter("node_weights_versions_received_total") - received
             newer = asyncio.create_task(node._hold(5, spec))  # the trainer's record says 4 still
             await asyncio.sleep(0.5)
             write_checkpoint(store.root, key, run, 5, {"w": torch.full((4,), 5.0)}, 1 << 20)
             store.added()
             await asyncio.wait_for(newer, 10.0)
-            return after_three, received, stale.value.reason, follower.store.complete_versions()
+            held = follower.store.complete_versions()
+            return after_three, received, stale.value.reason, pruned.value.reason, fetches_of_two, held
 
-    after_three, received, reason, held = asyncio.run(main())
-    assert after_three == [3, 4] and received == 2 and reason == "version_unavailable"
+    after_three, received, stale, pruned, fetches_of_two, held = asyncio.run(main())
+    assert after_three == [3, 4] and received == 2 and stale == "version_unavailable"
+    assert pruned == "version_unavailable" and fetches_of_two == 1
     assert held == [4, 5]  # the follower keeps two here
 
 
