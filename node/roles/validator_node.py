@@ -405,7 +405,7 @@ class ValidatorNode(Volunteer):
                     await asyncio.sleep(POLL_S)
                     continue
                 self.trainer_at = (trainer.epoch, trainer.weight_version)
-                if trainer.weight_version <= max(self.store.complete_versions(), default=-1):
+                if trainer.weight_version <= self.version:
                     await asyncio.sleep(POLL_S)
                     continue
                 # the newest only: the children in this node's stripe wait for it, and walking through every

@@ -250,7 +250,6 @@ def test_a_cycle_is_left_at_the_next_keep_alive(tmp_path: Path) -> None:
     assert parent == ORIGIN and reparents == 1 and path == [ORIGIN, me] and b_children == []
 
 
-@pytest.mark.integration
 @contextlib.asynccontextmanager
 async def _below_origin(
     tmp_path: Path, run: str, me: str, metrics: Metrics
@@ -274,6 +273,7 @@ async def _below_origin(
         await http.close()
 
 
+@pytest.mark.integration
 def test_children_hear_of_a_new_version_from_their_parent_and_only_a_signed_one(tmp_path: Path) -> None:
     """GET /relay/next: the child learns of version 1 as soon as its parent has it (no DHT read), and a manifest
     signed by another key announces nothing."""
@@ -375,7 +375,7 @@ def test_a_validator_fetches_the_newest_version_and_an_older_one_only_for_a_batc
                 await asyncio.wait_for(node._hold(2, spec), 5.0)  # claimable, but older than the two kept
             fetches_of_two = metrics.counter("node_weights_versions_received_total") - received
             newer = asyncio.create_task(node._hold(5, spec))  # the trainer's record says 4 still
-            await asyncio.sleep(0.5)
+            await until(lambda: follower.fetching == 5, "the fetch of version 5 under way", 5.0, every=0.01)
             write_checkpoint(store.root, key, run, 5, {"w": torch.full((4,), 5.0)}, 1 << 20)
             store.added()
             await asyncio.wait_for(newer, 10.0)
