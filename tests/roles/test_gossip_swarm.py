@@ -48,7 +48,7 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(1)
+        time.sleep(0.2)
 
 
 def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp_path: Path) -> None:
@@ -62,6 +62,7 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         timeout=60,
     ).stdout.strip()
     nodes: list[NodeProcess] = []
+    doctor: subprocess.Popen[str] | None = None
     try:
         trainer = NodeProcess(
             "trainer",
@@ -80,11 +81,12 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         nodes.append(trainer)
         ready = trainer.wait_ready(timeout=120)
         url = ready["status_url"]
+        # started together: until the validator is in, the trainer judges the batches itself
         validator = NodeProcess("validator", join_argv("validator", ready, tmp_path / "v"), logs)
         nodes.append(validator)
-        validator.wait_ready(timeout=120)
         worker = NodeProcess("inference", join_argv("inference", ready, tmp_path / "i"), logs)
         nodes.append(worker)
+        validator.wait_ready(timeout=120)
         worker_ready = worker.wait_ready(timeout=120)
         started = time.monotonic()
         assert worker_ready["reachability"] == {"checked": True, "observed_ip": "127.0.0.1", "p2p": True, "http": True}
@@ -113,7 +115,8 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
             env=env,
         ).stdout
         assert "trainer" in shown and "validators" in shown and "1 present" in shown, shown
-        doctor = subprocess.run(
+        # doctor runs while the validator is down below (it checks this node's ports, not the validator)
+        doctor = subprocess.Popen(
             [
                 *cli,
                 "doctor",
@@ -126,13 +129,11 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
                 "--run-id",
                 ready["run_id"],
             ],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             env=env,
         )
-        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-        assert doctor.stdout.count("reachable from outside: yes") == 2, doctor.stdout
 
         # the validator dies: what it was named for is judged here, nothing is lost
         validator.proc.send_signal(signal.SIGKILL)
@@ -140,6 +141,9 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         step = _get(url, "/status")["step"]
         _until(lambda: _metric(url, "node_trainer_validation_fallbacks_total") > 0, 120, "a fallback")
         _until(lambda: _get(url, "/status")["step"] >= step + 2, 300, "2 steps without the validator")
+        out, err = doctor.communicate(timeout=120)
+        assert doctor.returncode == 0, out + err
+        assert out.count("reachable from outside: yes") == 2, out
 
         # back, same identity: it judges again
         verdicts = _metric(url, "node_trainer_remote_verdicts_total")
@@ -152,18 +156,31 @@ def test_gossip_swarm_loses_nothing_acknowledged_when_its_validator_restarts(tmp
         worker.terminate()
         worker.proc.wait(timeout=30)
         _until(lambda: _get(url, "/status")["judging"] == 0, 120, "the trainer to judge what it holds")
-        held = _get(url, "/status")["outstanding_groups"]
-        acked: dict[tuple[str, ...], int] = {}
-        accounted: dict[tuple[str, ...], int] = defaultdict(int)
-        for m in LEDGER.finditer(trainer.log_path.read_text(errors="replace")):
-            event, epoch, node, version, index, groups, _ = m.groups()
-            if event == "acked":
-                acked[(epoch, node, version, index)] = int(groups)
-            else:
-                accounted[(epoch, node, version, index)] += int(groups)
-        assert acked
-        unaccounted = sum(max(0, n - accounted.get(k, 0)) for k, n in acked.items())
-        assert unaccounted == held, (unaccounted, held)
+
+        def balance() -> tuple[int, int]:
+            """The groups acknowledged and not yet accounted for in the ledger, and those the trainer holds. They
+            balance only between steps: a step's groups leave the held count when it takes them and reach the
+            ledger when it ends, and the trainer goes on training what it holds (a step of the tiny model takes
+            0.06 s); a lost group never balances."""
+            held = _get(url, "/status")["outstanding_groups"]
+            acked: dict[tuple[str, ...], int] = {}
+            accounted: dict[tuple[str, ...], int] = defaultdict(int)
+            for m in LEDGER.finditer(trainer.log_path.read_text(errors="replace")):
+                event, epoch, node, version, index, groups, _ = m.groups()
+                if event == "acked":
+                    acked[(epoch, node, version, index)] = int(groups)
+                else:
+                    accounted[(epoch, node, version, index)] += int(groups)
+            assert acked
+            return sum(max(0, n - accounted.get(k, 0)) for k, n in acked.items()), held
+
+        deadline = time.monotonic() + 60
+        while (unaccounted := balance())[0] != unaccounted[1] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert unaccounted[0] == unaccounted[1], unaccounted
     finally:
+        if doctor is not None and doctor.poll() is None:
+            doctor.kill()
+            doctor.communicate()
         for node in reversed(nodes):
             node.stop()

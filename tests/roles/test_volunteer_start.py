@@ -97,31 +97,40 @@ def test_a_volunteer_started_while_the_trainer_is_down_waits_for_it(tmp_path: Pa
     boot = ["bootstrap", "--data-dir", str(tmp_path / "t"), "--max-steps", "0"]
     boot += ["--http-port", str(http_port), "--p2p-port", str(p2p_port)]
     nodes: list[NodeProcess] = []
+    doctor: subprocess.Popen[str] | None = None
     try:
         first = NodeProcess("trainer", boot, logs)
         nodes.append(first)
         ready = first.wait_ready(timeout=120)
         first.stop()  # the trainer restarts (its join line stays valid: same key, same ports)
 
+        # while the trainer is away, three at once: a volunteer that waits for it, one with a finite --join-timeout,
+        # and doctor
         relay = NodeProcess("relay", join_argv("relay", ready, tmp_path / "r", "--join-timeout", "300"), logs)
         nodes.append(relay)
+        gone = NodeProcess("relay-alone", join_argv("relay", ready, tmp_path / "r2", "--join-timeout", "5"), logs)
+        nodes.append(gone)
+        doctor = subprocess.Popen(
+            [sys.executable, "-m", "intellect_node.cli", "doctor", "--data-dir", str(tmp_path / "d"), "--host"]
+            + ["127.0.0.1", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         def retried() -> bool:
             assert relay.proc.poll() is None, relay.tail()  # it must not give up while the trainer is away
             return "none of --peers answered (try 2)" in relay.log_path.read_text(errors="replace")
 
         asyncio.run(until(retried, "the volunteer's second try to join", timeout=120, every=0.5))
+        # a finite --join-timeout ends a volunteer whose peers never answer, with the reason and the way out
+        said = _exits_refused(gone, timeout=120)
+        assert "could not start the DHT peer" in said and "--join-timeout 0 waits for ever" in said, said
         # doctor against the same dead trainer: its local checks still shown, the run's check failed with the fix
-        doctor = subprocess.run(
-            [sys.executable, "-m", "intellect_node.cli", "doctor", "--data-dir", str(tmp_path / "d"), "--host"]
-            + ["127.0.0.1", "--peers", ready["p2p_maddrs"][0], "--run-id", ready["run_id"]],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert doctor.returncode == 1, doctor.stdout + doctor.stderr
-        assert "memory" in doctor.stdout and "FAIL could not start the DHT peer" in doctor.stdout, doctor.stdout
-        assert "Traceback" not in doctor.stderr, doctor.stderr
+        out, err = doctor.communicate(timeout=120)
+        assert doctor.returncode == 1, out + err
+        assert "memory" in out and "FAIL could not start the DHT peer" in out, out
+        assert "Traceback" not in err, err
         back = NodeProcess("trainer-back", boot, logs)
         nodes.append(back)
         back.wait_ready(timeout=120)
@@ -132,13 +141,10 @@ def test_a_volunteer_started_while_the_trainer_is_down_waits_for_it(tmp_path: Pa
         back.stop()
         asyncio.run(until(lambda: _state(tmp_path / "r")[0] == 1, "the relay to say its trainer is gone", 90, 1.0))
         assert "waiting for the trainer: no record of it for" in _state(tmp_path / "r")[1]
-
-        # a finite --join-timeout still ends a volunteer whose peers never answer, with the reason and the way out
-        gone = NodeProcess("relay-alone", join_argv("relay", ready, tmp_path / "r2", "--join-timeout", "5"), logs)
-        nodes.append(gone)
-        said = _exits_refused(gone, timeout=120)
-        assert "could not start the DHT peer" in said and "--join-timeout 0 waits for ever" in said, said
     finally:
+        if doctor is not None and doctor.poll() is None:
+            doctor.kill()
+            doctor.communicate()
         for node in reversed(nodes):
             node.stop()
 

@@ -308,7 +308,7 @@ def test_a_manifest_signed_by_another_key_is_ignored(tmp_path: Path) -> None:
 
 def test_a_node_restarted_mid_download_keeps_its_verified_shards(tmp_path: Path) -> None:
     with cluster(tmp_path) as c:
-        c.start_origin(slots=1, mbps=24)
+        c.start_origin(slots=1, mbps=48)  # the version in about 6 s: the kill lands well before its last shard
         node = c.start_relay("relay-r")
         node.wait_ready(timeout=120)
         _wait(lambda: status(node)["relay"]["fetching_verified_shards"] >= 3, 120, "no shard arrived")
