@@ -1202,6 +1202,29 @@ async def announce_flood(swarm: Swarm, until: float, _key: Identity, p2p: P2P, g
     )
 
 
+async def announce_quiet(swarm: Swarm, until: float, _key: Identity, p2p: P2P, gossip: Gossip) -> Outcome:
+    """A probe, not an attack: the announcement flood's peer and its 200 registered keys, sending nothing (what the
+    registrations and the attacker's peer cost on their own)."""
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    return Outcome("the flood's peer and 200 registrations, silent", "none (a probe)", False, "nothing sent")
+
+
+async def announce_one_key(swarm: Swarm, until: float, key: Identity, p2p: P2P, gossip: Gossip) -> Outcome:
+    """A probe, not an attack: announcements as often as the flood's, under one registered key (what the
+    announcements cost without 200 registrations behind them)."""
+    staller = _Staller()
+    await p2p.add_binary_stream_handler(batch_protocol(swarm.run_id), staller)
+    sent = 0
+    try:
+        while time.monotonic() < until:
+            await _announce(gossip, swarm, key, f"{sent:064x}", 16 << 20)
+            sent += 1
+            await asyncio.sleep(0.06)
+    finally:
+        staller.release.set()
+    return Outcome("one key announces as often", "none (a probe)", False, f"{sent} sent, {staller.asked} fetches")
+
+
 async def digest_echo(swarm: Swarm, until: float, echo: Identity, p2p: P2P, gossip: Gossip) -> Outcome:
     """A registered key re-announces every digest it hears as its own and serves none: validators that fetch
     from it stall past the verdict wait, and the trainer judges the batches itself."""
@@ -1436,6 +1459,8 @@ def _metric(url: str, name: str) -> float:
     )
 
 
+PROBES = ("announce_quiet", "announce_one_key")
+"""Plays that are not attacks, run only when named in --attacks: what the announcement flood's parts cost apart."""
 ATTACKS = (
     "key_theft",
     "dht_poison",
@@ -1537,9 +1562,13 @@ async def main_async(args: argparse.Namespace, root: Path) -> list[Outcome]:
             "audit_flood": (auditing.prepare, auditing.attack),
         }
         assert set(attacks) == set(ATTACKS)
+        quiet = FromPeer(swarm, announce_quiet, register=False, also=lambda: register_all(swarm, SYBILS))
+        one_key = FromPeer(swarm, announce_one_key, register=True)
+        attacks["announce_quiet"] = (quiet.prepare, quiet.attack)
+        attacks["announce_one_key"] = (one_key.prepare, one_key.attack)
         outcomes = []
         controls = [control]
-        for name in args.attacks or list(attacks):
+        for name in args.attacks or list(ATTACKS):
             prepare, attack = attacks[name]
             outcome = await measure(swarm, args.window, attack, prepare)
             outcomes.append(outcome)
@@ -1626,9 +1655,9 @@ def main() -> int:
     )
     p.add_argument("--inside", metavar="SWARM_NS", help=argparse.SUPPRESS)  # run by the outer process, in netns
     args = p.parse_args()
-    unknown = set(args.attacks) - set(ATTACKS)
+    unknown = set(args.attacks) - set(ATTACKS) - set(PROBES)
     if unknown:
-        p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS)}")
+        p.error(f"unknown attack(s) {sorted(unknown)}; choose from {', '.join(ATTACKS + PROBES)}")
     global ATTACKER_IP, SWARM_HOST
     if args.inside:
         ATTACKER_IP, SWARM_HOST = "10.78.0.2", "10.78.0.1"
