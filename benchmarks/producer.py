@@ -63,7 +63,6 @@ class NoProofs(GenerationBackend):
 
 def one_batch(mode: str, spec: RunSpec, model: torch.nn.Module, tok: Any) -> int:
     """Generate the batch in ``mode``; returns its new tokens."""
-    backend = TransformersBackend(model)
     if mode == "loop":
         s, source = spec.sampling, task_source(spec.task)
         tasks = [source.assigned(spec.seed, NODE, 0, 0, slot) for slot in range(spec.task.tasks_per_batch)]
@@ -72,6 +71,7 @@ def one_batch(mode: str, spec: RunSpec, model: torch.nn.Module, tok: Any) -> int
         eos, pad = int(tok.eos_token_id), int(tok.pad_token_id)
         groups = sample_groups(model, prompts, s.group_size, s.max_new_tokens, s.temperature, eos, pad, seeds)
         return sum(len(c.tokens) for g in groups for c in g)
+    backend = TransformersBackend(model)
     batch = generate_batch(spec, backend if mode == "proofs" else NoProofs(backend), tok, NODE, 0, 0)
     return sum(len(c) for g in batch.groups for c in g.completions)
 
